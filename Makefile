@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine:
+#   make bench   -> python benchmarks/speedup.py (CPU-sized default)
+#   make test    -> ruff + the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test bench lint clean
+
+$(STAMP): setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,train,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(PY) -m ruff check .
+
+test: setup lint
+	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+bench: setup
+	$(PY) benchmarks/speedup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

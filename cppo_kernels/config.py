@@ -1,0 +1,57 @@
+"""Hyper-parameters of the CPPO policy loss, as one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._validate import check_choice, check_float, check_int
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING = ("token", "sequence")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: TRL's ``loss_type`` names and the aggregation each one means.
+TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Options of :func:`cppo_kernels.fused_cppo_loss` (see its docstring for the semantics).
+
+    Every field is a runtime value for the kernels: changing one never recompiles.
+    """
+
+    temperature: float = 1.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    dual_clip: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    importance_sampling: str = "token"
+    loss_agg: str = "token-mean"
+    max_completion_length: int | None = None
+    compute_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        check_float("temperature", self.temperature, low=0.0, low_open=True)
+        check_float("epsilon_low", self.epsilon_low, low=0.0)
+        if self.epsilon_high is not None:
+            check_float("epsilon_high", self.epsilon_high, low=0.0)
+        if self.dual_clip is not None:
+            c = check_float("dual_clip", self.dual_clip)
+            if c <= 1.0:
+                raise ValueError(f"dual_clip must be > 1 (the constant c of dual-clip PPO), got {c}")
+        check_float("beta", self.beta, low=0.0)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("importance_sampling", self.importance_sampling, IMPORTANCE_SAMPLING)
+        check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        if self.max_completion_length is not None:
+            check_int("max_completion_length", self.max_completion_length, low=1)
+        elif self.loss_agg == "seq-mean-token-sum-norm":
+            raise ValueError("loss_agg='seq-mean-token-sum-norm' needs max_completion_length (an int >= 1)")
+        if not isinstance(self.compute_entropy, bool):
+            raise ValueError(f"compute_entropy must be a bool, got {type(self.compute_entropy).__name__}")
+
+    @property
+    def eps_high(self) -> float:
+        """``epsilon_high``, defaulting to ``epsilon_low``."""
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high

@@ -1,0 +1,41 @@
+"""Test set-up: the Triton interpreter must be on before any @triton.jit runs."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import cppo_kernels  # noqa: E402, F401  (imported after TRITON_INTERPRET is set)
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(1)
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """Runs a test once per backend by setting CPPO_KERNELS_BACKEND."""
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture
+def shared_dir():
+    if not SHARED.is_dir():
+        pytest.skip(f"../shared is absent ({SHARED}): data and model tests need it")
+    return SHARED
