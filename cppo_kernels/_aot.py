@@ -55,7 +55,6 @@ def compile_for(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
     from triton.runtime.jit import JITFunction
 
     if not isinstance(fn, JITFunction):  # under TRITON_INTERPRET=1 @triton.jit gives an InterpretedFunction
