@@ -14,6 +14,16 @@ from ._dispatch import use_triton
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
 
 
+def _backend(x):
+    """The Triton launchers for tensors the dispatcher sends there, else the reference (which also rejects
+    non-tensors). Imported lazily: triton is not installed everywhere."""
+    if isinstance(x, torch.Tensor) and use_triton(x):
+        from . import _advantages_triton
+
+        return _advantages_triton
+    return reference
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
 ) -> torch.Tensor:
@@ -24,9 +34,7 @@ def group_advantages(
     mean: Dr. GRPO). ``unbiased=True`` applies Bessel's correction (TRL and the CPPO code).
     A group whose rewards are all equal gets exactly 0.
     """
-    if use_triton(rewards):
-        raise NotImplementedError("triton path pending")
-    return reference.group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
+    return _backend(rewards).group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
 
 
 def select_completions(
@@ -39,9 +47,9 @@ def select_completions(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Ascending int64 indices of the retained completions (see :func:`cppo_kernels.reference.select_completions`)."""
-    if use_triton(advantages):
-        raise NotImplementedError("triton path pending")
-    return reference.select_completions(advantages, group_size, keep, scope=scope, metric=metric, generator=generator)
+    return _backend(advantages).select_completions(
+        advantages, group_size, keep, scope=scope, metric=metric, generator=generator
+    )
 
 
 def cppo_select(
@@ -56,10 +64,13 @@ def cppo_select(
     metric: str = "smallest",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages [N] fp32, kept indices)``: one fused kernel launch on the Triton path."""
-    if use_triton(rewards):
-        raise NotImplementedError("triton path pending")
-    return reference.cppo_select(
+    """``(advantages [N] fp32, kept indices)``: ``group_advantages`` then ``select_completions``, fused.
+
+    On the Triton path this is one kernel launch (advantages, rank selection and compaction),
+    plus a batch-std launch for ``scale="batch"`` with ``scope="group"``, plus ``torch.rand``
+    for ``metric="random"``. Validation (incl. a finiteness check) runs before any launch.
+    """
+    return _backend(rewards).cppo_select(
         rewards,
         group_size,
         keep,

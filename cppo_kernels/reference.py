@@ -17,7 +17,9 @@ __all__ = [
     "group_advantages",
     "select_completions",
     "cppo_select",
+    "check_advantage_args",
     "check_selection_args",
+    "check_selection_options",
     "selection_scores",
     "token_logprobs",
     "packed_from_padded",
@@ -41,23 +43,29 @@ def group_advantages(
     correction; a std over fewer than two values is 0. A group whose rewards are all equal gets
     exactly 0 (not a rounding residue of the mean).
     """
-    num_groups = check_grouped_vector("rewards", rewards, group_size)
-    check_choice("scale", scale, SCALES)
-    check_float("eps", eps, low=0.0)
+    num_groups = check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
     r = rewards.detach().to(torch.float64).reshape(num_groups, group_size)  # [Q, G]
     mean = r.mean(dim=1, keepdim=True)  # [Q, 1]
     centered = r - mean
     constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)  # [Q, 1]
-    centered = torch.where(constant, torch.zeros_like(centered), centered)
     if scale == "group":
-        std = _std(r, dim=1, unbiased=unbiased)  # [Q, 1]
-        adv = centered / (std + eps)
+        adv = centered / (_std(r, dim=1, unbiased=unbiased) + eps)  # std [Q, 1]
     elif scale == "batch":
-        std = _std(r.reshape(1, -1), dim=1, unbiased=unbiased)  # [1, 1]
-        adv = centered / (std + eps)
+        adv = centered / (_std(r.reshape(1, -1), dim=1, unbiased=unbiased) + eps)  # std [1, 1]
     else:
         adv = centered
+    adv = torch.where(constant, torch.zeros_like(adv), adv)  # exact 0, also when eps=0 makes it 0/0
     return adv.reshape(-1).to(torch.float32)
+
+
+def check_advantage_args(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> int:
+    """Validates the arguments of :func:`group_advantages`; returns the number of groups."""
+    num_groups = check_grouped_vector("rewards", rewards, group_size)
+    check_choice("scale", scale, SCALES)
+    if not isinstance(unbiased, bool):
+        raise ValueError(f"unbiased must be a bool, got {type(unbiased).__name__}")
+    check_float("eps", eps, low=0.0)
+    return num_groups
 
 
 def _std(x: torch.Tensor, *, dim: int, unbiased: bool) -> torch.Tensor:
@@ -82,12 +90,17 @@ def check_selection_args(
 ) -> int:
     """Validates the arguments of :func:`select_completions`; returns the number of groups."""
     num_groups = check_grouped_vector("advantages", advantages, group_size)
+    check_selection_options(group_size, keep, scope, metric, generator)
+    return num_groups
+
+
+def check_selection_options(group_size: int, keep: int, scope: str, metric: str, generator) -> None:
+    """Validates the options of :func:`select_completions` (``group_size`` already checked)."""
     check_int("keep", keep, low=0, high=group_size)
     check_choice("scope", scope, SCOPES)
     check_choice("metric", metric, METRICS)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    return num_groups
 
 
 def selection_scores(advantages: torch.Tensor, metric: str, generator: torch.Generator | None) -> torch.Tensor:

@@ -1,0 +1,487 @@
+"""Triton kernels for group-normalised advantages and completion selection.
+
+Three kernels, all sharing the same jitted helpers so a value computed by one is bit-identical
+when another recomputes it:
+
+- ``_group_kernel``: one program per tile of ``BLOCK_Q`` whole groups. Computes the advantages
+  and/or keeps ``keep`` completions per group by rank (a completion is kept when fewer than
+  ``keep`` peers beat it: higher score, or equal score and lower index); the exclusive prefix
+  count of kept flags is each kept completion's output slot, so indices come out ascending
+  without a sort. ``cppo_select(scope="group")`` is this one launch.
+- ``_batch_std_kernel``: one program looping over the batch (two passes, shifted by the first
+  reward, fp32 or fp64 accumulation); only for ``scale="batch"`` with ``scope="group"``.
+- ``_batch_kernel``: one program for ``scope="batch"``: (optionally) the batch std and the
+  advantages, then a radix select of the ``keep * num_groups``-th largest score (4 passes of
+  256-bin histograms over order-preserving 32-bit keys), then one compaction pass with running
+  counts. O(N) work in one launch instead of the O(N^2) pairwise rank (4e9 comparisons at
+  N=65,536). Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
+  timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
+
+Arithmetic: rewards are upcast at load to ``COMPUTE`` (fp32; fp64 when the rewards are fp64);
+each group is shifted by its first reward before summing (exact differences for clustered
+rewards), division and square root round to nearest (``div_rn``/``sqrt_rn``: Triton's ``/`` on
+fp32 is approximate on NVIDIA), and a group whose rewards are all equal gets exactly 0.
+Tile shapes and ``num_warps`` depend only on ``group_size``, never on the batch, so a group's
+advantages do not depend on what else is in the launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+
+SCALE_CODE = {"group": 0, "batch": 1, "none": 2}
+METRIC_CODE = {"smallest": 0, "largest": 1, "random": 2}
+MODE_ADVANTAGES, MODE_SELECT, MODE_FUSED = 0, 1, 2
+
+#: Elements of the ``[BLOCK_Q, BLOCK_G, BLOCK_J]`` pairwise-comparison tile of the group rank.
+COMPARE_BUDGET = 8192
+#: Largest ``[BLOCK_Q, BLOCK_G]`` tile of rewards per program.
+TILE_BUDGET = 1024
+#: 1-D tile of the batch passes (std, radix histograms, compaction).
+BATCH_BLOCK = 4096
+RADIX_BINS = 256
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """Launch configuration of every kernel for one group size (a function of ``group_size`` only)."""
+
+    block_g: int
+    block_q: int
+    block_j: int
+    num_warps: int
+    block: int = BATCH_BLOCK
+
+
+def group_config(group_size: int) -> GroupConfig:
+    block_g = triton.next_power_of_2(group_size)
+    block_q = max(1, min(TILE_BUDGET // block_g, COMPARE_BUDGET // (block_g * block_g)))
+    block_j = min(block_g, max(1, COMPARE_BUDGET // (block_q * block_g)))
+    return GroupConfig(block_g=block_g, block_q=block_q, block_j=block_j, num_warps=8)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared jitted helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _div(x, y):
+    if x.dtype == tl.float64:
+        out = x / y
+    else:
+        out = tl.div_rn(x, y)
+    return out
+
+
+@triton.jit
+def _sqrt(x):
+    if x.dtype == tl.float64:
+        out = tl.sqrt(x)
+    else:
+        out = tl.sqrt_rn(x)
+    return out
+
+
+@triton.jit
+def _score(a, METRIC: tl.constexpr):
+    """Score kept first: |A| for "smallest" (prune the smallest), -|A| for "largest"; ``a`` fp32."""
+    if METRIC == 0:
+        s = tl.abs(a)
+    else:
+        s = -tl.abs(a)
+    return s
+
+
+@triton.jit
+def _sort_key(s):
+    """fp32 -> int64 in [0, 2^32) with the same order as ``s``.
+
+    -0.0 and 0.0 get different keys, but never meet: |A| is never -0.0, -|A| never +0.0, draws never -0.0.
+    """
+    b = s.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return b.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _batch_std(x_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
+    """Std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
+    offs = tl.arange(0, BLOCK)
+    pivot = tl.load(x_ptr).to(COMPUTE)
+    acc = tl.zeros([BLOCK], COMPUTE)
+    for start in range(0, n, BLOCK):
+        o = tl.cast(start, tl.int64) + offs  # [BLOCK]
+        m = o < n
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        acc += tl.where(m, x - pivot, 0.0)
+    mean = _div(tl.sum(acc, axis=0), tl.cast(n, COMPUTE))
+    acc = tl.zeros([BLOCK], COMPUTE)
+    for start in range(0, n, BLOCK):
+        o = tl.cast(start, tl.int64) + offs
+        m = o < n
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        c = tl.where(m, (x - pivot) - mean, 0.0)
+        acc += c * c
+    var = _div(tl.sum(acc, axis=0), tl.cast(tl.maximum(n - ddof, 1), COMPUTE))
+    return _sqrt(var)
+
+
+@triton.jit
+def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
+    """Elementwise advantage (fp32) of rewards ``x`` given their group's statistics (broadcastable).
+
+    A constant group has ``c`` exactly 0 (every reward equals the pivot), hence an advantage of exactly 0.
+    """
+    c = (x - pivot) - mean
+    if SCALE == 2:
+        a = c
+    else:
+        a = _div(c, tl.where(constant, 1.0, denom))  # no 0/0 when eps=0 and the group is constant
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _tile_advantages(
+    x_ptr,
+    adv_ptr,
+    rows,
+    cols,
+    num_groups,
+    group_size,
+    std_b,
+    eps,
+    ddof,
+    COMPUTE: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    """Advantages of the groups ``rows`` (``[BLOCK_Q, BLOCK_G]``), stored to ``adv_ptr``; returns the statistics."""
+    row_ok = rows < num_groups  # [BQ]
+    mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
+    base = rows.to(tl.int64) * group_size  # [BQ]
+    offs = base[:, None] + cols[None, :]  # [BQ, BG]
+    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(COMPUTE)  # [BQ]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+    x = tl.where(mask, x, pivot[:, None])  # padding equal to the pivot: no effect on max, min or sums
+    d = x - pivot[:, None]
+    mean = _div(tl.sum(d, axis=1), tl.cast(group_size, COMPUTE))  # [BQ]
+    c = tl.where(mask, d - mean[:, None], 0.0)
+    constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
+    if SCALE == 0:
+        var = _div(tl.sum(c * c, axis=1), tl.cast(tl.maximum(group_size - ddof, 1), COMPUTE))
+        denom = _sqrt(var) + tl.cast(eps, COMPUTE)  # [BQ]
+    else:
+        denom = tl.zeros([rows.shape[0]], COMPUTE) + (std_b + tl.cast(eps, COMPUTE))
+    adv = _advantage(x, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE)  # [BQ, BG]
+    tl.store(adv_ptr + offs, adv, mask=mask)
+    return adv, pivot, mean, denom, constant
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _batch_std_kernel(x_ptr, std_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
+    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK))
+
+
+@triton.jit
+def _group_kernel(
+    x_ptr,  # [N] rewards (MODE 0, 2) or advantages (MODE 1)
+    rand_ptr,  # [N] fp32 uniform scores (METRIC 2)
+    std_ptr,  # [1] batch std (SCALE 1)
+    adv_ptr,  # [N] fp32 advantages out (MODE 0, 2)
+    idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE 1, 2)
+    num_groups,
+    group_size,
+    keep,
+    eps,
+    ddof,
+    COMPUTE: tl.constexpr,
+    SCALE: tl.constexpr,
+    MODE: tl.constexpr,
+    METRIC: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    cols = tl.arange(0, BLOCK_G)  # [BG]
+    row_ok = rows < num_groups
+    mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
+    base = rows.to(tl.int64) * group_size  # [BQ]
+    offs = base[:, None] + cols[None, :]  # [BQ, BG]
+    if MODE != 1:
+        std_b = 0.0
+        if SCALE == 1:
+            std_b = tl.load(std_ptr)
+        adv, pivot, mean, denom, constant = _tile_advantages(
+            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE
+        )
+    if MODE != 0:
+        if METRIC == 2:
+            s = tl.load(rand_ptr + offs, mask=mask, other=0.0)
+        elif MODE == 1:
+            s = _score(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), METRIC)
+        else:
+            s = _score(adv, METRIC)
+        rank = tl.zeros([BLOCK_Q, BLOCK_G], tl.int32)
+        for j0 in range(0, group_size, BLOCK_J):
+            pcols = j0 + tl.arange(0, BLOCK_J)  # [BJ]
+            pmask = row_ok[:, None] & (pcols < group_size)[None, :]  # [BQ, BJ]
+            poffs = base[:, None] + pcols[None, :]
+            if METRIC == 2:
+                ps = tl.load(rand_ptr + poffs, mask=pmask, other=0.0)
+            elif MODE == 1:
+                ps = _score(tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float32), METRIC)
+            else:
+                xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(COMPUTE)
+                ps = _score(
+                    _advantage(xp, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE), METRIC
+                )
+            peer = ps[:, None, :]  # [BQ, 1, BJ]
+            own = s[:, :, None]  # [BQ, BG, 1]
+            beats = (peer > own) | ((peer == own) & (pcols[None, None, :] < cols[None, :, None]))
+            rank += tl.sum((beats & pmask[:, None, :]).to(tl.int32), axis=2)
+        kept = (rank < keep) & mask
+        k = kept.to(tl.int32)
+        pos = tl.cumsum(k, axis=1) - k  # [BQ, BG] slot among the group's kept completions
+        tl.store(idx_ptr + rows.to(tl.int64)[:, None] * keep + pos, offs, mask=kept)
+
+
+@triton.jit
+def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
+    # ".cg" (L2, never the read-only path): in MODE 2 this program wrote these advantages itself.
+    if METRIC == 2:
+        s = tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg")
+    else:
+        s = _score(tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), METRIC)
+    return _sort_key(s)
+
+
+@triton.jit
+def _batch_kernel(
+    x_ptr,  # [N] rewards (MODE 2)
+    src_ptr,  # [N] what the scores come from: advantages (any float dtype) or fp32 uniform draws
+    adv_ptr,  # [N] fp32 advantages out (MODE 2; then also src_ptr unless METRIC 2)
+    idx_ptr,  # [keep_total] int64 kept indices out
+    num_groups,
+    group_size,
+    n,
+    keep_total,
+    eps,
+    ddof,
+    COMPUTE: tl.constexpr,
+    SCALE: tl.constexpr,
+    MODE: tl.constexpr,
+    METRIC: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BINS: tl.constexpr,
+):
+    if MODE == 2:
+        std_b = 0.0
+        if SCALE == 1:
+            std_b = _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK)
+        cols = tl.arange(0, BLOCK_G)
+        for q0 in range(0, num_groups, BLOCK_Q):
+            rows = q0 + tl.arange(0, BLOCK_Q)
+            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE)
+        tl.debug_barrier()  # the advantages written above are read back by other threads below
+
+    # Radix select: the keep_total-th largest key, one 8-bit digit per pass, most significant first.
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+    need = keep_total  # how many of the keys matching `prefix` still have to be kept
+    prefix = tl.cast(0, tl.int64)
+    for p in tl.static_range(4):
+        hist = tl.zeros([BINS], tl.int32)
+        for start in range(0, n, BLOCK):
+            o = tl.cast(start, tl.int64) + offs  # [BLOCK]
+            m = o < n
+            key = _batch_key(src_ptr, o, m, METRIC)
+            if p > 0:
+                m = m & ((key >> (32 - 8 * p)) == prefix)
+            hist += tl.histogram(((key >> (24 - 8 * p)) & (BINS - 1)).to(tl.int32), BINS, mask=m)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # [BINS] matching keys with this digit or above
+        digit = tl.max(tl.where(at_least >= need, bins, 0), axis=0)
+        above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)
+        need = need - above
+        prefix = prefix * BINS + digit
+    # Keys above `prefix` are kept, and the first `need` (in index order) equal to it.
+    kept_before = tl.cast(0, tl.int64)
+    ties_before = tl.cast(0, tl.int64)
+    for start in range(0, n, BLOCK):
+        o = tl.cast(start, tl.int64) + offs
+        m = o < n
+        key = _batch_key(src_ptr, o, m, METRIC)
+        tie = (m & (key == prefix)).to(tl.int64)
+        kept = (m & (key > prefix)) | ((tie == 1) & (ties_before + tl.cumsum(tie, axis=0) - tie < need))
+        k = kept.to(tl.int64)
+        tl.store(idx_ptr + kept_before + tl.cumsum(k, axis=0) - k, o, mask=kept)
+        kept_before += tl.sum(k, axis=0)
+        ties_before += tl.sum(tie, axis=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers: validate exactly as the reference does, allocate, launch
+# --------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> tl.dtype:
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
+def _launch_group(
+    x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, compute, scale, mode, metric
+) -> None:
+    cfg = group_config(group_size)
+    grid = (triton.cdiv(num_groups, cfg.block_q),)
+    _group_kernel[grid](
+        x,
+        rand,
+        std,
+        adv,
+        idx,
+        num_groups,
+        group_size,
+        keep,
+        eps,
+        ddof,
+        COMPUTE=compute,
+        SCALE=SCALE_CODE[scale],
+        MODE=mode,
+        METRIC=METRIC_CODE[metric],
+        BLOCK_Q=cfg.block_q,
+        BLOCK_G=cfg.block_g,
+        BLOCK_J=cfg.block_j,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _launch_batch_std(x: torch.Tensor, group_size: int, ddof: int) -> torch.Tensor:
+    cfg = group_config(group_size)
+    compute = _compute_dtype(x)
+    std = torch.empty(1, dtype=torch.float64 if compute == tl.float64 else torch.float32, device=x.device)
+    _batch_std_kernel[(1,)](x, std, x.numel(), ddof, COMPUTE=compute, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    return std
+
+
+def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> torch.Tensor:
+    cfg = group_config(group_size)
+    idx = torch.empty(keep * num_groups, dtype=torch.long, device=x.device)  # [K]
+    _batch_kernel[(1,)](
+        x,
+        src,
+        adv,
+        idx,
+        num_groups,
+        group_size,
+        x.numel(),
+        keep * num_groups,
+        eps,
+        ddof,
+        COMPUTE=_compute_dtype(x),
+        SCALE=SCALE_CODE[scale],
+        MODE=mode,
+        METRIC=METRIC_CODE[metric],
+        BLOCK_Q=cfg.block_q,
+        BLOCK_G=cfg.block_g,
+        BLOCK=cfg.block,
+        BINS=RADIX_BINS,
+        num_warps=cfg.num_warps,
+    )
+    return idx
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Triton path of :func:`cppo_kernels.group_advantages`: one launch (two for ``scale="batch"``)."""
+    num_groups = reference.check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
+    x = rewards.detach().contiguous()  # [N]
+    adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
+    if num_groups == 0:
+        return adv
+    ddof = int(unbiased)
+    std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
+    _launch_group(
+        x, adv, std, adv, adv, num_groups, group_size, 0, eps, ddof,
+        compute=_compute_dtype(x), scale=scale, mode=MODE_ADVANTAGES, metric="smallest",
+    )  # fmt: skip
+    return adv
+
+
+def select_completions(
+    advantages: torch.Tensor,
+    group_size: int,
+    keep: int,
+    *,
+    scope: str = "group",
+    metric: str = "smallest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Triton path of :func:`cppo_kernels.select_completions`: one launch (plus ``torch.rand`` for "random")."""
+    num_groups = reference.check_selection_args(advantages, group_size, keep, scope, metric, generator)
+    x = advantages.detach().contiguous()  # [N]
+    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    if keep == 0 or num_groups == 0:
+        return torch.empty(0, dtype=torch.long, device=x.device)
+    if scope == "batch":
+        return _launch_batch(
+            x, rand, x, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric
+        )
+    idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
+    _launch_group(
+        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0,
+        compute=tl.float32, scale="none", mode=MODE_SELECT, metric=metric,
+    )  # fmt: skip
+    return idx
+
+
+def cppo_select(
+    rewards: torch.Tensor,
+    group_size: int,
+    keep: int,
+    *,
+    scale: str = "group",
+    unbiased: bool = True,
+    eps: float = 1e-4,
+    scope: str = "group",
+    metric: str = "smallest",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of :func:`cppo_kernels.cppo_select`: one fused launch, plus a batch-std launch for
+    ``scale="batch"`` with ``scope="group"``."""
+    num_groups = reference.check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
+    reference.check_selection_options(group_size, keep, scope, metric, generator)
+    x = rewards.detach().contiguous()  # [N]
+    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
+    if num_groups == 0:
+        return adv, torch.empty(0, dtype=torch.long, device=x.device)
+    ddof = int(unbiased)
+    compute = _compute_dtype(x)
+    if scope == "batch" and keep > 0:
+        src = rand if metric == "random" else adv
+        idx = _launch_batch(
+            x, src, adv, num_groups, group_size, keep, eps, ddof, scale=scale, mode=MODE_FUSED, metric=metric
+        )
+        return adv, idx
+    std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
+    idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
+    mode = MODE_FUSED if scope == "group" else MODE_ADVANTAGES
+    _launch_group(
+        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof,
+        compute=compute, scale=scale, mode=mode, metric=metric,
+    )  # fmt: skip
+    return adv, idx

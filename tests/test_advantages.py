@@ -1,0 +1,334 @@
+"""group_advantages / select_completions / cppo_select on both backends against the fp64 reference."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cppo_kernels import _advantages_triton, cppo_select, group_advantages, reference, select_completions
+
+# The `backend` fixture only sets an environment variable, so reusing it across examples is sound.
+FIXTURE_OK = settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+#: Advantages computed in fp32 against the fp64 reference (scale "none": relative to the reward scale).
+ADV_TOL = {"rtol": 1e-5, "atol": 2e-5}
+DYADIC = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 3.5]  # CPPO's GSM8K reward values: exact in every dtype
+
+
+def ref_adv(rewards, group_size, **kw):
+    return reference.group_advantages(rewards.double(), group_size, **kw)
+
+
+def assert_adv_close(got, want, rewards, scale):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert not torch.isnan(got).any()
+    atol = ADV_TOL["atol"] * (1.0 + float(rewards.double().abs().max())) if scale == "none" else ADV_TOL["atol"]
+    torch.testing.assert_close(got, want, rtol=ADV_TOL["rtol"], atol=atol)
+
+
+@st.composite
+def grouped_rewards(draw, *, max_group=40, max_groups=6, dyadic=None):
+    group_size = draw(st.integers(1, max_group))
+    num_groups = draw(st.integers(1, max_groups))
+    kind = draw(st.sampled_from(["binary", "dyadic", "float"])) if dyadic is None else "dyadic"
+    n = group_size * num_groups
+    if kind == "binary":
+        values = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n))
+    elif kind == "dyadic":
+        values = draw(st.lists(st.sampled_from(DYADIC), min_size=n, max_size=n))
+    else:
+        values = draw(st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=n, max_size=n))
+    return torch.tensor(values, dtype=torch.float32), group_size
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------
+
+
+@FIXTURE_OK
+@given(data=grouped_rewards(), scale=st.sampled_from(["group", "batch", "none"]), unbiased=st.booleans())
+def test_advantages_match_reference(backend, data, scale, unbiased):
+    rewards, g = data
+    got = group_advantages(rewards, g, scale=scale, unbiased=unbiased)
+    assert_adv_close(got, ref_adv(rewards, g, scale=scale, unbiased=unbiased), rewards, scale)
+    per_group = got.double().reshape(-1, g)
+    scale_of = rewards.double().reshape(-1, g).abs().amax(1) if scale == "none" else torch.ones(per_group.shape[0])
+    assert (per_group.mean(1).abs() <= 1e-5 * (1 + scale_of)).all()  # zero mean per group
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(dyadic=True),
+    shifts=st.lists(st.integers(-64, 64), min_size=6, max_size=6),
+    factors=st.lists(st.sampled_from([0.25, 0.5, 2.0, 8.0]), min_size=6, max_size=6),
+    scale=st.sampled_from(["group", "none"]),
+)
+def test_advantages_invariant_to_group_shift_and_scale(backend, data, shifts, factors, scale):
+    rewards, g = data
+    q = rewards.numel() // g
+    shift = torch.tensor(shifts[:q], dtype=torch.float32).repeat_interleave(g)  # [N]
+    factor = torch.tensor(factors[:q], dtype=torch.float32).repeat_interleave(g)  # [N]
+    base = group_advantages(rewards, g, scale=scale, eps=0.0)
+    shifted = group_advantages(rewards + shift, g, scale=scale, eps=0.0)
+    torch.testing.assert_close(shifted, base, rtol=1e-6, atol=1e-6)
+    if scale == "group":  # dyadic rewards and power-of-two factors: exact transforms
+        torch.testing.assert_close(group_advantages(rewards * factor + shift, g, scale=scale, eps=0.0), base)
+
+
+@pytest.mark.parametrize("value", [0.1, 1 / 3, -2.7, 1e4 + 0.1, 1e7 + 1, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_zero_variance_groups_are_exactly_zero(backend, value, dtype):
+    g = 7
+    if not torch.isfinite(torch.tensor(value, dtype=dtype)):
+        pytest.skip(f"{value} is not finite in {dtype}")
+    rewards = torch.tensor([value] * g + [0.0, 1.0] + [0.25] * (g - 2) + [value] * g, dtype=dtype)
+    for scale in ("group", "batch", "none"):
+        for eps in (1e-4, 0.0):
+            adv = group_advantages(rewards, g, scale=scale, eps=eps)
+            assert torch.equal(adv[:g], torch.zeros(g)) and torch.equal(adv[2 * g :], torch.zeros(g))
+            assert not torch.isnan(adv).any() and (adv[g : 2 * g] != 0).all()
+    constant_batch = torch.full((4 * g,), value, dtype=dtype)
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(constant_batch, g, scale=scale, eps=0.0), torch.zeros(4 * g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_reward_dtypes(backend, dtype):
+    gen = torch.Generator().manual_seed(3)
+    rewards = (torch.randn(6 * 12, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(rewards, 12, scale=scale)
+        assert_adv_close(adv, ref_adv(rewards, 12, scale=scale), rewards, scale)
+        for scope in ("group", "batch"):
+            want = reference.select_completions(adv.to(dtype), 12, 5, scope=scope)
+            assert torch.equal(select_completions(adv.to(dtype), 12, 5, scope=scope), want)
+
+
+def test_fp64_rewards_keep_differences_fp32_cannot_hold(backend):
+    rewards = torch.tensor([10000.0, 10000.0001, 10000.0, 10000.0001], dtype=torch.float64)
+    adv = group_advantages(rewards, 4)
+    assert_adv_close(adv, ref_adv(rewards, 4), rewards, "group")
+    assert (adv.abs() > 0.1).all()
+
+
+def test_batch_std_over_65536_completions(backend):
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(65536, generator=gen) * 4 + 100.0  # [N]: offset exposes a naive one-pass variance
+    for scale in ("batch", "group"):
+        adv = group_advantages(rewards, 16, scale=scale)
+        assert_adv_close(adv, ref_adv(rewards, 16, scale=scale), rewards, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Selection
+# --------------------------------------------------------------------------------------------
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(),
+    keep_frac=st.floats(0, 1),
+    scope=st.sampled_from(["group", "batch"]),
+    metric=st.sampled_from(["smallest", "largest"]),
+)
+def test_select_matches_reference(backend, data, keep_frac, scope, metric):
+    rewards, g = data
+    adv = reference.group_advantages(rewards, g)  # binary rewards give many exact ties
+    keep = round(keep_frac * g)
+    got = select_completions(adv, g, keep, scope=scope, metric=metric)
+    want = reference.select_completions(adv, g, keep, scope=scope, metric=metric)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    if scope == "group":
+        assert torch.equal(torch.bincount(got // g, minlength=adv.numel() // g), torch.full((adv.numel() // g,), keep))
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(dyadic=True),
+    keep_frac=st.floats(0, 1),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    scope=st.sampled_from(["group", "batch"]),
+    metric=st.sampled_from(["smallest", "largest"]),
+)
+def test_cppo_select_matches_reference_on_exact_rewards(backend, data, keep_frac, scale, scope, metric):
+    rewards, g = data
+    keep = round(keep_frac * g)
+    adv, idx = cppo_select(rewards, g, keep, scale=scale, scope=scope, metric=metric)
+    want_adv, want_idx = reference.cppo_select(rewards.double(), g, keep, scale=scale, scope=scope, metric=metric)
+    assert_adv_close(adv, want_adv, rewards, scale)
+    assert torch.equal(idx, want_idx)
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(),
+    keep_frac=st.floats(0, 1),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    unbiased=st.booleans(),
+    scope=st.sampled_from(["group", "batch"]),
+    metric=st.sampled_from(["smallest", "largest", "random"]),
+    seed=st.integers(0, 2**31),
+)
+def test_cppo_select_is_the_composition(backend, data, keep_frac, scale, unbiased, scope, metric, seed):
+    rewards, g = data
+    keep = round(keep_frac * g)
+    opts = {"scale": scale, "unbiased": unbiased}
+    sel = {"scope": scope, "metric": metric}
+    adv, idx = cppo_select(rewards, g, keep, **opts, **sel, generator=torch.Generator().manual_seed(seed))
+    want_adv = group_advantages(rewards, g, **opts)
+    want_idx = select_completions(want_adv, g, keep, **sel, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(adv, want_adv) and torch.equal(idx, want_idx)
+
+
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_random_metric_count_reproducibility_and_generator_contract(backend, scope):
+    g, q, keep = 16, 8, 5
+    adv = reference.group_advantages(
+        torch.randint(0, 2, (g * q,), generator=torch.Generator().manual_seed(1)).float(), g
+    )
+    picks = []
+    for seed in (7, 7, 8):
+        gen = torch.Generator().manual_seed(seed)
+        picks.append(select_completions(adv, g, keep, scope=scope, metric="random", generator=gen))
+        after = torch.rand(1, generator=gen)
+        ref_gen = torch.Generator().manual_seed(seed)
+        want = reference.select_completions(adv, g, keep, scope=scope, metric="random", generator=ref_gen)
+        assert torch.equal(picks[-1], want)
+        assert torch.equal(after, torch.rand(1, generator=ref_gen))  # same draws consumed as the reference
+    assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
+    assert picks[0].numel() == keep * q and (picks[0].diff() > 0).all()
+    if scope == "group":
+        assert torch.equal(torch.bincount(picks[0] // g, minlength=q), torch.full((q,), keep))
+
+
+@pytest.mark.parametrize(
+    "g,q,keep",
+    [
+        (1, 5, 0),
+        (1, 5, 1),
+        (16, 1, 4),
+        (16, 3, 0),
+        (16, 3, 16),
+        (7, 5, 3),
+        (13, 1, 13),
+        (33, 2, 17),
+        (2, 9, 1),
+        (1000, 1, 300),
+    ],
+)
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_edge_shapes(backend, g, q, keep, scope):
+    gen = torch.Generator().manual_seed(g * 100 + q)
+    rewards = torch.randint(0, 3, (g * q,), generator=gen).float() / 2  # [N]
+    for metric in ("smallest", "largest"):
+        adv, idx = cppo_select(rewards, g, keep, scope=scope, metric=metric)
+        want_adv, want_idx = reference.cppo_select(rewards.double(), g, keep, scope=scope, metric=metric)
+        assert_adv_close(adv, want_adv, rewards, "group")
+        assert torch.equal(idx, want_idx) and idx.numel() == keep * q
+
+
+def test_empty_batch(backend):
+    adv, idx = cppo_select(torch.empty(0), 4, 2)
+    assert adv.shape == (0,) and adv.dtype == torch.float32 and idx.shape == (0,) and idx.dtype == torch.long
+
+
+def test_group_size_1024(backend):
+    gen = torch.Generator().manual_seed(5)
+    binary = torch.randint(0, 2, (2 * 1024,), generator=gen).float()  # [N]
+    adv, idx = cppo_select(binary, 1024, 256)
+    want_adv, want_idx = reference.cppo_select(binary.double(), 1024, 256)
+    assert_adv_close(adv, want_adv, binary, "group")
+    assert torch.equal(idx, want_idx)
+    floats = torch.randn(1024, generator=gen)  # [N]
+    adv = group_advantages(floats, 1024)
+    torch.testing.assert_close(adv, ref_adv(floats, 1024), rtol=1e-5, atol=1e-4)
+    assert torch.equal(
+        select_completions(adv, 1024, 700, metric="largest"),
+        reference.select_completions(adv, 1024, 700, metric="largest"),
+    )
+
+
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_batch_scope_thousands(backend, n):
+    gen = torch.Generator().manual_seed(n)
+    rewards = torch.randint(0, 4, (n,), generator=gen).float() / 2  # [N]: heavy exact ties
+    adv = reference.group_advantages(rewards, 16)
+    for metric in ("smallest", "largest"):
+        got = select_completions(adv, 16, 5, scope="batch", metric=metric)
+        assert torch.equal(got, reference.select_completions(adv, 16, 5, scope="batch", metric=metric))
+    floats = torch.randn(n, generator=gen)
+    got_adv, got_idx = cppo_select(floats, 16, 11, scope="batch", scale="batch")
+    assert_adv_close(got_adv, ref_adv(floats, 16, scale="batch"), floats, "batch")
+    assert torch.equal(got_idx, reference.select_completions(got_adv, 16, 11, scope="batch"))
+
+
+def test_triton_launch_counts(monkeypatch):
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
+    calls = []
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+        real = getattr(_advantages_triton, name)
+        monkeypatch.setattr(_advantages_triton, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    rewards = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(0)).float()
+    expected = {
+        ("group", "group"): ["_launch_group"],
+        ("group", "none"): ["_launch_group"],
+        ("group", "batch"): ["_launch_batch_std", "_launch_group"],
+        ("batch", "group"): ["_launch_batch"],
+        ("batch", "batch"): ["_launch_batch"],
+    }
+    for (scope, scale), launches in expected.items():
+        calls.clear()
+        cppo_select(rewards, 16, 4, scope=scope, scale=scale)
+        assert calls == launches, (scope, scale, calls)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: the same ValueError on both backends, raised before any launch or random draw
+# --------------------------------------------------------------------------------------------
+
+R8 = torch.arange(8, dtype=torch.float32)
+BAD = [
+    (group_advantages, (torch.arange(5.0), 2), {}, "rewards has 5 elements"),
+    (group_advantages, (R8.reshape(2, 4), 4), {}, "rewards must be 1-D"),
+    (group_advantages, (torch.tensor([0.0, float("nan")]), 2), {}, "rewards must be finite"),
+    (group_advantages, (torch.tensor([0.0, float("inf")]), 2), {}, "rewards must be finite"),
+    (group_advantages, (torch.arange(8), 4), {}, "rewards must have a floating dtype"),
+    (group_advantages, ([0.0, 1.0], 2), {}, "rewards must be a torch.Tensor"),
+    (group_advantages, (R8, 0), {}, "group_size must be >= 1"),
+    (group_advantages, (R8, 4), {"scale": "std"}, "scale must be one of"),
+    (group_advantages, (R8, 4), {"eps": -1.0}, "eps must be >= 0"),
+    (group_advantages, (R8, 4), {"unbiased": 1}, "unbiased must be a bool"),
+    (select_completions, (R8, 4, 5), {}, "keep must be <= 4"),
+    (select_completions, (R8, 4, -1), {}, "keep must be >= 0"),
+    (select_completions, (R8, 3, 1), {}, "advantages has 8 elements"),
+    (select_completions, (torch.tensor([0.0, float("nan")]), 2, 1), {}, "advantages must be finite"),
+    (select_completions, (R8, 4, 2), {"scope": "global"}, "scope must be one of"),
+    (select_completions, (R8, 4, 2), {"metric": "median"}, "metric must be one of"),
+    (select_completions, (R8, 4, 2), {"metric": "random", "generator": 3}, "generator must be"),
+    (cppo_select, (torch.arange(6.0), 4, 2), {}, "rewards has 6 elements"),
+    (cppo_select, (R8, 4, 5), {}, "keep must be <= 4"),
+    (cppo_select, (R8, 4, 2), {"metric": "random", "scope": "pool"}, "scope must be one of"),
+    (cppo_select, (R8, 4, 2), {"scale": "z"}, "scale must be one of"),
+    (cppo_select, (torch.tensor([1.0, float("-inf")]), 2, 1), {}, "rewards must be finite"),
+]
+
+
+@pytest.mark.parametrize("fn,args,kwargs,message", BAD, ids=[f"{b[0].__name__}-{b[3]}" for b in BAD])
+def test_bad_input_same_error_before_any_launch(monkeypatch, fn, args, kwargs, message):
+    def no_launch(*a, **k):
+        raise AssertionError("launched before validating")
+
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+        monkeypatch.setattr(_advantages_triton, name, no_launch)
+    texts = []
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("CPPO_KERNELS_BACKEND", choice)
+        gen = torch.Generator().manual_seed(0)
+        kw = dict(kwargs, generator=gen) if fn is not group_advantages and "generator" not in kwargs else kwargs
+        with pytest.raises(ValueError, match=message) as err:
+            fn(*args, **kw)
+        texts.append(str(err.value))
+        assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # nothing drawn
+    assert texts[0] == texts[1]

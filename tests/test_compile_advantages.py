@@ -1,0 +1,134 @@
+"""Every kernel of _advantages_triton compiles for sm_80 and sm_90 at the launchers' configs, fits, no spills."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton.language as tl
+
+from cppo_kernels import _advantages_triton as K
+from cppo_kernels._aot import SHARED_MEMORY_LIMIT, compile_for
+
+CODE = {"group": 0, "batch": 1, "none": 2, "smallest": 0, "largest": 1, "random": 2}
+POINTER = {tl.float32: "*fp32", tl.float64: "*fp64", tl.bfloat16: "*bf16"}
+SCALARS = {"eps": "fp32", "ddof": "i32"}
+
+
+def group_kernel(group_size, mode, scale, metric, dtype):
+    cfg = K.group_config(group_size)
+    compute = tl.float64 if dtype == tl.float64 else tl.float32
+    signature = {
+        "x_ptr": POINTER[dtype],
+        "rand_ptr": "*fp32",
+        "std_ptr": POINTER[compute],
+        "adv_ptr": "*fp32",
+        "idx_ptr": "*i64",
+        "num_groups": "i32",
+        "group_size": "i32",
+        "keep": "i32",
+        **SCALARS,
+    }
+    constexprs = {
+        "COMPUTE": compute,
+        "SCALE": CODE[scale],
+        "MODE": mode,
+        "METRIC": CODE[metric],
+        "BLOCK_Q": cfg.block_q,
+        "BLOCK_G": cfg.block_g,
+        "BLOCK_J": cfg.block_j,
+    }
+    return K._group_kernel, signature, constexprs, cfg.num_warps
+
+
+def batch_kernel(group_size, mode, scale, metric, dtype):
+    cfg = K.group_config(group_size)
+    compute = tl.float64 if dtype == tl.float64 else tl.float32
+    signature = {
+        "x_ptr": POINTER[dtype],
+        "src_ptr": "*fp32" if metric == "random" or mode == K.MODE_FUSED else POINTER[dtype],
+        "adv_ptr": "*fp32",
+        "idx_ptr": "*i64",
+        "num_groups": "i32",
+        "group_size": "i32",
+        "n": "i32",
+        "keep_total": "i32",
+        **SCALARS,
+    }
+    constexprs = {
+        "COMPUTE": compute,
+        "SCALE": CODE[scale],
+        "MODE": mode,
+        "METRIC": CODE[metric],
+        "BLOCK_Q": cfg.block_q,
+        "BLOCK_G": cfg.block_g,
+        "BLOCK": cfg.block,
+        "BINS": K.RADIX_BINS,
+    }
+    return K._batch_kernel, signature, constexprs, cfg.num_warps
+
+
+def batch_std_kernel(group_size, dtype):
+    cfg = K.group_config(group_size)
+    compute = tl.float64 if dtype == tl.float64 else tl.float32
+    signature = {"x_ptr": POINTER[dtype], "std_ptr": POINTER[compute], "n": "i32", "ddof": "i32"}
+    return K._batch_std_kernel, signature, {"COMPUTE": compute, "BLOCK": cfg.block}, cfg.num_warps
+
+
+CONFIGS = {
+    # group kernel: advantages only, selection from given advantages, fused (the CPPO default first)
+    **{
+        f"group-G{g}-{name}": (group_kernel, (g, *variant))
+        for g in (16, 1024)
+        for name, variant in {
+            "fused-group-smallest": (K.MODE_FUSED, "group", "smallest", tl.float32),
+            "fused-none-random": (K.MODE_FUSED, "none", "random", tl.float32),
+            "fused-batch-fp64": (K.MODE_FUSED, "batch", "largest", tl.float64),
+            "advantages-batch": (K.MODE_ADVANTAGES, "batch", "smallest", tl.float32),
+            "select-largest-bf16": (K.MODE_SELECT, "none", "largest", tl.bfloat16),
+        }.items()
+    },
+    # batch kernel: its selection part does not depend on group_size, its fused advantage tile does
+    "batch-select": (batch_kernel, (16, K.MODE_SELECT, "none", "smallest", tl.float32)),
+    "batch-G16-fused-batch-largest": (batch_kernel, (16, K.MODE_FUSED, "batch", "largest", tl.float32)),
+    "batch-G1024-fused-group-random-fp64": (batch_kernel, (1024, K.MODE_FUSED, "group", "random", tl.float64)),
+    "batch-std-G16": (batch_std_kernel, (16, tl.float32)),
+    "batch-std-G1024-fp64": (batch_std_kernel, (1024, tl.float64)),
+}
+
+
+def test_every_kernel_is_covered():
+    covered = {make.__name__.replace("_kernel", "") for make, _ in CONFIGS.values()}
+    kernels = {name[1:].replace("_kernel", "") for name in dir(K) if name.startswith("_") and name.endswith("_kernel")}
+    assert kernels == covered
+
+
+def compile_all(arch: int) -> dict[str, dict]:
+    """Resource usage of every config on ``sm_<arch>`` (run without the interpreter, see below)."""
+    out = {}
+    for name, (make, args) in CONFIGS.items():
+        fn, signature, constexprs, num_warps = make(*args)
+        signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+        compiled = compile_for(fn, signature=signature, constexprs=constexprs, arch=arch, num_warps=num_warps)
+        out[name] = {"shared": compiled.shared, "registers": compiled.registers, "stack": compiled.stack,
+                     "local": compiled.local, "fits": compiled.fits, "spills": compiled.spills}  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compiles_fits_and_does_not_spill(arch):
+    # The interpreter (on for the test session) patches triton.language's tensor operators, which breaks
+    # real compilation of kernels that call jitted helpers: compile in a fresh interpreter-free process.
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, __file__, str(arch)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    usage = json.loads(proc.stdout.splitlines()[-1])
+    assert set(usage) == set(CONFIGS)
+    for name, u in usage.items():
+        assert u["fits"], f"{name}: {u['shared']} B shared > {SHARED_MEMORY_LIMIT[arch]} B on sm_{arch}"
+        assert not u["spills"], f"{name}: spills on sm_{arch} (stack {u['stack']} B, local {u['local']} B)"
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(int(sys.argv[1]))))
