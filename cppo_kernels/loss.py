@@ -1,52 +1,444 @@
-"""Fused log-prob + clipped-ratio + KL loss from hidden states and the LM-head weight.
+"""Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight.
 
-Placeholder wiring to the reference until the fused Triton / chunked PyTorch paths land.
+Layers (CONVENTIONS section 2): the backends (``_loss_triton``: Triton kernels; ``_loss_torch``: chunked
+PyTorch) compute per-token log-probs without materialising ``[T, V]`` logits; :class:`_FusedLogProbs`
+is the autograd Function over them; the public functions below validate, pack the padded layout and
+apply the cheap O(T) policy loss (:func:`cppo_kernels.reference.policy_loss`, elementwise) on top.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import NamedTuple
+
 import torch
+from torch import Tensor
 
 from . import reference
+from ._dispatch import use_triton
 from .config import LossConfig
 
 __all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits"]
 
+_HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def fused_cppo_loss(
-    hidden,
-    weight,
+
+# --------------------------------------------------------------------------------------------
+# Validation and packing
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor(name: str, x, *, device: torch.device | None = None) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on {device}, got {x.device}")
+    return x
+
+
+def _is_int(x: Tensor) -> bool:
+    return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+
+
+def _shape(name: str, x: Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(x.shape)}")
+
+
+def _finite(name: str, x: Tensor) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must be finite (found NaN or inf)")
+
+
+def _check_head(hidden: Tensor, weight, bias) -> None:
+    """LM head: ``weight [V, H]`` with hidden's dtype, ``bias [V]`` with weight's dtype."""
+    if hidden.dtype not in _HIDDEN_DTYPES:
+        raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    weight = _tensor("weight", weight, device=hidden.device)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {list(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's), got {list(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if bias is not None:
+        bias = _tensor("bias", bias, device=hidden.device)
+        _shape("bias", bias, (weight.shape[0],), "[V]")
+        if bias.dtype != weight.dtype:
+            raise ValueError(f"bias dtype {bias.dtype} must match weight dtype {weight.dtype}")
+
+
+def _check_targets(targets, lead: tuple[int, ...], device: torch.device, what: str) -> Tensor:
+    targets = _tensor("targets", targets, device=device)
+    if not _is_int(targets):
+        raise ValueError(f"targets must have an integer dtype, got {targets.dtype}")
+    _shape("targets", targets, lead, what)
+    return targets
+
+
+def _check_range(targets: Tensor, vocab: int) -> None:
+    if targets.numel() and (bool((targets < 0).any()) or bool((targets >= vocab).any())):
+        lo, hi = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must lie in [0, V={vocab}), got values in [{lo}, {hi}]")
+
+
+class _Packed(NamedTuple):
+    """The inputs in the packed layout: rows ``x`` and their per-token / per-sequence tensors."""
+
+    x: Tensor  # [T, D] ([B*L, D] with gather_rows=False)
+    targets: Tensor  # [T]
+    advantages: Tensor  # [S]
+    cu_seqlens: Tensor  # [S+1] int64
+    old_logprobs: Tensor | None  # [T]
+    ref_logprobs: Tensor | None  # [T]
+    flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
+
+
+def _pack(
+    xname: str,
+    x,
     targets,
     advantages,
     *,
-    cu_seqlens=None,
-    mask=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    bias=None,
-    **options,
-):
-    cfg = LossConfig(**options)
-    return reference.fused_cppo_loss(
+    cu_seqlens,
+    mask,
+    old_logprobs,
+    ref_logprobs,
+    gather_rows: bool = True,
+) -> _Packed:
+    """Validates the layout arguments and converts the padded layout to the packed one.
+
+    With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (flattened to ``[B*L, D]``).
+    """
+    x = _tensor(xname, x)
+    device = x.device
+    if not x.is_floating_point():
+        raise ValueError(f"{xname} must have a floating dtype, got {x.dtype}")
+    if (cu_seqlens is None) == (mask is None):
+        raise ValueError("pass exactly one of cu_seqlens (packed layout) or mask (padded layout)")
+    dname = "H" if xname == "hidden" else "V"
+    if cu_seqlens is not None:
+        if x.dim() != 2:
+            raise ValueError(f"{xname} must be 2-D [T, {dname}] with cu_seqlens, got shape {list(x.shape)}")
+        num_tokens = x.shape[0]
+        lead, what = (num_tokens,), "[T]"
+        cu = _tensor("cu_seqlens", cu_seqlens, device=device)
+        if not _is_int(cu) or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {cu.dtype} {list(cu.shape)}")
+        cu = cu.to(torch.int64)
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        if int(cu[-1]) != num_tokens:
+            raise ValueError(f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}")
+        flat = None
+    else:
+        if x.dim() != 3:
+            raise ValueError(f"{xname} must be 3-D [B, L, {dname}] with mask, got shape {list(x.shape)}")
+        lead, what = tuple(x.shape[:2]), "[B, L]"
+        mask = _tensor("mask", mask, device=device)
+        if mask.dtype != torch.bool and not _is_int(mask):
+            raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
+        _shape("mask", mask, lead, what)
+        if mask.dtype != torch.bool:
+            if mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError("mask must hold only 0 and 1")
+            mask = mask.bool()
+        flat, cu = reference.packed_from_padded(mask)
+    targets = _check_targets(targets, lead, device, what)
+    num_seqs = cu.numel() - 1
+    advantages = _tensor("advantages", advantages, device=device)
+    if not advantages.is_floating_point():
+        raise ValueError(f"advantages must have a floating dtype, got {advantages.dtype}")
+    _shape("advantages", advantages, (num_seqs,), "[S]" if flat is None else "[B]")
+    _finite("advantages", advantages)
+    logprobs = {}
+    for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if lp is not None:
+            lp = _tensor(name, lp, device=device)
+            if not lp.is_floating_point():
+                raise ValueError(f"{name} must have a floating dtype, got {lp.dtype}")
+            _shape(name, lp, lead, what)
+            if flat is not None:
+                lp = lp.reshape(-1)[flat]
+            _finite(name, lp)
+        logprobs[name] = lp
+    if flat is not None:
+        targets = targets.reshape(-1)
+        x = x.reshape(-1, x.shape[-1])
+        if gather_rows:
+            x, targets = x[flat], targets[flat]
+    return _Packed(x, targets, advantages, cu, logprobs["old_logprobs"], logprobs["ref_logprobs"], flat)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd Function over the backends
+# --------------------------------------------------------------------------------------------
+
+
+def _backend(hidden: Tensor) -> ModuleType:
+    if use_triton(hidden):
+        from . import _loss_triton
+
+        return _loss_triton
+    from . import _loss_torch
+
+    return _loss_torch
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
+        logp, lse, entropy = backend.logprobs_fwd(
+            hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy
+        )
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        ctx.backend = backend
+        ctx.set_materialize_grads(False)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None:
+            return (None,) * 7
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        dhidden, dweight, dbias = ctx.backend.logprobs_bwd(
+            hidden,
+            weight,
+            targets,
+            bias,
+            lse,
+            grad_logp.float().contiguous(),
+            temperature=ctx.temperature,
+            needs_hidden_grad=ctx.needs_input_grad[0],
+            needs_weight_grad=ctx.needs_input_grad[1],
+            needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
+        )
+        return dhidden, dweight, dbias, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public functionals
+# --------------------------------------------------------------------------------------------
+
+
+def fused_cppo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    *,
+    cu_seqlens: Tensor | None = None,
+    mask: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    dual_clip: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    importance_sampling: str = "token",
+    loss_agg: str = "token-mean",
+    max_completion_length: int | None = None,
+    compute_entropy: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
+
+    Layouts (exactly one of ``cu_seqlens`` / ``mask``):
+
+    - packed: ``hidden [T, H]``, ``targets [T]``, ``cu_seqlens [S+1]`` int offsets, ``advantages [S]``,
+      ``old_logprobs`` / ``ref_logprobs [T]``;
+    - padded (TRL, Liger): ``hidden [B, L, H]``, ``targets [B, L]``, ``mask [B, L]`` bool/int,
+      ``advantages [B]``, log-probs ``[B, L]``; only positions where ``mask`` is set count.
+
+    ``weight [V, H]`` (hidden's dtype), ``bias [V]`` optional; row t of hidden predicts ``targets[t]``.
+    Per token: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio ``r = exp(logp - old)``
+    (``old = logp.detach()`` when ``old_logprobs`` is None; ``importance_sampling="sequence"`` uses the
+    exponentiated mean log-ratio of the sequence, GSPO); ``pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)``,
+    capped at ``-dual_clip * A`` where ``A < 0``; plus ``beta *`` the k1/k2/k3 KL to ``ref_logprobs``
+    (required when ``beta > 0``). Aggregation ``loss_agg``: ``token-mean`` (DAPO / CPPO),
+    ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, needs ``max_completion_length``).
+
+    Returns ``(loss, metrics)``: an fp32 scalar with gradients to hidden, weight and bias, and detached fp32
+    scalars ``kl, clip_fraction_low, clip_fraction_high, ratio_mean, ratio_min, ratio_max, num_tokens``
+    (+ ``entropy`` with ``compute_entropy=True``), as defined by :func:`cppo_kernels.reference.policy_loss`.
+    """
+    cfg = LossConfig(
+        temperature=temperature,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        importance_sampling=importance_sampling,
+        loss_agg=loss_agg,
+        max_completion_length=max_completion_length,
+        compute_entropy=compute_entropy,
+    )
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when beta > 0")
+    p = _pack(
+        "hidden",
         hidden,
-        weight,
         targets,
         advantages,
         cu_seqlens=cu_seqlens,
         mask=mask,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
-        bias=bias,
+    )
+    _check_head(p.x, weight, bias)
+    _check_range(p.targets, weight.shape[0])
+    _finite("hidden", p.x)
+    h = p.x.contiguous()  # [T, H]
+    logp, entropy = _FusedLogProbs.apply(
+        h,
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        p.targets.to(torch.int64).contiguous(),
+        cfg.temperature,
+        cfg.compute_entropy,
+        _backend(h),
+    )
+    return reference.policy_loss(
+        logp,
+        p.advantages,
+        p.cu_seqlens,
+        old_logprobs=p.old_logprobs,
+        ref_logprobs=p.ref_logprobs,
+        entropy=entropy,
         config=cfg,
     )
 
 
 @torch.no_grad()
-def fused_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, compute_entropy=False):
-    logp, ent = reference.token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature)
-    logp = logp.float()
-    return (logp, ent.float()) if compute_entropy else logp
+def fused_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probs (and entropies) without autograd: the old-policy and reference passes.
+
+    ``hidden [T, H]`` or ``[B, L, H]``, ``targets`` of the leading shape, ``weight [V, H]``, ``bias [V]``.
+    Returns fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``.
+    """
+    hidden = _tensor("hidden", hidden)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
+    cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
+    _check_head(hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    targets = _check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
+    _check_range(targets, weight.shape[0])
+    _finite("hidden", hidden)
+    h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
+    logp, _, entropy = _backend(h).logprobs_fwd(
+        h,
+        weight.contiguous(),
+        targets.reshape(-1).to(torch.int64).contiguous(),
+        bias,
+        temperature=cfg.temperature,
+        compute_entropy=cfg.compute_entropy,
+    )
+    logp = logp.reshape(lead)
+    return (logp, entropy.reshape(lead)) if cfg.compute_entropy else logp
 
 
-def cppo_loss_from_logits(logits, targets, advantages, **kwargs):
-    raise NotImplementedError
+def cppo_loss_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    *,
+    cu_seqlens: Tensor | None = None,
+    mask: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    temperature: float = 1.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    dual_clip: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    importance_sampling: str = "token",
+    loss_agg: str = "token-mean",
+    max_completion_length: int | None = None,
+    compute_entropy: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`fused_cppo_loss` for callers that already hold the logits (``[T, V]`` or ``[B, L, V]``).
+
+    Same layouts, options and results; ``temperature`` divides the logits; differentiable w.r.t. logits.
+    Computes in fp32 (one fp32 ``[T, V]`` copy when the logits are bf16/fp16 or temperature != 1).
+    """
+    cfg = LossConfig(
+        temperature=temperature,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        importance_sampling=importance_sampling,
+        loss_agg=loss_agg,
+        max_completion_length=max_completion_length,
+        compute_entropy=compute_entropy,
+    )
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when beta > 0")
+    p = _pack(
+        "logits",
+        logits,
+        targets,
+        advantages,
+        cu_seqlens=cu_seqlens,
+        mask=mask,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        gather_rows=False,
+    )
+    vocab = p.x.shape[-1]
+    if vocab == 0:
+        raise ValueError("logits must have a non-empty last dimension (V >= 1)")
+    targets = p.targets if p.flat is None else p.targets.masked_fill(~_valid(p.flat, p.x.shape[0]), 0)
+    _check_range(targets, vocab)
+    z = p.x.float()  # [N, V]
+    if cfg.temperature != 1.0:
+        z = z / cfg.temperature
+    lse = torch.logsumexp(z, dim=-1)  # [N]
+    logp = z.gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1) - lse  # [N]
+    entropy = None
+    if cfg.compute_entropy:
+        with torch.no_grad():
+            entropy = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)  # [N]
+    if p.flat is not None:
+        logp, lse = logp[p.flat], lse[p.flat]
+        entropy = None if entropy is None else entropy[p.flat]
+    _finite("logits", lse.detach())
+    return reference.policy_loss(
+        logp,
+        p.advantages,
+        p.cu_seqlens,
+        old_logprobs=p.old_logprobs,
+        ref_logprobs=p.ref_logprobs,
+        entropy=entropy,
+        config=cfg,
+    )
+
+
+def _valid(flat: Tensor, rows: int) -> Tensor:
+    """Bool ``[rows]`` marking the flat indices of the valid (masked-in) positions."""
+    valid = torch.zeros(rows, dtype=torch.bool, device=flat.device)
+    valid[flat] = True
+    return valid

@@ -1,0 +1,399 @@
+"""Benchmark of the fused CPPO loss: time and peak memory, forward and backward.
+
+Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given reference and old log-probs):
+
+- ``fused-torch`` / ``fused-triton``: :func:`cppo_kernels.fused_cppo_loss` (Triton on CUDA only);
+- ``naive``: full fp32 ``[T, V]`` logits, log_softmax, gather, then the same elementwise policy loss;
+- ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo). It computes the gradients
+  inside its forward, so its "forward" holds nearly all the work and its "backward" only rescales;
+- ``liger-triton`` (CUDA only): the logits matmul + Liger's ``triton_grpo_loss`` on those logits;
+- ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
+  time is also reported as a multiple of it, in wall time and in process CPU time (``time.process_time``,
+  all threads; far less sensitive than wall time to other processes sharing the cores; on CUDA it means
+  nothing and only the wall ratio counts).
+
+Peak extra memory is the high-water mark during forward+backward above the memory held just before
+(gradients are set to None first, so the returned gradients count). On CUDA it comes from
+``torch.cuda.max_memory_allocated``. On CPU it is the kernel's resident-set high-water mark: writing ``5``
+to ``/proc/self/clear_refs`` resets ``VmHWM`` in ``/proc/self/status`` and the peak is read back after the
+step. Tensors of 1 MiB or more are mmap-ed by the allocator and unmapped when freed, so RSS follows them;
+the script checks this at start-up by measuring one filled ``[T, V]`` fp32 tensor (reported as ``calibration``).
+``workspace`` is the peak extra minus the bytes of the gradients returned (dhidden + dweight), the part an
+implementation can save.
+
+    python benchmarks/bench_loss.py                      # CPU: T=2048, H=896, V=151,936, fp32
+    python benchmarks/bench_loss.py --device cuda        # also T=16,384, H=1,536 in bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from cppo_kernels import fused_cppo_loss, fused_logprobs, reference
+from cppo_kernels.config import LossConfig
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
+SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences
+
+
+# --------------------------------------------------------------------------------------------
+# Memory probes
+# --------------------------------------------------------------------------------------------
+
+
+class CpuMemory:
+    """Peak resident memory of this process via the kernel's VmHWM, reset through /proc/self/clear_refs.
+
+    glibc serves allocations above its mmap threshold with mmap and unmaps them on free; the threshold is
+    pinned to 1 MiB (it otherwise grows up to 32 MiB), so every tensor of 1 MiB or more leaves RSS when freed.
+    """
+
+    def __init__(self) -> None:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+    def start(self) -> int:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return self._status("VmRSS:")
+
+    def peak(self) -> int:
+        return self._status("VmHWM:")
+
+
+class CudaMemory:
+    def start(self) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+
+# --------------------------------------------------------------------------------------------
+# Methods: each builds a closure that runs the forward and returns the scalar loss
+# --------------------------------------------------------------------------------------------
+
+
+def naive_loss(hidden, weight, targets, advantages, cu_seqlens, old, ref):
+    """Reference-style: materialise fp32 logits, log_softmax, gather, then the elementwise policy loss."""
+    logits = (hidden @ weight.t()).float()  # [T, V]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [T]
+    del logits
+    loss, _ = reference.policy_loss(
+        logp, advantages, cu_seqlens, old_logprobs=old, ref_logprobs=ref, config=LossConfig(**OPTIONS)
+    )
+    return loss
+
+
+def build_methods(device: torch.device, inputs: dict) -> dict[str, Callable[[], torch.Tensor]]:
+    h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
+    T, H = h.shape
+    B = T // SEQ_LEN
+    adv_b = adv  # one advantage per sequence of SEQ_LEN tokens
+    mask = torch.ones(B, SEQ_LEN, dtype=torch.int64, device=device)
+
+    def fused(backend: str):
+        def run():
+            os.environ["CPPO_KERNELS_BACKEND"] = backend
+            loss, _ = fused_cppo_loss(h, w, t, adv, cu_seqlens=cu, old_logprobs=old, ref_logprobs=ref, **OPTIONS)
+            return loss
+
+        return run
+
+    methods = {}
+    if device.type == "cuda":
+        methods["fused-triton"] = fused("triton")
+    methods["fused-torch"] = fused("torch")
+    methods["naive"] = lambda: naive_loss(h, w, t, adv, cu, old, ref)
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(
+            beta=OPTIONS["beta"],
+            compiled=device.type == "cuda",
+            use_ref_model=True,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            loss_type="dapo",
+        )
+        methods["liger-chunked"] = lambda: liger(
+            h.view(B, SEQ_LEN, H),
+            w,
+            t.view(B, SEQ_LEN),
+            mask,
+            adv_b,
+            ref_per_token_logps=ref.view(B, SEQ_LEN),
+            old_per_token_logps=old.view(B, SEQ_LEN),
+        )[0]
+        if device.type == "cuda":
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+            pad = torch.zeros(B, 1, H, dtype=h.dtype, device=device)
+
+            def liger_triton():
+                # triton_grpo_loss wants [B, L+1, V] logits (the last position is dropped).
+                logits = torch.cat([h.view(B, SEQ_LEN, H), pad], dim=1) @ w.t()  # [B, L+1, V]
+                loss, _ = triton_grpo_loss(
+                    logits,
+                    old.view(B, SEQ_LEN),
+                    ref.view(B, SEQ_LEN),
+                    t.view(B, SEQ_LEN),
+                    adv_b,
+                    mask,
+                    temperature=1.0,
+                    beta=OPTIONS["beta"],
+                    eps_low=0.2,
+                    eps_high=0.2,
+                    loss_type="dapo",
+                    reduce=True,
+                )
+                return loss
+
+            methods["liger-triton"] = liger_triton
+    except ImportError as err:
+        print(f"liger-kernel unavailable ({err}); skipping the Liger methods")
+    return methods
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+
+
+def make_inputs(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> dict:
+    if T % SEQ_LEN:
+        raise SystemExit(f"--tokens must be a multiple of {SEQ_LEN} (the benchmark's sequence length)")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(T, H, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * (2.0 / H**0.5)).to(device=device, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g).to(device)
+    S = T // SEQ_LEN
+    cu = torch.arange(0, T + 1, SEQ_LEN, device=device)
+    adv = torch.randn(S, generator=g).to(device)
+    logp = fused_logprobs(hidden.detach(), weight.detach(), targets)  # [T]
+    old = logp + 0.1 * torch.randn(T, generator=g).to(device)
+    ref = logp + 0.1 * torch.randn(T, generator=g).to(device)
+    return dict(hidden=hidden, weight=weight, targets=targets, adv=adv, cu=cu, old=old, ref=ref)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def calibrate(probe, T: int, V: int, device: torch.device) -> dict:
+    """Measures one filled fp32 [T, V] tensor, to show the memory probe sees such allocations."""
+    gc.collect()
+    base = probe.start()
+    x = torch.empty(T, V, dtype=torch.float32, device=device).fill_(1.0)
+    sync(device)
+    measured = probe.peak() - base
+    del x
+    return {"expected_bytes": T * V * 4, "measured_bytes": measured}
+
+
+def measure(name, fn, inputs, probe, device) -> dict:
+    """One forward+backward: wall and process CPU seconds of each half, peak extra memory."""
+    params = [inputs["hidden"], inputs["weight"]]
+    for p in params:
+        p.grad = None
+    gc.collect()
+    sync(device)
+    base = probe.start()
+    c0, t0 = time.process_time(), time.perf_counter()
+    if name == "matmul":
+        with torch.no_grad():
+            out = fn()
+            sync(device)
+        c1, t1 = time.process_time(), time.perf_counter()
+        del out
+        return {"fwd": t1 - t0, "fwd_cpu": c1 - c0}
+    loss = fn()
+    sync(device)
+    c1, t1 = time.process_time(), time.perf_counter()
+    loss.backward()
+    sync(device)
+    c2, t2 = time.process_time(), time.perf_counter()
+    peak = probe.peak() - base
+    if not torch.isfinite(loss.detach()):
+        raise RuntimeError(f"{name}: non-finite loss")
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return {
+        "fwd": t1 - t0,
+        "bwd": t2 - t1,
+        "fwd_cpu": c1 - c0,
+        "bwd_cpu": c2 - c1,
+        "peak": peak,
+        "grad_bytes": grad_bytes,
+        "loss": loss.item(),
+    }
+
+
+def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int) -> dict:
+    print(f"\n== T={T} H={H} V={V} {dtype} on {device} (threads={torch.get_num_threads()})")
+    probe = CudaMemory() if device.type == "cuda" else CpuMemory()
+    inputs = make_inputs(T, H, V, dtype, device)
+    calibration = calibrate(probe, T, V, device)
+    print(f"calibration: filled [T, V] fp32 {calibration['expected_bytes'] / 1e6:.0f} MB, probe saw "
+          f"{calibration['measured_bytes'] / 1e6:.0f} MB")  # fmt: skip
+    h, w = inputs["hidden"], inputs["weight"]
+    methods = {"matmul": lambda: h.detach() @ w.detach().t(), **build_methods(device, inputs)}
+    samples: dict[str, list[dict]] = {name: [] for name in methods}
+    for r in range(warmup + repeats):
+        for name, fn in methods.items():  # interleaved, so all methods see the same machine load
+            s = measure(name, fn, inputs, probe, device)
+            if r >= warmup:
+                samples[name].append(s)
+            print(f"  [{r}] {name:14s} " + " ".join(f"{k}={v:.4g}" for k, v in s.items()), flush=True)
+    matmul_s = statistics.median(s["fwd"] for s in samples["matmul"])
+    matmul_cpu_s = statistics.median(s["fwd_cpu"] for s in samples["matmul"])
+    out = {"tokens": T, "hidden": H, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
+    out["calibration"] = calibration
+    out["matmul_s"] = matmul_s
+    out["matmul_cpu_s"] = matmul_cpu_s
+    rows = {}
+    for name, ss in samples.items():
+        if name == "matmul":
+            continue
+        fwd = statistics.median(s["fwd"] for s in ss)
+        bwd = statistics.median(s["bwd"] for s in ss)
+        total = statistics.median(s["fwd"] + s["bwd"] for s in ss)
+        total_cpu = statistics.median(s["fwd_cpu"] + s["bwd_cpu"] for s in ss)
+        peak = max(s["peak"] for s in ss)
+        rows[name] = {
+            "fwd_s": fwd,
+            "bwd_s": bwd,
+            "fwd_bwd_s": total,
+            "fwd_bwd_matmuls": total / matmul_s,
+            "fwd_bwd_cpu_s": total_cpu,
+            "fwd_bwd_matmuls_cpu": total_cpu / matmul_cpu_s,
+            "peak_extra_bytes": peak,
+            "workspace_bytes": peak - ss[0]["grad_bytes"],
+            "loss": ss[0]["loss"],
+        }
+    naive = rows.get("naive")
+    for row in rows.values():
+        if naive:
+            row["peak_vs_naive"] = row["peak_extra_bytes"] / naive["peak_extra_bytes"]
+            row["workspace_vs_naive"] = row["workspace_bytes"] / naive["workspace_bytes"]
+    out["methods"] = rows
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        lines.append(
+            f"T={res['tokens']} H={res['hidden']} V={res['vocab']} {res['dtype']} on {res['device']}: "
+            f"matmul {res['matmul_s'] * 1e3:.1f} ms wall, {res['matmul_cpu_s'] * 1e3:.1f} ms CPU"
+        )
+        lines.append(
+            "| method | fwd (ms) | bwd (ms) | fwd+bwd (ms) | x matmul (wall) | x matmul (CPU time) "
+            "| peak extra (MB) | workspace (MB) |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for name, r in res["methods"].items():
+            lines.append(
+                f"| {name} | {r['fwd_s'] * 1e3:.0f} | {r['bwd_s'] * 1e3:.0f} | {r['fwd_bwd_s'] * 1e3:.0f} | "
+                f"{r['fwd_bwd_matmuls']:.2f} | {r['fwd_bwd_matmuls_cpu']:.2f} | "
+                f"{r['peak_extra_bytes'] / 1e6:.0f} | {r['workspace_bytes'] / 1e6:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4 * len(results)), squeeze=False)
+    for (ax_t, ax_m), res in zip(axes, results):
+        names = list(res["methods"])
+        rows = [res["methods"][n] for n in names]
+        x = range(len(names))
+        fwd = [r["fwd_s"] for r in rows]
+        bwd = [r["bwd_s"] for r in rows]
+        ax_t.bar(x, fwd, label="forward")
+        ax_t.bar(x, bwd, bottom=fwd, label="backward")
+        ax_t.axhline(res["matmul_s"], color="k", ls="--", lw=1, label="one [T,H]x[H,V] matmul")
+        ax_t.set_xticks(list(x), names, rotation=15)
+        ax_t.set_ylabel("seconds (median)")
+        ax_t.legend()
+        title = f"T={res['tokens']} H={res['hidden']} V={res['vocab']} {res['dtype']} ({res['device']})"
+        ax_t.set_title("time, " + title)
+        grads = [(r["peak_extra_bytes"] - r["workspace_bytes"]) / 1e9 for r in rows]
+        work = [r["workspace_bytes"] / 1e9 for r in rows]
+        ax_m.bar(x, grads, label="returned gradients", color="0.7")
+        ax_m.bar(x, work, bottom=grads, label="workspace")
+        ax_m.set_xticks(list(x), names, rotation=15)
+        ax_m.set_ylabel("peak extra memory (GB)")
+        ax_m.legend()
+        ax_m.set_title("memory, " + title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tokens", type=int, default=None, help="T (default 2048; on CUDA also 16384)")
+    ap.add_argument("--hidden", type=int, default=None, help="H (default 896; 1536 for the large CUDA case)")
+    ap.add_argument("--vocab", type=int, default=151_936, help="V")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "loss.json", help="JSON; the PNG goes next to it")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    warmup = args.warmup if args.warmup is not None else (2 if device.type == "cuda" else 0)
+    if args.tokens is None and args.hidden is None and args.dtype is None and device.type == "cuda":
+        configs = [(2048, 896, args.vocab, "float32"), (16_384, 1536, args.vocab, "bfloat16")]
+    else:
+        configs = [(args.tokens or 2048, args.hidden or 896, args.vocab, args.dtype or "float32")]
+    results = [
+        run_config(T, H, V, getattr(torch, dt), device, args.repeats, warmup) for T, H, V, dt in configs
+    ]  # fmt: skip
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "repeats": args.repeats,
+        "warmup": warmup,
+        "options": OPTIONS,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    png = args.out.with_suffix(".png")
+    plot(results, png)
+    print("\n" + table(results))
+    print(f"\nwrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,533 @@
+"""fused_cppo_loss / fused_logprobs / cppo_loss_from_logits against the float64 reference, on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cppo_kernels import LossConfig, _loss_torch, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, reference
+
+#: Tolerances per input dtype: (loss and metrics, gradients). Gradients are compared as
+#: max|got - want| <= tol * max|want| (they come back in the input dtype; the Triton backend feeds
+#: bf16/fp16 operands to its backward dots). Losses are fp32 whatever the input dtype.
+TOL = {
+    torch.float32: (2e-5, 1e-4),
+    torch.bfloat16: (1e-4, 2e-2),
+    torch.float16: (1e-4, 4e-3),
+}
+DTYPES = list(TOL)
+METRIC_KEYS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens")
+
+
+def _settings(**kwargs) -> settings:
+    """The loaded profile, plus: the ``backend`` fixture is safely shared by all examples of a test."""
+    checks = [*settings().suppress_health_check, HealthCheck.function_scoped_fixture]
+    return settings(suppress_health_check=checks, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Small blocks, so the small test shapes cross the torch backend's token and vocab block boundaries."""
+    monkeypatch.setattr(_loss_torch, "_DEFAULT", _loss_torch.ChunkConfig(tokens=8, bwd_tokens=16, vocab=64))
+
+
+def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-6)
+    assert err <= tol * scale + 1e-7, f"{name}: max error {err:.3g} > {tol} x {scale:.3g}"
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return cu
+
+
+def _problem(seed: int, lengths: list[int], H: int, V: int, dtype: torch.dtype, *, logit_scale: float, bias: bool):
+    """Random hidden [T, H], weight [V, H], bias [V], targets [T], advantages [S] (hidden's dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    hidden = torch.randn(T, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * logit_scale / H**0.5).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    targets = torch.randint(0, V, (T,), generator=g)
+    advantages = torch.randn(len(lengths), generator=g)
+    if len(lengths) > 1:
+        advantages[0] = 0.0  # a zero-variance group
+    return hidden, weight, b, targets, advantages, g
+
+
+def _grads(loss: torch.Tensor, inputs: list[torch.Tensor], upstream: float) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss * upstream, inputs))
+
+
+@_settings()
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4).filter(lambda ls: sum(ls) <= 40),
+    H=st.sampled_from([16, 24, 37, 64]),
+    V=st.sampled_from([17, 100, 150, 200]),
+    dtype=st.sampled_from(DTYPES),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    epsilon_low=st.sampled_from([0.2, 0.1]),
+    epsilon_high=st.sampled_from([None, 0.28]),
+    dual_clip=st.sampled_from([None, 3.0]),
+    kl=st.sampled_from([None, "k1", "k2", "k3"]),
+    importance_sampling=st.sampled_from(["token", "sequence"]),
+    loss_agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+    with_old=st.booleans(),
+    with_bias=st.booleans(),
+    compute_entropy=st.booleans(),
+    logit_scale=st.sampled_from([1.0, 4.0, 20.0]),
+)
+def test_loss_matches_reference(
+    backend,
+    seed,
+    lengths,
+    H,
+    V,
+    dtype,
+    temperature,
+    epsilon_low,
+    epsilon_high,
+    dual_clip,
+    kl,
+    importance_sampling,
+    loss_agg,
+    with_old,
+    with_bias,
+    compute_entropy,
+    logit_scale,
+):
+    hidden, weight, bias, targets, adv, g = _problem(
+        seed, lengths, H, V, dtype, logit_scale=logit_scale, bias=with_bias
+    )
+    cu = _cu(lengths)
+    T = hidden.shape[0]
+    options = dict(
+        temperature=temperature,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        dual_clip=dual_clip,
+        beta=0.0 if kl is None else 0.04,
+        kl_estimator=kl or "k3",
+        importance_sampling=importance_sampling,
+        loss_agg=loss_agg,
+        max_completion_length=16 if loss_agg == "seq-mean-token-sum-norm" else None,
+        compute_entropy=compute_entropy,
+    )
+    # Old / reference log-probs near the current ones, so ratios straddle both clip bounds.
+    params64 = [x.double().requires_grad_() for x in (hidden, weight) + ((bias,) if with_bias else ())]
+    with torch.no_grad():
+        logp64, _ = reference.token_logprobs(
+            params64[0], params64[1], targets, bias=params64[2] if with_bias else None, temperature=temperature
+        )
+    old = (logp64 + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)).float() if with_old else None
+    ref = (logp64 + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)).float() if kl else None
+
+    params = [x.clone().requires_grad_() for x in (hidden, weight) + ((bias,) if with_bias else ())]
+    loss, metrics = fused_cppo_loss(
+        params[0],
+        params[1],
+        targets,
+        adv,
+        cu_seqlens=cu,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        bias=params[2] if with_bias else None,
+        **options,
+    )
+    want, want_metrics = reference.fused_cppo_loss(
+        params64[0],
+        params64[1],
+        targets,
+        adv.double(),
+        cu_seqlens=cu,
+        old_logprobs=None if old is None else old.double(),
+        ref_logprobs=None if ref is None else ref.double(),
+        bias=params64[2] if with_bias else None,
+        config=LossConfig(**options),
+    )
+    loss_tol, grad_tol = TOL[dtype]
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    _assert_close("loss", loss, want, loss_tol)
+    assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set())
+    for key, value in metrics.items():
+        assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad, key
+        _assert_close(key, value, want_metrics[key], 1e-4)
+
+    upstream = float(torch.randn((), generator=g))
+    for name, got, exp in zip(
+        ("dhidden", "dweight", "dbias"), _grads(loss, params, upstream), _grads(want, params64, upstream)
+    ):
+        assert got.dtype == dtype, name
+        _assert_close(name, got, exp, grad_tol)
+
+
+def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: int, g: torch.Generator):
+    """Scatters packed rows into [B, L, ...] with NaN hidden states and -100 targets at the padding."""
+    B, H = len(lengths), hidden.shape[1]
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        start = int(torch.randint(0, L - n + 1, (), generator=g))  # left or right padding
+        mask[i, start : start + n] = True
+    hp = torch.full((B, L, H), float("nan"), dtype=hidden.dtype)
+    tp = torch.full((B, L), -100, dtype=torch.int64)
+    hp[mask], tp[mask] = hidden, targets
+    return hp, tp, mask
+
+
+@_settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    dtype=st.sampled_from(DTYPES),
+    loss_agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+    importance_sampling=st.sampled_from(["token", "sequence"]),
+)
+def test_packed_and_padded_agree(backend, seed, lengths, dtype, loss_agg, importance_sampling):
+    H, V, L = 24, 100, 10
+    hidden, weight, bias, targets, adv, g = _problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
+    T = hidden.shape[0]
+    old = -torch.rand(T, generator=g) * 5
+    ref = -torch.rand(T, generator=g) * 5
+    options = dict(
+        beta=0.04, loss_agg=loss_agg, max_completion_length=12, importance_sampling=importance_sampling,
+        compute_entropy=True,
+    )  # fmt: skip
+    hp, tp, mask = _padded(hidden, targets, lengths, L, g)
+    oldp = torch.zeros(mask.shape).masked_scatter(mask, old)
+    refp = torch.zeros(mask.shape).masked_scatter(mask, ref)
+    w1, b1, h1 = weight.clone().requires_grad_(), bias.clone().requires_grad_(), hidden.clone().requires_grad_()
+    w2, b2, h2 = weight.clone().requires_grad_(), bias.clone().requires_grad_(), hp.clone().requires_grad_()
+    loss1, m1 = fused_cppo_loss(
+        h1, w1, targets, adv, cu_seqlens=_cu(lengths), bias=b1, old_logprobs=old, ref_logprobs=ref, **options
+    )
+    loss2, m2 = fused_cppo_loss(
+        h2, w2, tp, adv, mask=mask.to(torch.int32), bias=b2, old_logprobs=oldp, ref_logprobs=refp, **options
+    )
+    assert torch.equal(loss1, loss2)
+    for key in m1:
+        assert torch.equal(m1[key], m2[key]), key
+    upstream = float(torch.randn((), generator=g))
+    g1 = _grads(loss1, [h1, w1, b1], upstream)
+    g2 = _grads(loss2, [h2, w2, b2], upstream)
+    assert torch.equal(g2[0][mask], g1[0])
+    assert torch.equal(g2[0][~mask], torch.zeros_like(g2[0][~mask]))
+    for got, want in zip(g2[1:], g1[1:]):
+        _assert_close("param grad", got, want, 1e-6)
+
+
+@_settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(1, 15), min_size=2, max_size=4),
+    dtype=st.sampled_from(DTYPES),
+    temperature=st.sampled_from([1.0, 0.6]),
+)
+def test_logprobs_do_not_depend_on_packing(backend, seed, lengths, dtype, temperature):
+    """Each sequence's log-probs and entropies are bit-identical computed alone or packed with others.
+
+    Under the Triton interpreter ``tl.dot`` is numpy's matmul, whose fp32 result for a row depends on the
+    row's position in the tile (a BLAS micro-kernel artefact, not the kernel's), so there only the first
+    sequence (same rows of the same tiles either way) must be identical and the others within 2 ulp.
+    """
+    hidden, weight, bias, targets, _, _ = _problem(seed, lengths, 37, 150, dtype, logit_scale=4.0, bias=True)
+    cu = _cu(lengths)
+    logp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=True)
+    for s in range(len(lengths)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        alone, alone_ent = fused_logprobs(
+            hidden[a:b], weight, targets[a:b], bias=bias, temperature=temperature, compute_entropy=True
+        )
+        if backend == "torch" or s == 0:
+            assert torch.equal(alone, logp[a:b]), f"sequence {s}"
+            assert torch.equal(alone_ent, ent[a:b]), f"sequence {s} entropy"
+        else:
+            torch.testing.assert_close(alone, logp[a:b], rtol=2.5e-7, atol=2e-6)
+            torch.testing.assert_close(alone_ent, ent[a:b], rtol=2.5e-7, atol=2e-6)
+
+
+@_settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    shape=st.sampled_from([(1,), (23,), (3, 7), (2, 1)]),
+    dtype=st.sampled_from(DTYPES),
+    temperature=st.sampled_from([1.0, 0.7]),
+    with_bias=st.booleans(),
+    logit_scale=st.sampled_from([1.0, 30.0]),
+)
+def test_fused_logprobs_matches_reference(backend, seed, shape, dtype, temperature, with_bias, logit_scale):
+    n = 1
+    for d in shape:
+        n *= d
+    hidden, weight, bias, targets, _, _ = _problem(seed, [n], 40, 130, dtype, logit_scale=logit_scale, bias=with_bias)
+    hidden, targets = hidden.reshape(*shape, 40), targets.reshape(shape)
+    logp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=True)
+    want, want_ent = reference.token_logprobs(
+        hidden.double().reshape(-1, 40),
+        weight.double(),
+        targets.reshape(-1),
+        bias=None if bias is None else bias.double(),
+        temperature=temperature,
+    )
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == shape
+    assert not logp.requires_grad
+    _assert_close("logp", logp.reshape(-1), want, 2e-6)
+    _assert_close("entropy", ent.reshape(-1), want_ent, 2e-5)
+    only = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature)
+    assert torch.equal(only, logp)
+
+
+@_settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    padded=st.booleans(),
+    temperature=st.sampled_from([1.0, 0.8]),
+    loss_agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+    importance_sampling=st.sampled_from(["token", "sequence"]),
+)
+def test_loss_from_logits_matches_reference(seed, lengths, dtype, padded, temperature, loss_agg, importance_sampling):
+    V = 60
+    logits, _, _, targets, adv, g = _problem(seed, lengths, V, V, dtype, logit_scale=1.0, bias=False)
+    logits = (logits.float() * 3).to(dtype)
+    T = logits.shape[0]
+    old = -torch.rand(T, generator=g) * 4
+    ref = -torch.rand(T, generator=g) * 4
+    options = dict(
+        temperature=temperature, beta=0.1, kl_estimator="k2", loss_agg=loss_agg, max_completion_length=9,
+        importance_sampling=importance_sampling, compute_entropy=True,
+    )  # fmt: skip
+    # The oracle: logits = hidden @ I.
+    x64 = logits.double().requires_grad_()
+    want, want_m = reference.fused_cppo_loss(
+        x64,
+        torch.eye(V, dtype=torch.float64),
+        targets,
+        adv.double(),
+        cu_seqlens=_cu(lengths),
+        old_logprobs=old.double(),
+        ref_logprobs=ref.double(),
+        config=LossConfig(**options),
+    )
+    if padded:
+        lp, tp, mask = _padded(logits, targets, lengths, 10, g)
+        lp = lp.nan_to_num(0.0).requires_grad_()
+        oldp = torch.zeros(mask.shape).masked_scatter(mask, old)
+        refp = torch.zeros(mask.shape).masked_scatter(mask, ref)
+        loss, m = cppo_loss_from_logits(lp, tp, adv, mask=mask, old_logprobs=oldp, ref_logprobs=refp, **options)
+        x = lp
+    else:
+        x = logits.clone().requires_grad_()
+        loss, m = cppo_loss_from_logits(
+            x, targets, adv, cu_seqlens=_cu(lengths), old_logprobs=old, ref_logprobs=ref, **options
+        )
+    _assert_close("loss", loss, want, 2e-5)
+    for key in want_m:
+        _assert_close(key, m[key], want_m[key], 1e-4)
+    upstream = float(torch.randn((), generator=g))
+    (got,) = _grads(loss, [x], upstream)
+    (exp,) = _grads(want, [x64], upstream)
+    if padded:
+        assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+        got = got[mask]
+    _assert_close("dlogits", got, exp, TOL[dtype][1])
+
+
+def test_empty_batch(backend):
+    """No tokens at all (and empty sequences): loss 0, zero gradients, no NaN."""
+    weight = torch.randn(50, 16, requires_grad=True)
+    for cu in (torch.tensor([0]), torch.tensor([0, 0, 0])):
+        hidden = torch.randn(0, 16, requires_grad=True)
+        adv = torch.randn(cu.numel() - 1)
+        for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            loss, metrics = fused_cppo_loss(
+                hidden, weight, torch.zeros(0, dtype=torch.long), adv, cu_seqlens=cu, loss_agg=agg,
+                max_completion_length=4, compute_entropy=True,
+            )  # fmt: skip
+            assert loss.item() == 0.0 and metrics["num_tokens"].item() == 0.0
+            dh, dw = torch.autograd.grad(loss * 2.0, [hidden, weight])
+            assert dh.shape == (0, 16) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_frozen_weight_and_entropy_only(backend):
+    """Gradients flow to whichever inputs require them (frozen LM head); the entropy metric is detached."""
+    hidden, weight, bias, targets, adv, _ = _problem(3, [5, 4], 16, 40, torch.float32, logit_scale=2.0, bias=True)
+    h = hidden.clone().requires_grad_()
+    loss, _ = fused_cppo_loss(h, weight, targets, adv, cu_seqlens=_cu([5, 4]), bias=bias, beta=0.0)
+    (dh,) = torch.autograd.grad(loss * 0.5, [h])
+    h64 = hidden.double().requires_grad_()
+    want, _ = reference.fused_cppo_loss(h64, weight.double(), targets, adv.double(), cu_seqlens=_cu([5, 4]),
+                                        bias=bias.double())  # fmt: skip
+    (exp,) = torch.autograd.grad(want * 0.5, [h64])
+    _assert_close("dhidden", dh, exp, TOL[torch.float32][1])
+
+    w = weight.clone().requires_grad_()
+    _, metrics = fused_cppo_loss(hidden, w, targets, adv, cu_seqlens=_cu([5, 4]), compute_entropy=True)
+    assert not metrics["entropy"].requires_grad
+
+
+def test_default_chunk_is_fixed(monkeypatch):
+    """The torch backend's chunk is a constant: results for 300 tokens equal those of each token's own chunk."""
+    monkeypatch.undo()
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
+    hidden, weight, _, targets, _, _ = _problem(5, [300], 32, 64, torch.float32, logit_scale=3.0, bias=False)
+    logp = fused_logprobs(hidden, weight, targets)
+    chunk = _loss_torch.ChunkConfig().tokens
+    assert chunk < 300
+    tail = fused_logprobs(hidden[chunk:], weight, targets[chunk:])
+    assert torch.equal(tail, logp[chunk:])
+    one = fused_logprobs(hidden[-1:], weight, targets[-1:])
+    assert torch.equal(one, logp[-1:])
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument
+# --------------------------------------------------------------------------------------------
+
+
+def _good():
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        hidden=torch.randn(7, 16, generator=g),
+        weight=torch.randn(30, 16, generator=g),
+        targets=torch.randint(0, 30, (7,), generator=g),
+        advantages=torch.randn(2, generator=g),
+        cu_seqlens=torch.tensor([0, 3, 7]),
+        old_logprobs=-torch.rand(7, generator=g),
+        ref_logprobs=-torch.rand(7, generator=g),
+        bias=torch.randn(30, generator=g),
+    )
+
+
+def _nan_at(x: torch.Tensor, value: float = float("nan")) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1)[1] = value
+    return x
+
+
+BAD = {
+    "hidden 1-D": (dict(hidden=torch.randn(7)), "hidden"),
+    "hidden int": (dict(hidden=torch.ones(7, 16, dtype=torch.long)), "hidden"),
+    "hidden float64": (dict(hidden=torch.randn(7, 16, dtype=torch.float64)), "hidden"),
+    "hidden nan": (dict(hidden=_nan_at(torch.randn(7, 16))), "hidden"),
+    "hidden inf": (dict(hidden=_nan_at(torch.randn(7, 16), float("inf"))), "hidden"),
+    "hidden 3-D with cu_seqlens": (dict(hidden=torch.randn(1, 7, 16)), "hidden"),
+    "weight dtype": (dict(weight=torch.randn(30, 16, dtype=torch.bfloat16)), "weight"),
+    "weight H": (dict(weight=torch.randn(30, 15)), "weight"),
+    "weight 1-D": (dict(weight=torch.randn(30)), "weight"),
+    "weight not tensor": (dict(weight=[[1.0]]), "weight"),
+    "bias shape": (dict(bias=torch.randn(29)), "bias"),
+    "bias dtype": (dict(bias=torch.randn(30, dtype=torch.float16)), "bias"),
+    "targets float": (dict(targets=torch.zeros(7)), "targets"),
+    "targets shape": (dict(targets=torch.zeros(6, dtype=torch.long)), "targets"),
+    "targets too large": (dict(targets=torch.full((7,), 30)), "targets"),
+    "targets negative": (dict(targets=torch.full((7,), -1)), "targets"),
+    "both layouts": (dict(mask=torch.ones(2, 7, dtype=torch.bool)), "cu_seqlens"),
+    "no layout": (dict(cu_seqlens=None), "cu_seqlens"),
+    "cu_seqlens 2-D": (dict(cu_seqlens=torch.tensor([[0, 3, 7]])), "cu_seqlens"),
+    "cu_seqlens float": (dict(cu_seqlens=torch.tensor([0.0, 3.0, 7.0])), "cu_seqlens"),
+    "cu_seqlens start": (dict(cu_seqlens=torch.tensor([1, 3, 7])), "cu_seqlens"),
+    "cu_seqlens decreasing": (dict(cu_seqlens=torch.tensor([0, 5, 3, 7]), advantages=torch.randn(3)), "cu_seqlens"),
+    "cu_seqlens end": (dict(cu_seqlens=torch.tensor([0, 3, 6])), "cu_seqlens"),
+    "advantages length": (dict(advantages=torch.randn(3)), "advantages"),
+    "advantages 2-D": (dict(advantages=torch.randn(2, 1)), "advantages"),
+    "advantages int": (dict(advantages=torch.ones(2, dtype=torch.long)), "advantages"),
+    "advantages nan": (dict(advantages=torch.tensor([0.0, float("nan")])), "advantages"),
+    "old_logprobs shape": (dict(old_logprobs=torch.zeros(6)), "old_logprobs"),
+    "old_logprobs inf": (dict(old_logprobs=_nan_at(torch.zeros(7), float("-inf"))), "old_logprobs"),
+    "ref_logprobs nan": (dict(ref_logprobs=_nan_at(torch.zeros(7))), "ref_logprobs"),
+    "ref_logprobs int": (dict(ref_logprobs=torch.zeros(7, dtype=torch.long)), "ref_logprobs"),
+    "beta without ref": (dict(ref_logprobs=None, beta=0.1), "ref_logprobs"),
+    "kl_estimator": (dict(kl_estimator="k4"), "kl_estimator"),
+    "importance_sampling": (dict(importance_sampling="seq"), "importance_sampling"),
+    "loss_agg": (dict(loss_agg="mean"), "loss_agg"),
+    "dr grpo without length": (dict(loss_agg="seq-mean-token-sum-norm"), "max_completion_length"),
+    "max_completion_length": (dict(max_completion_length=0), "max_completion_length"),
+    "temperature": (dict(temperature=0.0), "temperature"),
+    "epsilon_low": (dict(epsilon_low=-0.1), "epsilon_low"),
+    "epsilon_high": (dict(epsilon_high=float("nan")), "epsilon_high"),
+    "dual_clip": (dict(dual_clip=1.0), "dual_clip"),
+    "beta": (dict(beta=-1.0), "beta"),
+    "compute_entropy": (dict(compute_entropy="yes"), "compute_entropy"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_packed(case):
+    change, match = BAD[case]
+    with pytest.raises(ValueError, match=match):
+        fused_cppo_loss(**{**_good(), **change})
+
+
+def _good_padded():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    return dict(
+        hidden=torch.randn(2, 4, 16, generator=g),
+        weight=torch.randn(30, 16, generator=g),
+        targets=torch.randint(0, 30, (2, 4), generator=g),
+        advantages=torch.randn(2, generator=g),
+        mask=mask,
+        old_logprobs=-torch.rand(2, 4, generator=g),
+    )
+
+
+BAD_PADDED = {
+    "hidden 2-D with mask": (dict(hidden=torch.randn(8, 16)), "hidden"),
+    "mask shape": (dict(mask=torch.ones(2, 5, dtype=torch.bool)), "mask"),
+    "mask float": (dict(mask=torch.ones(2, 4)), "mask"),
+    "mask values": (dict(mask=torch.full((2, 4), 2)), "mask"),
+    "targets shape": (dict(targets=torch.zeros(2, 3, dtype=torch.long)), "targets"),
+    "targets out of range where valid": (dict(targets=torch.full((2, 4), 30)), "targets"),
+    "advantages length": (dict(advantages=torch.randn(3)), "advantages"),
+    "old_logprobs shape": (dict(old_logprobs=torch.zeros(8)), "old_logprobs"),
+    "old_logprobs nan where valid": (dict(old_logprobs=_nan_at(torch.zeros(2, 4))), "old_logprobs"),
+    "hidden nan where valid": (dict(hidden=_nan_at(torch.randn(2, 4, 16))), "hidden"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PADDED))
+def test_bad_input_padded(case):
+    change, match = BAD_PADDED[case]
+    with pytest.raises(ValueError, match=match):
+        fused_cppo_loss(**{**_good_padded(), **change})
+
+
+def test_padding_content_is_ignored():
+    """Garbage (NaN hidden, -100 targets, NaN log-probs) at padded positions is not an error."""
+    kwargs = _good_padded()
+    pad = ~kwargs["mask"]
+    kwargs["hidden"][pad] = float("nan")
+    kwargs["targets"][pad] = -100
+    kwargs["old_logprobs"][pad] = float("nan")
+    loss, _ = fused_cppo_loss(**kwargs)
+    assert torch.isfinite(loss)
+
+
+def test_bad_input_other_functions():
+    kw = _good()
+    with pytest.raises(ValueError, match="targets"):
+        fused_logprobs(kw["hidden"], kw["weight"], kw["targets"] + 30)
+    with pytest.raises(ValueError, match="hidden"):
+        fused_logprobs(kw["hidden"][0], kw["weight"], kw["targets"][0])
+    with pytest.raises(ValueError, match="weight"):
+        fused_logprobs(kw["hidden"], kw["weight"][:, :8], kw["targets"])
+    with pytest.raises(ValueError, match="temperature"):
+        fused_logprobs(kw["hidden"], kw["weight"], kw["targets"], temperature=-1.0)
+    logits = torch.randn(7, 30)
+    with pytest.raises(ValueError, match="logits"):
+        cppo_loss_from_logits(_nan_at(logits), kw["targets"], kw["advantages"], cu_seqlens=kw["cu_seqlens"])
+    with pytest.raises(ValueError, match="targets"):
+        cppo_loss_from_logits(logits, kw["targets"] - 1 - kw["targets"], kw["advantages"], cu_seqlens=kw["cu_seqlens"])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cppo_loss_from_logits(logits, kw["targets"], kw["advantages"])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        cppo_loss_from_logits(logits, kw["targets"], kw["advantages"], cu_seqlens=kw["cu_seqlens"], beta=0.1)
