@@ -1,0 +1,102 @@
+"""``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume]`` and
+``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cppo", description="CPPO training with fused kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train with a preset or a YAML config")
+    train.add_argument("--config", required=True, help="a preset name (tiny-cpu, ...) or a YAML file")
+    train.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    ev = sub.add_parser("eval", help="greedy accuracy of a model on a dataset's test split")
+    ev.add_argument("--model", required=True, help="tiny-qwen2, a checkpoint folder, a hub name or a .gguf file")
+    ev.add_argument("--dataset", default="arith", help="arith | gsm8k | math500 | a .jsonl file | a hub name")
+    ev.add_argument("--dataset-path", default=None, help="a .jsonl file or a folder with test.jsonl")
+    ev.add_argument("--limit", type=int, default=None, help="evaluate the first N problems")
+    ev.add_argument("--max-prompt-length", type=int, default=512)
+    ev.add_argument("--max-completion-length", type=int, default=512)
+    ev.add_argument("--system-prompt", default=None, help="replaces the default system prompt")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the tiny model's initialisation")
+    ev.add_argument("--output", default=None, help="also write the result as JSON to this file")
+    return parser
+
+
+def _train(args) -> int:
+    from . import checkpoint
+    from .config import load_config
+    from .trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    trainer = Trainer(config)
+    if args.resume:
+        path = checkpoint.latest(config.output_dir)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
+        trainer.load_checkpoint(path)
+        print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
+    history = trainer.train()
+    if history:
+        last = history[-1]
+        print(json.dumps({k: last[k] for k in ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")}))
+    return 0
+
+
+def _eval(args) -> int:
+    from .config import TrainConfig
+    from .data import load_problems
+    from .models import load_model_and_tokenizer, resolve_device
+    from .rollout import HFRollout
+    from .trainer import evaluate_model
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    model_path = args.model
+    if os.path.isdir(os.path.join(model_path, "model")):
+        model_path = os.path.join(model_path, "model")  # a checkpoint folder
+    TrainConfig(  # validates the settings eval shares with training before loading anything
+        model=args.model,
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length,
+        micro_batch_tokens=args.max_prompt_length + args.max_completion_length,
+    )
+    problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
+    model, tokenizer = load_model_and_tokenizer(
+        model_path, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed
+    )
+    rollout = HFRollout(
+        model, tokenizer, max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length
+    )
+    result = {
+        "model": args.model,
+        "dataset": args.dataset,
+        **evaluate_model(rollout, tokenizer, problems, system_prompt=args.system_prompt, batch_size=args.batch_size),
+    }
+    print(json.dumps(result))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _train(args) if args.command == "train" else _eval(args)
+    except ValueError as e:
+        print(f"cppo {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,256 @@
+"""Training configuration: one dataclass, loadable from a preset or a YAML file with ``key=value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from cppo_kernels.config import KL_ESTIMATORS, LOSS_AGGS
+
+PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
+TINY_MODELS = ("tiny-qwen2",)
+BUILTIN_DATASETS = ("arith", "gsm8k", "math500")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a CPPO run. ``validate()`` (run on construction) rejects bad values naming the setting.
+
+    Pruning: each question keeps ``round(group_size * (1 - pruning_rate))`` completions. With ``allocation`` a step
+    draws ``ceil(questions_per_step / (1 - pruning_rate))`` questions (rounded up, so a step never trains fewer
+    completions than GRPO would), else ``questions_per_step``.
+    """
+
+    # model
+    model: str = "tiny-qwen2"
+    model_config: dict | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    # data
+    dataset: str = "arith"
+    dataset_path: str | None = None
+    system_prompt: str | None = None  # None: the paper's prompt asking for <think>/<answer> tags
+    max_prompt_length: int = 512
+    max_completion_length: int = 1024
+    # sampling
+    group_size: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # pruning and allocation
+    pruning_rate: float = 0.0
+    selection_scope: str = "group"
+    selection_metric: str = "smallest"
+    allocation: bool = True
+    questions_per_step: int = 1
+    micro_batch_tokens: int = 4096
+    # loss
+    mu: int = 2
+    beta: float = 0.04
+    kl_estimator: str = "k3"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    loss_agg: str = "token-mean"
+    # optimiser
+    lr: float = 1e-6
+    lr_schedule: str = "cosine"
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    # length of the run
+    num_steps: int | None = None
+    num_epochs: int = 1
+    max_questions: int | None = None
+    # rewards and back-ends
+    rewards: list[str] = field(default_factory=lambda: ["format", "accuracy"])
+    rollout_backend: str = "auto"
+    kernel_backend: str = "auto"
+    # bookkeeping
+    seed: int = 0
+    output_dir: str = "runs/cppo"
+    save_every: int = 0
+    log_every: int = 1
+    eval_every: int = 0
+    eval_limit: int | None = None
+    preset: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def keep(self) -> int:
+        """Completions kept per question: ``round(G * (1 - P))``."""
+        return int(round(self.group_size * (1.0 - self.pruning_rate)))
+
+    @property
+    def questions_drawn(self) -> int:
+        """Questions a step draws: ``ceil(questions_per_step / (1 - P))`` with allocation, else questions_per_step."""
+        if not self.allocation:
+            return self.questions_per_step
+        # round() first so that e.g. 2 / (1 - 0.75) = 8.000000001 does not become 9
+        return math.ceil(round(self.questions_per_step / (1.0 - self.pruning_rate), 9))
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the first bad setting."""
+        for name, hint in _field_types().items():
+            _check_type(name, getattr(self, name), hint)
+        _positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
+        _positive(self, "micro_batch_tokens", "num_epochs", "log_every")
+        for name in ("num_steps", "max_questions", "eval_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
+        if not 0.0 <= self.pruning_rate < 1.0:
+            raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
+        if self.keep < 1:
+            raise ValueError(
+                f"pruning_rate={self.pruning_rate} with group_size={self.group_size} keeps "
+                f"round({self.group_size} * (1 - {self.pruning_rate})) = {self.keep} completions per question; "
+                "keep must be >= 1"
+            )
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
+        if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:
+            raise ValueError(
+                f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + max_completion_length "
+                f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
+            )
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("selection_scope", self.selection_scope, ("group", "batch"))
+        _choice("selection_metric", self.selection_metric, ("smallest", "largest", "random"))
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("rollout_backend", self.rollout_backend, ("auto", "hf", "vllm"))
+        _choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("beta", "epsilon_low", "lr", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high must be >= 0 or null, got {self.epsilon_high}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not self.rewards:
+            raise ValueError("rewards must name at least one reward function")
+        self._validate_paths()
+
+    def _validate_paths(self) -> None:
+        if self.dataset_path is not None and not os.path.exists(self.dataset_path):
+            raise ValueError(f"dataset_path {self.dataset_path!r} does not exist")
+        if self.dataset.endswith(".jsonl") and not os.path.isfile(self.dataset):
+            raise ValueError(f"dataset file {self.dataset!r} does not exist")
+        if self.model.endswith(".gguf") and not os.path.isfile(self.model):
+            raise ValueError(f"model file {self.model!r} does not exist")
+        if self.model.startswith("tiny-") and self.model not in TINY_MODELS:
+            raise ValueError(f"model {self.model!r}: the tiny models are {TINY_MODELS}")
+        if self.model_config is not None and not self.model.startswith("tiny-"):
+            raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _field_types() -> dict[str, typing.Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _alternatives(hint) -> tuple:
+    """``int | None`` -> (int, NoneType); ``list[str]`` -> (list[str],)."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _check_type(name: str, value, hint) -> None:
+    allowed = _alternatives(hint)
+    for t in allowed:
+        t = typing.get_origin(t) or t
+        if t is type(None) and value is None:
+            return
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if t is int and isinstance(value, bool):
+            continue
+        if isinstance(t, type) and t is not type(None) and isinstance(value, t):
+            return
+    raise ValueError(f"{name} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(hint) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "null")
+
+
+def _positive(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _coerce(name: str, value, hint):
+    """YAML reads ``1e-6`` as a string and ``2`` as an int: convert to the field's type where that is lossless."""
+    allowed = _alternatives(hint)
+    if float in allowed and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if list in [typing.get_origin(t) or t for t in allowed] and isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a preset name (``cppo/presets/NAME.yaml``) or a YAML file, then ``key=value``
+    overrides (values parsed as YAML scalars). Unknown keys raise ``ValueError`` naming the key."""
+    path = pathlib.Path(preset_or_yaml)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"config file {preset_or_yaml!r} does not exist")
+        preset = None
+    else:
+        if preset_or_yaml not in available_presets():
+            raise ValueError(f"unknown preset {preset_or_yaml!r}; presets: {available_presets()} (or pass a YAML path)")
+        preset, path = preset_or_yaml, PRESET_DIR / f"{preset_or_yaml}.yaml"
+    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} must look like key=value")
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    hints = _field_types()
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(
+            f"unknown setting {unknown[0]!r} in {str(path)!r} or overrides; known settings: {sorted(hints)}"
+        )
+    values = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+    values.setdefault("preset", preset)
+    return TrainConfig(**values)

@@ -1,0 +1,168 @@
+"""Datasets (GSM8K, MATH, a seeded arithmetic task), the reasoning prompt, and the seeded question sampler.
+
+A problem is a dict ``{"question": str, "answer": str, "kind": "gsm8k" | "math" | "arith"}``; ``kind`` picks
+the accuracy reward and the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
+)
+MATH_SUFFIX = " Put the final answer inside \\boxed{} within the answer tags."
+HUB_NAMES = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
+ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
+
+
+def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 20) -> list[dict]:
+    """``n`` seeded problems ``a op b`` with op in +, -, * and operands in [0, max_operand]."""
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(n):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-*")
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        problems.append({"question": f"What is {a} {op} {b}?", "answer": str(value), "kind": "arith"})
+    return problems
+
+
+def _gsm8k_gold(answer: str) -> str:
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def normalise_row(row: dict, *, source: str) -> dict:
+    """Maps a GSM8K row (question, answer with ``#### N``) or a MATH row (problem, answer or solution) to a problem."""
+    if "problem" in row:
+        answer = row.get("answer")
+        if answer is None:
+            from .rewards import last_boxed
+
+            answer = last_boxed(row.get("solution", ""))
+        if answer is None:
+            raise ValueError(f"{source}: a MATH row needs an 'answer' or a 'solution' with \\boxed{{}}")
+        return {"question": row["problem"], "answer": str(answer), "kind": "math"}
+    if "question" in row and "answer" in row:
+        answer = str(row["answer"])
+        kind = row.get("kind") or ("gsm8k" if "####" in answer or _is_number(answer) else "math")
+        gold = _gsm8k_gold(answer) if kind == "gsm8k" else answer
+        return {"question": row["question"], "answer": gold, "kind": kind}
+    raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [normalise_row(r, source=path) for r in rows]
+
+
+def load_problems(
+    dataset: str,
+    *,
+    split: str = "train",
+    dataset_path: str | None = None,
+    max_questions: int | None = None,
+    seed: int = 0,
+) -> list[dict]:
+    """Problems of ``dataset``: "arith" (generated; the test split uses other seeds), "gsm8k" / "math500" (from
+    ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
+    .jsonl path, or a hub dataset name. ``max_questions`` caps the count (the first ones)."""
+    if dataset == "arith":
+        problems = arithmetic_problems(max_questions or 10_000, seed=seed + ARITH_SPLIT_SEED.get(split, 7))
+    elif dataset.endswith(".jsonl"):
+        problems = read_jsonl(dataset)
+    elif dataset_path is not None:
+        path = dataset_path
+        if os.path.isdir(path):
+            name = "test" if dataset == "math500" else split
+            path = os.path.join(path, f"{name}.jsonl")
+        problems = read_jsonl(path)
+    else:
+        problems = _load_hub(dataset, split)
+    if not problems:
+        raise ValueError(f"dataset {dataset!r} ({split}) has no problems")
+    return problems[:max_questions] if max_questions else problems
+
+
+def _load_hub(dataset: str, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(
+            f"dataset {dataset!r}: pass dataset_path (a .jsonl file or a folder of them), or install `datasets` to "
+            "load it from the hub"
+        ) from e
+    name, config = HUB_NAMES.get(dataset, (dataset, None))
+    if dataset == "math500":
+        split = "test"
+    rows = datasets.load_dataset(name, config, split=split)
+    return [normalise_row(dict(r), source=name) for r in rows]
+
+
+def build_prompt(tokenizer, problem: dict, *, system_prompt: str | None = None) -> str:
+    """The chat prompt (system prompt, by default :data:`SYSTEM_PROMPT`, then the question) as text."""
+    system = (SYSTEM_PROMPT if system_prompt is None else system_prompt) + (
+        MATH_SUFFIX if problem["kind"] == "math" else ""
+    )
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": problem["question"]}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system}\n\nUser: {problem['question']}\nAssistant:"
+
+
+class QuestionSampler:
+    """Seeded, epoch-wise shuffled question order; ``draw(n)`` returns this rank's share of the next n questions.
+
+    Every rank walks the same global order; rank r takes the r-th of ``world_size`` equal slices of each draw
+    (``n`` must divide by ``world_size``). A draw that crosses an epoch end continues in the next epoch's order.
+    """
+
+    def __init__(self, num_questions: int, *, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        if num_questions < 1:
+            raise ValueError(f"num_questions must be >= 1, got {num_questions}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.num_questions, self.seed, self.rank, self.world_size = num_questions, seed, rank, world_size
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_questions, generator=g).tolist()
+
+    def draw(self, n: int) -> list[int]:
+        if n % self.world_size:
+            raise ValueError(f"questions per step ({n}) must divide by world_size ({self.world_size})")
+        picked: list[int] = []
+        order = self._order(self.epoch)
+        while len(picked) < n:
+            if self.position == self.num_questions:
+                self.epoch, self.position = self.epoch + 1, 0
+                order = self._order(self.epoch)
+            take = min(n - len(picked), self.num_questions - self.position)
+            picked += order[self.position : self.position + take]
+            self.position += take
+        share = n // self.world_size
+        return picked[self.rank * share : (self.rank + 1) * share]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

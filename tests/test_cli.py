@@ -1,0 +1,70 @@
+"""The command line: train (tiny-cpu end to end, resume) and eval."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cppo.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_train_tiny_cpu_preset_end_to_end(tmp_path):
+    """The whole tiny-cpu preset, as CI runs it: ``python -m cppo train --config tiny-cpu``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "cppo", "train", "--config", "tiny-cpu", "--set", f"output_dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert all(r["kept_fraction"] == 0.5 for r in records)
+    assert (tmp_path / "metrics.png").is_file()
+    assert (tmp_path / "checkpoint-000008" / "model" / "config.json").is_file()
+    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 8
+
+
+def test_resume_and_eval(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
+    common = [f"output_dir={tmp_path}", "group_size=4", "max_questions=32", "max_completion_length=8"]
+    assert main(["train", "--config", "tiny-cpu", "--set", "num_steps=2", "save_every=1", *common]) == 0
+    shutil.rmtree(tmp_path / "checkpoint-000002")  # as if killed before step 2's checkpoint: step 2 is redone
+    assert main(["train", "--config", "tiny-cpu", "--resume", "--set", "num_steps=3", *common]) == 0
+    assert "checkpoint-000001 at step 1" in capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    ckpt = tmp_path / "checkpoint-000003"
+    assert main(["eval", "--model", str(ckpt), "--dataset", "arith", "--limit", "4", "--max-completion-length", "8",
+                 "--output", str(tmp_path / "eval.json")]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["total"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text()) == result
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", "--config", "tiny-cpu", "--set", "pruning_rate=1.5"], "pruning_rate"),
+        (["train", "--config", "tiny-cpu", "--set", "bogus=1"], "bogus"),
+        (["eval", "--model", "tiny-qwen2", "--dataset", "nope.jsonl"], "nope.jsonl"),
+        (["eval", "--model", "tiny-qwen2", "--limit", "0"], "limit"),
+    ],
+)
+def test_bad_input_exits_with_a_message(argv, match, capsys, tmp_path):
+    assert main(argv + ([f"output_dir={tmp_path}"] if argv[0] == "train" else [])) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    assert main(["train", "--config", "tiny-cpu", "--resume", "--set", f"output_dir={tmp_path}"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err

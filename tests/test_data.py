@@ -1,0 +1,69 @@
+"""Datasets, prompts and the seeded question sampler."""
+
+import json
+
+import pytest
+
+from cppo.data import QuestionSampler, arithmetic_problems, build_prompt, load_problems, normalise_row
+from cppo.models import tiny_tokenizer
+
+
+def test_arithmetic_is_seeded_and_correct():
+    a, b = arithmetic_problems(50, seed=3), arithmetic_problems(50, seed=3)
+    assert a == b and a != arithmetic_problems(50, seed=4)
+    for p in a:
+        x, op, y = p["question"].removeprefix("What is ").removesuffix("?").split()
+        assert str(eval(f"{x} {op} {y}")) == p["answer"]
+    train, test = load_problems("arith", split="train"), load_problems("arith", split="test", max_questions=10)
+    assert len(test) == 10 and train[:10] != test
+
+
+def test_gsm8k_and_math_rows(tmp_path):
+    assert normalise_row({"question": "q", "answer": "steps\n#### 1,234"}, source="x") == {
+        "question": "q",
+        "answer": "1234",
+        "kind": "gsm8k",
+    }
+    row = normalise_row({"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}"}, source="x")
+    assert row["answer"] == "\\frac{1}{2}"
+    assert normalise_row({"problem": "p", "answer": "5"}, source="x")["kind"] == "math"
+    with pytest.raises(ValueError, match="rows need"):
+        normalise_row({"text": "x"}, source="file.jsonl")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(5)) + "\n")
+    assert [p["answer"] for p in load_problems(str(path), max_questions=3)] == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="does not exist"):
+        load_problems("gsm8k", dataset_path=str(tmp_path / "missing.jsonl"))
+
+
+def test_shared_datasets(shared_dir):
+    gsm = load_problems("gsm8k", split="test", dataset_path=str(shared_dir / "data" / "gsm8k"))
+    assert len(gsm) == 1319 and all(p["kind"] == "gsm8k" for p in gsm)
+    math = load_problems("math500", dataset_path=str(shared_dir / "data" / "math500"))
+    assert len(math) == 500 and all(p["kind"] == "math" for p in math)
+
+
+def test_prompt_asks_for_tags():
+    tok = tiny_tokenizer(300)
+    text = build_prompt(tok, {"question": "What is 1 + 2?", "answer": "3", "kind": "arith"})
+    assert "<think>" in text and "<answer>" in text and "What is 1 + 2?" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    math = build_prompt(tok, {"question": "q", "answer": "1", "kind": "math"}, system_prompt="S.")
+    assert "\\boxed{}" in math and "S." in math
+    assert tok.decode(tok(text)["input_ids"]) == text  # character-level round trip
+
+
+def test_sampler_epochs_resume_and_ranks():
+    s = QuestionSampler(10, seed=1)
+    first = s.draw(4) + s.draw(4)
+    crossing = s.draw(4)  # 2 from epoch 0, 2 from epoch 1
+    assert sorted(first + crossing[:2]) == list(range(10))
+    state = s.state_dict()
+    ahead = [s.draw(3) for _ in range(3)]
+    t = QuestionSampler(10, seed=1)
+    t.load_state_dict(state)
+    assert [t.draw(3) for _ in range(3)] == ahead
+    ranks = [QuestionSampler(10, seed=1, rank=r, world_size=2).draw(4) for r in range(2)]
+    assert ranks[0] + ranks[1] == QuestionSampler(10, seed=1).draw(4)
+    with pytest.raises(ValueError, match="world_size"):
+        QuestionSampler(10, world_size=2).draw(3)

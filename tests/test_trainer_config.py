@@ -1,0 +1,81 @@
+"""TrainConfig, presets and overrides; bad settings are rejected before any work, naming the setting."""
+
+import pytest
+
+from cppo import TrainConfig, Trainer, load_config
+from cppo.config import available_presets
+from cppo.models import lm_head
+
+
+def test_presets_load():
+    assert set(available_presets()) >= {"gsm8k-qwen2.5-1.5b", "math-qwen2.5-7b", "tiny-cpu", "smollm2-arith-cpu"}
+    for name in ("gsm8k-qwen2.5-1.5b", "math-qwen2.5-7b", "tiny-cpu"):
+        cfg = load_config(name)
+        assert cfg.preset == name
+    paper = load_config("gsm8k-qwen2.5-1.5b")
+    assert (paper.group_size, paper.lr, paper.beta, paper.mu, paper.epsilon_low) == (16, 1e-6, 0.04, 2, 0.2)
+    assert (paper.max_prompt_length, paper.max_completion_length, paper.kl_estimator) == (512, 1024, "k3")
+
+
+def test_overrides_are_yaml_scalars(tmp_path):
+    cfg = load_config("tiny-cpu", ["lr=1e-4", "pruning_rate=0.75", "rewards=format,accuracy", "epsilon_high=null"])
+    assert cfg.lr == 1e-4 and isinstance(cfg.lr, float)
+    assert cfg.rewards == ["format", "accuracy"] and cfg.epsilon_high is None
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny-qwen2\ngroup_size: 4\nmax_completion_length: 8\nmax_prompt_length: 8\n")
+    assert load_config(str(path), ["mu=1"]).mu == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["not_a_key=1"], "not_a_key"),
+        (["pruning_rate=1.0"], "pruning_rate"),
+        (["pruning_rate=-0.1"], "pruning_rate"),
+        (["group_size=4", "pruning_rate=0.9"], "keep must be >= 1"),
+        (["micro_batch_tokens=16"], "micro_batch_tokens"),
+        (["dataset=missing.jsonl"], "missing.jsonl"),
+        (["dataset_path=/nonexistent"], "dataset_path"),
+        (["loss_agg=mean"], "loss_agg"),
+        (["group_size=two"], "group_size"),
+        (["mu=0"], "mu"),
+        (["model=tiny-gpt"], "tiny"),
+        (["lr=abc"], "lr"),
+        (["oops"], "key=value"),
+    ],
+)
+def test_bad_settings_are_rejected(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config("tiny-cpu", overrides)
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        load_config("nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config("missing.yaml")
+
+
+def test_allocation_rounding():
+    base = dict(group_size=16, max_prompt_length=8, max_completion_length=8)
+    assert TrainConfig(**base, pruning_rate=0.875, questions_per_step=2).questions_drawn == 16
+    assert TrainConfig(**base, pruning_rate=0.75, questions_per_step=2).keep == 4
+    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3).questions_drawn == 6
+    assert TrainConfig(**base, pruning_rate=0.3, questions_per_step=2).questions_drawn == 3  # ceil(2.857)
+    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3, allocation=False).questions_drawn == 3
+
+
+def test_model_without_lm_head_is_rejected():
+    class NoHead:
+        def get_output_embeddings(self):
+            return None
+
+    with pytest.raises(ValueError, match="no LM head"):
+        lm_head(NoHead())
+
+
+def test_questions_must_divide_by_world_size(tmp_path):
+    cfg = TrainConfig(group_size=4, max_prompt_length=8, max_completion_length=8, questions_per_step=3)
+    assert cfg.questions_drawn == 3
+    with pytest.raises(ValueError, match="world_size"):
+        Trainer(cfg, rank=0, world_size=2)
