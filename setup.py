@@ -19,6 +19,7 @@ setup(
         "test": ["pytest>=8", "pytest-xdist", "hypothesis>=6.100", "liger-kernel>=0.6", "ruff"],
         "train": ["transformers>=4.46", "accelerate", "gguf", "math-verify", "tqdm", "pyyaml"],
         "bench": ["matplotlib"],
+        "hub": ["datasets"],
         "vllm": ["vllm"],
         "flash": ["flash-attn"],
     },
