@@ -1,5 +1,9 @@
 """``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume]`` and
-``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as JSON)."""
+``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as JSON).
+
+Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (and torchrun's ``--nnodes``,
+``--node-rank``, ``--rdzv-endpoint`` across nodes); ``parallelism`` (ddp | fsdp2) picks how the model is replicated.
+"""
 
 from __future__ import annotations
 
@@ -33,22 +37,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from . import checkpoint
+    from . import checkpoint, distributed
     from .config import load_config
     from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
-    trainer = Trainer(config)
-    if args.resume:
-        path = checkpoint.latest(config.output_dir)
-        if path is None:
-            raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
-        trainer.load_checkpoint(path)
-        print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
-    history = trainer.train()
-    if history:
-        last = history[-1]
-        print(json.dumps({k: last[k] for k in ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")}))
+    info = distributed.init_distributed(device=config.device)  # torchrun's process group, or one process
+    try:
+        trainer = Trainer(config, info=info)
+        if args.resume:
+            path = checkpoint.latest(config.output_dir)
+            if path is None:
+                raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
+            trainer.load_checkpoint(path)
+            distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
+        history = trainer.train()
+        if history:
+            last = history[-1]
+            keys = ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")
+            distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
+    finally:
+        distributed.close_distributed()
     return 0
 
 

@@ -75,6 +75,7 @@ class TrainConfig:
     kernel_backend: str = "auto"
     # bookkeeping
     seed: int = 0
+    parallelism: str = "ddp"
     output_dir: str = "runs/cppo"
     save_every: int = 0
     log_every: int = 1
@@ -126,7 +127,8 @@ class TrainConfig:
                 f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
             )
         _choice("dtype", self.dtype, DTYPES)
-        _choice("selection_scope", self.selection_scope, ("group", "batch"))
+        _choice("selection_scope", self.selection_scope, ("group", "batch", "global"))
+        _choice("parallelism", self.parallelism, ("none", "ddp", "fsdp2"))
         _choice("selection_metric", self.selection_metric, ("smallest", "largest", "random"))
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)

@@ -59,10 +59,12 @@ class HFRollout:
         max_completion_length: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        synced_gpus: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.temperature, self.top_p = temperature, top_p
+        self.synced_gpus = synced_gpus  # FSDP2: keep stepping until every rank is done (its blocks gather in step)
         self.eos_ids = _eos_ids(tokenizer, model)
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -100,7 +102,10 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=gen,
+            synced_gpus=self.synced_gpus,
         )  # [N, Lp + Lc]
         self.model.train(was_training)
         completions = [cut_after_eos(row, self.eos_ids, self.max_completion_length) for row in out[:, width:].tolist()]

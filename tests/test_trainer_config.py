@@ -4,6 +4,7 @@ import pytest
 
 from cppo import TrainConfig, Trainer, load_config
 from cppo.config import available_presets
+from cppo.distributed import DistInfo
 from cppo.models import lm_head
 
 
@@ -78,4 +79,4 @@ def test_questions_must_divide_by_world_size(tmp_path):
     cfg = TrainConfig(group_size=4, max_prompt_length=8, max_completion_length=8, questions_per_step=3)
     assert cfg.questions_drawn == 3
     with pytest.raises(ValueError, match="world_size"):
-        Trainer(cfg, rank=0, world_size=2)
+        Trainer(cfg, info=DistInfo(rank=0, world_size=2))

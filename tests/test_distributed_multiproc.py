@@ -1,0 +1,406 @@
+"""2-process tests of cppo.distributed on CPU (gloo), launched once through torchrun.
+
+This file is both the pytest module and the worker: the test runs ``python -m torch.distributed.run --standalone
+--nproc-per-node 2 <this file> OUT`` once, each rank runs every check in :data:`CHECKS` and writes
+``OUT/rank<r>.json`` (check name -> "ok" or the error), and the test asserts every check on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from cppo import distributed as D
+from cppo_kernels import LossConfig, reference
+
+WORLD = 2
+CHECKS: dict = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: each check runs on both ranks and raises AssertionError on a wrong result
+# --------------------------------------------------------------------------------------------
+
+
+def _global_advantages() -> tuple[torch.Tensor, list[int]]:
+    """5 groups of 4 (3 on rank 0, 2 on rank 1) with ties inside a rank and across ranks."""
+    adv = torch.tensor(
+        [0.5, -0.5, 1.0, -1.0]
+        + [0.0, 0.0, 2.0, 0.5]
+        + [0.5, -0.5, 0.1, 0.0]
+        + [1.0, -1.0, 0.5, 0.5]
+        + [-2.0, 0.1, 0.1, 0.5]
+    )  # [20]
+    return adv, [12, 8]
+
+
+def _mine(x: torch.Tensor, sizes: list[int], info: D.DistInfo) -> torch.Tensor:
+    start = sum(sizes[: info.rank])
+    return x[start : start + sizes[info.rank]]
+
+
+@check
+def global_selection_equals_single_process_batch(info):
+    adv, sizes = _global_advantages()
+    local = _mine(adv, sizes, info)
+    start = sum(sizes[: info.rank])
+    errors = []  # collected, not raised, so that both ranks run the same collectives whatever fails
+    for keep in (0, 1, 2, 3, 4):
+        for metric in ("smallest", "largest"):
+            got = D.select_across_ranks(local, 4, keep, scope="global", metric=metric, info=info)
+            gathered, _ = D.all_gather_varlen(got + start, info=info)
+            want = reference.select_completions(adv, 4, keep, scope="batch", metric=metric)
+            want_mine = want[(want >= start) & (want < start + sizes[info.rank])] - start
+            if not torch.equal(got, want_mine):
+                errors.append((keep, metric, got.tolist(), want_mine.tolist()))
+            if not torch.equal(gathered, want):  # survivors over the ranks = the 1-process choice
+                errors.append((keep, metric, gathered.tolist(), want.tolist()))
+    assert not errors, errors
+    # local scopes need no communication: they equal cppo_kernels on the local batch
+    for scope in ("group", "batch"):
+        got = D.select_across_ranks(local, 4, 2, scope=scope, info=info)
+        assert torch.equal(got, reference.select_completions(local, 4, 2, scope=scope)), scope
+
+
+@check
+def global_selection_bad_size_raises_on_every_rank(info):
+    local = torch.zeros(8 if info.rank == 0 else 6)  # rank 1 is not a whole number of groups of 4
+    try:
+        D.select_across_ranks(local, 4, 2, scope="global", info=info)
+    except ValueError as e:
+        assert "rank 1" in str(e) and "group_size=4" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError")
+
+
+@check
+def all_gather_varlen_with_an_empty_rank(info):
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2) if info.rank == 0 else torch.empty(0, 2)
+    gathered, sizes = D.all_gather_varlen(x, info=info)
+    assert sizes == [3, 0] and torch.equal(gathered, torch.arange(6, dtype=torch.float32).reshape(3, 2))
+
+
+def _local_sequences(info) -> D.SequenceShard:
+    """Rank 0 holds 5 sequences, rank 1 holds 2 long ones; ids are global, tokens encode (id, position)."""
+    lengths = [3, 9, 1, 4, 4] if info.rank == 0 else [12, 2]
+    ids = list(range(5)) if info.rank == 0 else [5, 6]
+    tokens = torch.cat([100 * i + torch.arange(n) for i, n in zip(ids, lengths)])  # [T]
+    return D.SequenceShard(
+        lengths=torch.tensor(lengths),
+        token_fields={"tokens": tokens, "logp": -tokens.double() / 1000},
+        seq_fields={"id": torch.tensor(ids), "adv": torch.tensor(ids, dtype=torch.float32) - 2.5},
+    )
+
+
+@check
+def balancing_is_a_balanced_partition(info):
+    out = D.balance_sequences(_local_sequences(info), info=info)
+    ids, _ = D.all_gather_varlen(out.seq_fields["id"], info=info)
+    all_loads, _ = D.all_gather_varlen(out.lengths.sum().reshape(1), info=info)
+    all_lengths = [3, 9, 1, 4, 4, 12, 2]
+    assert sorted(ids.tolist()) == list(range(7))  # every sequence on exactly one rank
+    assert all_loads.max() - all_loads.min() <= max(all_lengths), all_loads.tolist()
+    assert all_loads.tolist() in ([17, 18], [18, 17]), all_loads.tolist()  # before: 21 and 14
+    owner = D.lpt_assign(all_lengths, WORLD)
+    mine = [i for i, r in enumerate(owner) if r == info.rank]
+    assert out.seq_fields["id"].tolist() == mine  # exactly the LPT plan, in global order
+    # the fields travel with their sequence
+    expect_tokens = torch.cat([100 * i + torch.arange(all_lengths[i]) for i in mine])
+    assert torch.equal(out.token_fields["tokens"], expect_tokens)
+    assert torch.equal(out.token_fields["logp"], -expect_tokens.double() / 1000)
+    assert torch.equal(out.seq_fields["adv"], torch.tensor(mine, dtype=torch.float32) - 2.5)
+    assert out.lengths.tolist() == [all_lengths[i] for i in mine]
+
+
+@check
+def counts_and_reductions(info):
+    r = info.rank
+    counts = D.global_counts(num_tokens=10 + r, num_seqs=2 + 3 * r, info=info)
+    largest = D.max_across_ranks(4 - 3 * r, info=info)
+    local = {
+        "tokens": [30.0, 10.0][r],
+        "kl": [0.1, 0.5][r],  # a token-mean on each rank
+        "completions": [4, 4][r],
+        "reward_mean": [1.0, 2.0][r],
+        "time/step": [1.5, 2.5][r],
+        "ratio_min": [0.9, 0.8][r],
+        "zero_w": [0.0, 0.0][r],
+        "x": [3.0, 5.0][r],
+    }
+    specs = {
+        "tokens": "sum",
+        "kl": "mean:tokens",
+        "completions": "sum",
+        "reward_mean": "mean:completions",
+        "time/step": "max",
+        "ratio_min": "min",
+        "x": "mean:zero_w",  # weights sum to 0: plain mean
+    }
+    out = D.reduce_metrics(local, info=info, reductions=specs)
+    all_max = D.reduce_metrics(local, info=info, reductions=lambda name: "max")
+    assert counts == D.GlobalCounts(tokens=21, seqs=7) and largest == 4, (counts, largest)
+    want = {
+        "tokens": 40.0,
+        "kl": (0.1 * 30 + 0.5 * 10) / 40,
+        "completions": 8.0,
+        "reward_mean": 1.5,
+        "time/step": 2.5,
+        "ratio_min": 0.8,
+        "zero_w": 0.0,
+        "x": 4.0,
+    }
+    assert out.keys() == want.keys() and all(abs(out[k] - want[k]) < 1e-12 for k in want), out
+    assert isinstance(out["completions"], int) and isinstance(out["tokens"], float)  # int sums stay ints
+    assert all_max["x"] == 5.0 and all_max["ratio_min"] == 0.9
+
+
+@check
+def reduce_metrics_name_mismatch_raises_on_every_rank(info):
+    metrics = {"a": 1.0} if info.rank == 0 else {"a": 1.0, "b": 2.0}
+    try:
+        D.reduce_metrics(metrics, info=info)
+    except ValueError as e:
+        assert "'b'" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError")
+
+
+class ToyLM(nn.Module):
+    """Embedding, two residual blocks in a ModuleList, a tied LM head: the shape of a causal LM for the tests."""
+
+    def __init__(self, vocab: int = 13, hidden: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([nn.Linear(hidden, hidden) for _ in range(2)])
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # [T, H]
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return h
+
+
+def _toy_batch():
+    """7 sequences (1..6 tokens), token ids, targets, advantages, reference log-probs: the global batch."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [3, 1, 5, 2, 6, 4, 2]
+    t = sum(lengths)
+    return {
+        "lengths": lengths,
+        "ids": torch.randint(0, 13, (t,), generator=g),
+        "targets": torch.randint(0, 13, (t,), generator=g),
+        "adv": torch.randn(len(lengths), generator=g),
+        "ref": -torch.rand(t, generator=g) * 3,
+    }
+
+
+def _micro_loss(model_fn, head_of, batch, seqs: list[int], agg: str) -> tuple[torch.Tensor, int, int]:
+    """Loss of the sequences ``seqs`` aggregated with ``agg`` over themselves; (loss, tokens, seqs)."""
+    lengths = batch["lengths"]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in seqs])  # [T_m]
+    cu = torch.tensor([0] + [sum(lengths[i] for i in seqs[: k + 1]) for k in range(len(seqs))])  # [S_m + 1]
+    hidden = model_fn(batch["ids"][rows])  # [T_m, H]
+    weight = head_of()  # read after the forward (FSDP2 unshards the root during it)
+    cfg = LossConfig(beta=0.04, loss_agg=agg, max_completion_length=8)
+    loss, _ = reference.fused_cppo_loss(
+        hidden, weight, batch["targets"][rows], batch["adv"][seqs], cu_seqlens=cu, ref_logprobs=batch["ref"][rows],
+        config=cfg,
+    )  # fmt: skip
+    return loss, rows.numel(), len(seqs)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def _distributed_grads(info, parallelism: str, agg: str) -> tuple[dict, dict]:
+    batch = _toy_batch()
+    torch.manual_seed(0)
+    single = ToyLM()
+    state = {k: v.clone() for k, v in single.state_dict().items()}
+    loss, _, _ = _micro_loss(single.hidden_states, lambda: single.head.weight, batch, list(range(7)), agg)
+    loss.backward()
+    want = _grads(single)
+
+    model = ToyLM()
+    model.load_state_dict(state)
+    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    inner = D.unwrap_model(wrapped)
+    assert inner is model
+    # rank 0 holds sequences 0..3 in two micro-batches, rank 1 holds 4..6 in one: both run max_across_ranks passes,
+    # the short rank a dummy pass with weight 0, and only the last pass synchronises gradients
+    micro = [[0, 1], [2, 3]] if info.rank == 0 else [[4, 5, 6]]
+    local_tokens = sum(batch["lengths"][i] for m in micro for i in m)
+    counts = D.global_counts(num_tokens=local_tokens, num_seqs=sum(map(len, micro)), info=info)
+    passes = D.max_across_ranks(len(micro), info=info)
+    scale = D.grad_scale(parallelism=parallelism, info=info)
+    for k in range(passes):
+        seqs = micro[k] if k < len(micro) else micro[0]
+        with D.gradient_sync(wrapped, k == passes - 1):
+            loss, t, s = _micro_loss(wrapped, lambda: inner.head.weight, batch, seqs, agg)
+            share = (t / counts.tokens if agg == "token-mean" else s / counts.seqs) if k < len(micro) else 0.0
+            (loss * share * scale).backward()
+    assert counts == D.GlobalCounts(tokens=23, seqs=7), counts
+    return _grads(model), want
+
+
+def _assert_grads_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), (name, (got[name] - want[name]).abs().max())
+
+
+@check
+def ddp_gradient_equals_single_process(info):
+    aggs = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    runs = [_distributed_grads(info, "ddp", agg) for agg in aggs]
+    for got, want in runs:
+        _assert_grads_close(got, want)
+
+
+@check
+def fsdp2_gradient_equals_single_process(info):
+    runs = [_distributed_grads(info, "fsdp2", agg) for agg in ("token-mean", "seq-mean-token-mean")]
+    for got, want in runs:
+        _assert_grads_close(got, want)
+
+
+@check
+def fsdp2_root_unsharded_for_code_outside_forward(info):
+    torch.manual_seed(0)
+    model = ToyLM()
+    want = ToyLM()
+    want.load_state_dict(model.state_dict())
+    wrapped = D.wrap_model(model, parallelism="fsdp2", info=info, forward=lambda m, ids: m.hidden_states(ids))
+    ids = torch.tensor([1, 4, 2])
+    with D.root_unsharded(wrapped):
+        whole = type(model.embed.weight).__name__
+        h = model.hidden_states(ids)  # what generate does: the model's own code, the blocks gathering themselves
+    after = type(model.embed.weight).__name__
+    again = wrapped(ids)  # the wrapper is still the FSDP root after a block ran outside it
+    assert (whole, after) == ("Parameter", "DTensor"), (whole, after)
+    assert torch.allclose(h, want.hidden_states(ids)) and torch.allclose(again, h)
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in full.items()}
+
+
+def _checkpoint_round_trip(info, parallelism: str, root: pathlib.Path) -> None:
+    torch.manual_seed(0)
+    model = ToyLM()
+    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ids = torch.arange(5) + info.rank
+
+    def step():
+        (wrapped(ids).pow(2).mean()).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    step()
+    path = root / parallelism
+    rng = torch.Generator().manual_seed(100 + info.rank).get_state()
+    D.save_checkpoint(
+        path, module=wrapped, optimizer=opt, scheduler=sched, meta={"step": 1}, rank_state={"rng": rng}, info=info
+    )
+    saved = _full_params(model)
+    step()
+    assert any(not torch.equal(saved[n], p) for n, p in _full_params(model).items())
+    meta, state = D.load_checkpoint(path, module=wrapped, optimizer=opt, scheduler=sched, info=info)
+    assert meta["step"] == 1 and meta["world_size"] == 2
+    assert meta["format"] == ("dcp" if parallelism == "fsdp2" else "full")
+    assert torch.equal(state["rng"], rng)  # each rank gets its own state back
+    assert all(torch.equal(saved[n], p) for n, p in _full_params(model).items())
+    assert sched.last_epoch == 1
+    # the restored optimizer continues exactly as an uninterrupted one: one more step from both must agree
+    step()
+    after_resume = _full_params(model)
+    torch.manual_seed(0)
+    twin = ToyLM()
+    twin_wrapped = D.wrap_model(twin, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.05)
+    twin_sched = torch.optim.lr_scheduler.StepLR(twin_opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        (twin_wrapped(ids).pow(2).mean()).backward()
+        twin_opt.step()
+        twin_sched.step()
+        twin_opt.zero_grad()
+    assert all(torch.allclose(after_resume[n], p, rtol=0, atol=1e-7) for n, p in _full_params(twin).items())
+
+
+@check
+def ddp_checkpoint_round_trip(info, root):
+    _checkpoint_round_trip(info, "ddp", root)
+
+
+@check
+def fsdp2_checkpoint_round_trip(info, root):
+    _checkpoint_round_trip(info, "fsdp2", root)
+
+
+def worker(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    info = D.init_distributed(device="cpu", timeout_s=30)
+    assert info.world_size == WORLD
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(info, pathlib.Path(out_dir) / "ckpt") if "root" in fn.__code__.co_varnames else fn(info)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        # written after every check: if a failure leaves the ranks out of step, the checks so far are reported
+        pathlib.Path(out_dir, f"rank{info.rank}.json").write_text(json.dumps(results))
+        D.barrier(info)
+    D.close_distributed()
+
+
+# --------------------------------------------------------------------------------------------
+# pytest side
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_two_processes(tmp_path):
+    """Every check in CHECKS passes on both ranks (one test, so that pytest-xdist launches torchrun once)."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])  # the worker imports cppo from this checkout
+    path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CPPO_KERNELS_BACKEND": "torch", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    proc = subprocess.run(cmd + [__file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    found = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    failures = []
+    for name in CHECKS:
+        for rank in range(WORLD):
+            result = found.get(f"rank{rank}.json", {}).get(name, f"not reported; torchrun exited {proc.returncode}")
+            if result != "ok":
+                failures.append(f"{name} on rank {rank}:\n{result}")
+    assert not failures, "\n\n".join(failures) + f"\n{proc.stderr[-3000:]}"
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

@@ -1,0 +1,274 @@
+"""The trainer under torchrun on CPU (gloo, 2 processes): a 2-process run equals a 1-process run over the same global
+batch, for every selection scope, with DDP and FSDP2; resume under 2 processes equals an uninterrupted run.
+
+"The same global batch": the step's questions are the same (every rank walks the same seeded question order and
+takes its contiguous share, so the ranks' questions concatenated in rank order are the 1-process step's questions)
+and so are their completions: the worker samples each question's G completions with a seed of (step, prompt) alone
+(:class:`PerQuestionRollout`), so they do not depend on which process draws the question. Selection then compares as
+follows: "group" equals 1-process "group"; "global" on 2 ranks equals 1-process "batch" over the concatenated batch;
+"batch" on 2 ranks pools per rank, so the 1-process run pools each half of its batch separately.
+
+This file is also the worker: the first test runs it under ``torchrun --nproc-per-node 2`` (each rank writes
+``rank<r>.json``: check name -> "ok" or the error); the second runs ``torchrun -m cppo train`` twice (CLI resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import traceback
+import zlib
+
+import pytest
+import torch
+
+WORLD = 2
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCOPES = ("group", "batch", "global")
+CONFIG = {
+    "model": "tiny-qwen2",
+    "model_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
+    "device": "cpu",
+    "dataset": "arith",
+    "max_questions": 64,
+    "system_prompt": "Answer.",
+    "max_prompt_length": 48,
+    "max_completion_length": 8,
+    "micro_batch_tokens": 96,  # two or three sequences per micro-batch: several micro-batches per rank
+    "group_size": 4,
+    "pruning_rate": 0.5,
+    "questions_per_step": 2,  # 4 questions drawn with allocation: 2 per rank
+    "mu": 2,
+    "beta": 0.04,
+    "lr": 1e-3,
+    "lr_schedule": "constant",
+    "warmup_ratio": 0.0,
+    "num_steps": 2,
+    "rewards": ["digits", "tag_count"],
+    "rollout_backend": "hf",
+    "kernel_backend": "torch",
+}
+COMPARED = ("reward_mean", "completions", "completions_kept", "tokens_trained", "loss", "kl", "grad_norm")
+
+
+def _env() -> dict:
+    path = os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+
+
+class PerQuestionRollout:
+    """Samples each prompt's completions with a seed of (step, prompt) alone, through the trainer's own rollout."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.inner = trainer, trainer.rollout
+
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False):
+        from cppo.rollout import Rollout
+
+        parts = []
+        for p in prompts:
+            torch.manual_seed(zlib.crc32(f"{self.trainer.step}|{p}".encode()))
+            parts.append(self.inner.generate([p], num_per_prompt, greedy=greedy))
+        return Rollout(*(sum((getattr(r, f) for r in parts), []) for f in ("prompt_ids", "completion_ids", "texts")))
+
+    def sync_weights(self) -> None:
+        self.inner.sync_weights()
+
+
+def _trainer(info, output_dir: str, **overrides):
+    from cppo import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(**{**CONFIG, "output_dir": output_dir, **overrides}), info=info)
+    trainer.rollout = PerQuestionRollout(trainer)
+    return trainer
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in full.items()}
+
+
+def _run(trainer, steps: int) -> list[dict]:
+    return [trainer.train_step() for _ in range(steps)]
+
+
+def _per_half_batch_select(trainer):
+    """The 1-process counterpart of "batch" on 2 ranks: pool each rank's half of the batch separately."""
+    from cppo_kernels import group_advantages, select_completions
+
+    cfg = trainer.config
+
+    def select(rewards):
+        adv = group_advantages(rewards, cfg.group_size)  # [Q * G]
+        half = adv.numel() // WORLD
+        kept = [
+            select_completions(adv[r * half : (r + 1) * half], cfg.group_size, cfg.keep, scope="batch") + r * half
+            for r in range(WORLD)
+        ]
+        return adv, torch.cat(kept)
+
+    return select
+
+
+def _compare(got: dict, want: dict, got_hist: list[dict], want_hist: list[dict], *, atol: float) -> None:
+    assert got.keys() == want.keys()
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+    for step, (g, w) in enumerate(zip(got_hist, want_hist), 1):
+        for key in COMPARED:
+            assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (step, key, g[key], w[key])
+
+
+def worker(out_dir: str) -> None:
+    from cppo import distributed as D
+
+    torch.set_num_threads(1)
+    info = D.init_distributed(device="cpu", timeout_s=300)
+    out = pathlib.Path(out_dir)
+    results: dict[str, str] = {}
+
+    def record(name, fn):
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        (out / f"rank{info.rank}.json").write_text(json.dumps(results))
+
+    # phase 1, every rank together: the 2-process runs (each also checks that the ranks hold equal parameters).
+    # Rank 0 packs its 4 sequences into 1 micro-batch, rank 1 puts each in its own: rank 0 runs 3 weight-0 fillers
+    # to stay in step, and the 1-process runs below (one sequence per micro-batch) check that packing changes nothing.
+    import cppo.trainer
+    from cppo.packing import pack
+
+    pack_all = cppo.trainer.pack_all
+    if info.rank == 1:
+        cppo.trainer.pack_all = lambda samples, budget, *, device: [
+            pack(samples, [i], device=device) for i in range(len(samples))
+        ]
+    runs = {}
+    packed = {"micro_batch_tokens": 400}
+
+    def two_process(parallelism: str, scope: str):
+        name = str(out / f"{parallelism}-{scope}")
+        trainer = _trainer(info, name, parallelism=parallelism, selection_scope=scope, **packed)
+        history = _run(trainer, 2)
+        params = _params(trainer.model)
+        flat = torch.cat([p.reshape(-1) for p in params.values()])
+        gathered, _ = D.all_gather_varlen(flat, info=info)
+        runs[parallelism, scope] = (params, history)
+        assert torch.equal(gathered[: flat.numel()], gathered[flat.numel() :]), "the ranks' parameters differ"
+        assert history[-1]["completions"] == 16 and history[-1]["completions_kept"] == 8, history[-1]
+        assert history[-1]["micro_batches"] == 1 + 4, history[-1]  # fillers are not counted
+
+    for scope in SCOPES:
+        record(f"ddp_{scope}_ranks_agree", lambda scope=scope: two_process("ddp", scope))
+    record("fsdp2_global_ranks_agree", lambda: two_process("fsdp2", "global"))
+
+    def resume(parallelism: str):
+        path = str(out / f"resume-{parallelism}")
+        first = _trainer(info, path, parallelism=parallelism, selection_scope="global", **packed)
+        _run(first, 1)
+        ckpt = first.save_checkpoint(os.path.join(path, "checkpoint-000001"))
+        second = _trainer(info, path, parallelism=parallelism, selection_scope="global", **packed)
+        second.load_checkpoint(ckpt)
+        assert second.step == 1
+        history = _run(second, 1)
+        want_params, want_history = runs[parallelism, "global"]
+        _compare(_params(second.model), want_params, history, want_history[1:], atol=1e-7)
+
+    record("ddp_resume_matches_uninterrupted", lambda: resume("ddp"))
+    record("fsdp2_resume_matches_uninterrupted", lambda: resume("fsdp2"))
+    cppo.trainer.pack_all = pack_all
+    D.barrier(info)
+
+    # phase 2, no communication: 1-process references, rank 0 for "group" and "global", rank 1 for "batch"
+    single = D.DistInfo()
+
+    def reference(scope: str):
+        one_scope = "batch" if scope == "global" else scope
+        trainer = _trainer(single, str(out / f"single-{scope}-{info.rank}"), selection_scope=one_scope)
+        if scope == "batch":
+            trainer._select = _per_half_batch_select(trainer)
+        history = _run(trainer, 2)
+        want_params = _params(trainer.model)
+        for parallelism in ("ddp", "fsdp2"):
+            if (parallelism, scope) in runs:
+                got_params, got_history = runs[parallelism, scope]
+                _compare(got_params, want_params, got_history, history, atol=1e-5)
+
+    for scope in ("group", "global") if info.rank == 0 else ("batch",):
+        record(f"two_processes_match_one_{scope}", lambda scope=scope: reference(scope))
+    D.barrier(info)
+    D.close_distributed()
+
+
+# --------------------------------------------------------------------------------------------
+# pytest side
+# --------------------------------------------------------------------------------------------
+
+CHECKS = [f"ddp_{s}_ranks_agree" for s in SCOPES] + ["fsdp2_global_ranks_agree"]
+CHECKS += ["ddp_resume_matches_uninterrupted", "fsdp2_resume_matches_uninterrupted"]
+# the 1-process comparisons run on one rank each
+OWNER = {"two_processes_match_one_group": 0, "two_processes_match_one_global": 0, "two_processes_match_one_batch": 1}
+
+
+def _torchrun(args: list[str], *, timeout: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *args]
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+def test_two_process_training_equals_one_process(tmp_path):
+    """All worker checks: the ranks agree, 2 processes equal 1 (each scope, DDP and FSDP2), resume equals an
+    uninterrupted run (one test, so that pytest-xdist launches the worker once)."""
+    proc = _torchrun([__file__, str(tmp_path)], timeout=400)
+    found = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    expected = [(name, rank) for name in CHECKS for rank in range(WORLD)] + [(n, r) for n, r in OWNER.items()]
+    failures = []
+    for name, rank in expected:
+        result = found.get(f"rank{rank}.json", {}).get(name, f"not reported; torchrun exited {proc.returncode}")
+        if result != "ok":
+            failures.append(f"{name} on rank {rank}:\n{result}")
+    assert not failures, "\n\n".join(failures) + f"\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.distributed
+def test_cli_resume_under_torchrun(tmp_path):
+    """``torchrun -m cppo train``: an uninterrupted 2-step run, then ``--resume`` from its step-1 checkpoint gives
+    the same step-2 weights; only rank 0 writes metrics; evaluation is split over the ranks."""
+    import yaml
+    from safetensors.torch import load_file
+
+    cfg = {**CONFIG, "output_dir": str(tmp_path / "run"), "save_every": 1, "eval_every": 2, "eval_limit": 3}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    train = ["-m", "cppo", "train", "--config", str(tmp_path / "cfg.yaml")]
+    proc = _torchrun(train, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]  # one writer
+    assert json.loads(lines[-1])["completions"] == 16  # metrics of both ranks
+    assert json.loads(lines[-1])["eval/total"] == 3  # the ranks split the 3 test problems and add up their counts
+    final = run / "checkpoint-000002" / "model" / "model.safetensors"
+    want = load_file(final)
+    (run / "checkpoint-000002").rename(tmp_path / "uninterrupted")
+    proc = _torchrun(train + ["--resume"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "checkpoint-000001" in proc.stderr
+    got = load_file(final)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-7), name
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
