@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import glob
 import os
 import time
 
 import torch
 
-from cppo_kernels import cppo_select, fused_cppo_loss, fused_logprobs, group_advantages
+from cppo_kernels import cppo_select, fused_cppo_loss, fused_logprobs, group_advantages, use_backend
 
 from . import checkpoint, distributed, metrics
 from .config import TrainConfig
@@ -48,6 +49,19 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+def _on_kernel_backend(method):
+    """Runs ``method`` with the kernels on ``config.kernel_backend`` (``auto`` leaves ``$CPPO_KERNELS_BACKEND``
+    in charge); the process environment is never modified."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        backend = self.config.kernel_backend
+        with contextlib.nullcontext() if backend == "auto" else use_backend(backend):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Trainer:
     """CPPO training of ``config.model``, in one process or one rank of a torchrun job.
 
@@ -62,8 +76,6 @@ class Trainer:
         world_size = self.world_size
         if config.questions_drawn % world_size:
             raise ValueError(f"questions per step ({config.questions_drawn}) must divide by world_size ({world_size})")
-        if config.kernel_backend != "auto":
-            os.environ["CPPO_KERNELS_BACKEND"] = config.kernel_backend
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
@@ -115,6 +127,7 @@ class Trainer:
     # One step
     # ------------------------------------------------------------------------------------------------------
 
+    @_on_kernel_backend
     def train_step(self) -> dict[str, float]:
         """One CPPO step; returns its metrics (docs/training.md lists them)."""
         cfg, G = self.config, self.config.group_size

@@ -6,6 +6,7 @@ Public API::
     from cppo_kernels import fused_cppo_loss, fused_logprobs, cppo_loss_from_logits, LossConfig
 """
 
+from ._dispatch import use_backend
 from .advantages import cppo_select, group_advantages, select_completions
 from .config import LossConfig
 from .loss import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
@@ -20,5 +21,6 @@ __all__ = [
     "fused_logprobs",
     "cppo_loss_from_logits",
     "LossConfig",
+    "use_backend",
     "__version__",
 ]

@@ -6,16 +6,24 @@
 - ``triton``: always Triton. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
   ``cppo_kernels`` is imported (that is how the tests exercise the kernels without a GPU).
 - ``torch``: always the PyTorch path.
+
+:func:`use_backend` forces a backend inside a ``with`` block (it takes precedence over the
+environment variable and leaves the environment untouched), which is how the trainer honours its
+``kernel_backend`` setting.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 
 import torch
 
 _ENV = "CPPO_KERNELS_BACKEND"
 _CHOICES = ("auto", "triton", "torch")
+_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cppo_kernels_backend", default=None)
 
 
 def triton_available() -> bool:
@@ -31,12 +39,34 @@ def interpreter_enabled() -> bool:
 
 
 def requested_backend(backend: str | None = None) -> str:
-    """The backend asked for: the ``backend`` argument, else ``$CPPO_KERNELS_BACKEND``, else ``auto``."""
-    choice = (backend if backend is not None else os.environ.get(_ENV, "auto")).strip().lower()
-    if choice not in _CHOICES:
-        source = "backend" if backend is not None else _ENV
+    """The backend asked for: the ``backend`` argument, else the innermost :func:`use_backend`, else
+    ``$CPPO_KERNELS_BACKEND``, else ``auto``."""
+    override = _OVERRIDE.get()
+    if backend is not None:
+        choice, source = backend, "backend"
+    elif override is not None:
+        choice, source = override, "use_backend"
+    else:
+        choice, source = os.environ.get(_ENV, "auto"), _ENV
+    return _normalise(choice, source)
+
+
+def _normalise(choice, source: str) -> str:
+    name = choice.strip().lower() if isinstance(choice, str) else choice
+    if name not in _CHOICES:
         raise ValueError(f"{source} must be one of {_CHOICES}, got {choice!r}")
-    return choice
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Runs the ops inside the block on ``backend`` (``auto``, ``triton`` or ``torch``), whatever
+    ``$CPPO_KERNELS_BACKEND`` says. Nests; thread- and task-local (a context variable)."""
+    token = _OVERRIDE.set(_normalise(backend, "use_backend"))  # validated before anything runs
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:

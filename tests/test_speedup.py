@@ -241,8 +241,7 @@ TINY = (
 )
 
 
-def test_main_smoke(speedup, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "auto")  # the trainer exports kernel_backend: restore it afterwards
+def test_main_smoke(speedup, tmp_path, capsys):
     argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.5", "--questions", "2"]
     argv += ["--max-new-tokens", "4", "--backend", "torch", "--out", str(tmp_path), "--no-progress", "--no-warmup"]
     result = speedup.main(argv)
@@ -273,8 +272,7 @@ def test_main_smoke(speedup, tmp_path, capsys, monkeypatch):
     assert "| P | keep |" in out and "1.81x" in out
 
 
-def test_main_smoke_without_allocation_sequential(speedup, tmp_path, monkeypatch):
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "auto")
+def test_main_smoke_without_allocation_sequential(speedup, tmp_path):
     argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.75", "--questions", "2"]
     argv += ["--max-new-tokens", "3", "--no-allocation", "--schedule", "sequential", "--questions-per-step", "2"]
     argv += ["--out", str(tmp_path), "--no-progress", "--no-warmup", "--no-plot"]

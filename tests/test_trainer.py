@@ -220,3 +220,26 @@ def test_train_writes_metrics_plot_and_checkpoint(tmp_path):
         assert history[0][f"time/{phase}"] >= 0
     result = trainer.evaluate(limit=3)
     assert result["total"] == 3 and 0 <= result["accuracy"] <= 1
+
+
+def test_kernel_backend_is_scoped_to_the_step(tmp_path, monkeypatch):
+    """kernel_backend applies inside the step without touching the process environment."""
+    import cppo.trainer as trainer_module
+
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "auto")
+    seen = []
+    real = trainer_module.cppo_select
+
+    def spy(*args, **kwargs):
+        from cppo_kernels._dispatch import requested_backend
+
+        seen.append(requested_backend())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "cppo_select", spy)
+    trainer = Trainer(tiny_config(tmp_path, kernel_backend="torch", num_steps=1, mu=1, beta=0.0))
+    trainer.train_step()
+    assert seen == ["torch"]
+    import os
+
+    assert os.environ["CPPO_KERNELS_BACKEND"] == "auto"
