@@ -403,8 +403,7 @@ def _logprobs_bwd_dz_kernel(
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=mask_t[:, None] & (rv < V - v0)[None, :])
 
 
-@triton.jit
-def _matmul_kernel(
+def _matmul(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -447,6 +446,12 @@ def _matmul_kernel(
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# The token dimension of a chunk (M of dz @ W, K of dz^T @ X) changes every step: not specialised, so a new token
+# count never compiles a new binary. The other dimensions (V, H) keep their divisibility for vectorised loads.
+_matmul_dhidden_kernel = triton.jit(do_not_specialize=["M"])(_matmul)
+_matmul_dweight_kernel = triton.jit(do_not_specialize=["K"])(_matmul)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -679,12 +684,12 @@ def _bwd_chunked(
         )  # fmt: skip
         if dhidden is not None and H > 0:
             out = dhidden[c0 : c0 + n]  # [n, H]
-            _matmul_kernel[(triton.cdiv(n, bt), triton.cdiv(H, bo))](
+            _matmul_dhidden_kernel[(triton.cdiv(n, bt), triton.cdiv(H, bo))](
                 d, weight, out, n, H, V, d.stride(0), 1, weight.stride(0), 1, out.stride(0),
                 ACCUMULATE=False, BLOCK_M=bt, BLOCK_N=bo, BLOCK_K=bv, **mm,
             )  # fmt: skip
         if dw_acc is not None and H > 0:  # dz^T: [V, n] with strides (1, d.stride(0))
-            _matmul_kernel[(triton.cdiv(V, bv), triton.cdiv(H, bo))](
+            _matmul_dweight_kernel[(triton.cdiv(V, bv), triton.cdiv(H, bo))](
                 d, x, dw_acc, V, H, n, 1, d.stride(0), x.stride(0), 1, dw_acc.stride(0),
                 ACCUMULATE=c0 > 0, BLOCK_M=bv, BLOCK_N=bo, BLOCK_K=bt, **mm,
             )  # fmt: skip

@@ -31,8 +31,8 @@ CASES = [(h, "bf16") for h in (896, 1536, 2048, 3584, 4096)] + [(1536, "fp16"), 
 KERNELS = {
     "fwd": "_logprobs_fwd_kernel",
     "bwd_dz": "_logprobs_bwd_dz_kernel",
-    "matmul_dhidden": "_matmul_kernel",  # dhidden = dz @ W
-    "matmul_dweight": "_matmul_kernel",  # dweight (fp32) += dz^T @ X
+    "matmul_dhidden": "_matmul_dhidden_kernel",  # dhidden = dz @ W
+    "matmul_dweight": "_matmul_dweight_kernel",  # dweight (fp32) += dz^T @ X
     "slab_dhidden": "_logprobs_bwd_dhidden_kernel",  # the no-scratch backward (dz_chunk_bytes=0)
     "slab_dweight": "_logprobs_bwd_dweight_kernel",
 }

@@ -362,9 +362,18 @@ def test_cuda_default_config_matches_reference(T, H, V, dtype):
 def test_new_token_count_or_temperature_does_not_recompile():
     hidden, weight, targets, b = _problem(64, 128, 1000, torch.bfloat16, bias=False, scale=1.0, seed=0)
     hidden, weight, targets = hidden.cuda(), weight.cuda(), targets.cuda()
-    cache = K._logprobs_fwd_kernel.device_caches[torch.cuda.current_device()][0]
-    K.logprobs_fwd(hidden, weight, targets, temperature=1.0)
-    n = len(cache)
+    kernels = (K._logprobs_fwd_kernel, K._logprobs_bwd_dz_kernel, K._matmul_dhidden_kernel, K._matmul_dweight_kernel)
+
+    def run(T, temperature):
+        _, lse, _ = K.logprobs_fwd(hidden[:T], weight, targets[:T], temperature=temperature)
+        grad = torch.randn(T, device="cuda")
+        K.logprobs_bwd(hidden[:T], weight, targets[:T], None, lse, grad, temperature=temperature)
+
+    def compiled():
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+
+    run(64, 1.0)
+    n = compiled()
     for T, temperature in ((37, 0.6), (1, 1.7), (48, 1.0)):
-        K.logprobs_fwd(hidden[:T], weight, targets[:T], temperature=temperature)
-    assert len(cache) == n
+        run(T, temperature)
+    assert compiled() == n
