@@ -93,7 +93,7 @@ class HFRollout:
             do_sample=not greedy,
             temperature=None if greedy else self.temperature,
             top_p=None if greedy else self.top_p,
-            top_k=0,  # None would fall back to the model's or the global default (50); 0 disables top-k
+            top_k=None if greedy else 0,  # sampling: 0 disables top-k (None would fall back to the default 50)
             repetition_penalty=1.0,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=pad,
