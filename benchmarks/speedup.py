@@ -51,8 +51,6 @@ from fractions import Fraction
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # run from a checkout: `python benchmarks/speedup.py` finds cppo without an install
 DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
 

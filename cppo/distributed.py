@@ -15,8 +15,8 @@ trainer has one code path. The data flow of a distributed step:
    update of the concatenated batch;
 5. metrics are reduced across ranks (:func:`reduce_metrics`) and only rank 0 prints and writes (``DistInfo.is_main``).
 
-Collectives are tensor collectives on the rank's device (nccl on CUDA, gloo on CPU), except one small object
-all-gather that checks that every rank reduces the same metric names (a mismatch would otherwise hang).
+Collectives are tensor collectives on the rank's device (nccl on CUDA, gloo on CPU); the only object collective
+runs when the ranks report different metric names, to name them in the error.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import heapq
+import itertools
 import json
 import os
 import pathlib
 import shutil
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -195,22 +197,31 @@ def question_slice(num_questions: int, *, info: DistInfo) -> slice:
 def all_gather_varlen(x: torch.Tensor, *, info: DistInfo) -> tuple[torch.Tensor, list[int]]:
     """Concatenation over ranks (in rank order) of tensors whose first dimension differs per rank.
 
-    Returns ``(gathered [sum n_r, ...], [n_0, ..., n_{W-1}])``. Trailing dimensions and dtype must agree.
+    Returns ``(gathered [sum n_r, ...], [n_0, ..., n_{W-1}])``. Trailing dimensions and dtype must agree. ``x`` may
+    live on any device: the collectives run on ``info.device`` and ``gathered`` comes back on ``x.device``.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"x must be a tensor with at least one dimension, got {type(x).__name__}")
     if not info.distributed:
         return x, [x.shape[0]]
     _require_group(info)
-    n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    n = torch.tensor([x.shape[0]], dtype=torch.int64, device=info.device)
     sizes_t = [torch.zeros_like(n) for _ in range(info.world_size)]
     dist.all_gather(sizes_t, n)
-    sizes = [int(s.item()) for s in sizes_t]
-    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))  # [max n, ...]
+    sizes = torch.cat(sizes_t).tolist()  # one host sync for all ranks
+    return _gather_known_sizes(x, sizes, info=info), sizes
+
+
+def _gather_known_sizes(x: torch.Tensor, sizes: list[int], *, info: DistInfo) -> torch.Tensor:
+    """:func:`all_gather_varlen` when every rank's row count ``sizes`` is already known (one collective).
+
+    The collective runs on ``info.device`` (nccl takes CUDA tensors only, gloo CPU ones); the result comes back on
+    ``x.device``."""
+    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]), device=info.device)  # [max n, ...]
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in range(info.world_size)]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)]), sizes
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(x.device)
 
 
 def select_across_ranks(
@@ -291,9 +302,13 @@ class SequenceShard:
         """The sequences ``index`` (in that order)."""
         index = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device)  # [K]
         lengths = self.lengths.long()
-        starts = torch.cumsum(lengths, 0) - lengths  # [S]
-        pieces = [torch.arange(int(starts[i]), int(starts[i] + lengths[i]), device=lengths.device) for i in index]
-        rows = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=lengths.device)  # [T']
+        starts = torch.cumsum(lengths, 0) - lengths  # [S] first row of each sequence
+        picked = lengths[index]  # [K]
+        out_starts = torch.cumsum(picked, 0) - picked  # [K] first row of each picked sequence in the result
+        total = int(picked.sum())
+        # row j of picked sequence k (output row out_starts[k] + j) is input row starts[index[k]] + j
+        shift = torch.repeat_interleave(starts[index] - out_starts, picked, output_size=total)  # [T']
+        rows = shift + torch.arange(total, device=lengths.device)  # [T']
         return SequenceShard(
             lengths=self.lengths[index],
             token_fields={k: v[rows.to(v.device)] for k, v in self.token_fields.items()},
@@ -328,16 +343,22 @@ def balance_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tens
     partition: each sequence lands on exactly one rank. A rank gets nothing only when there are fewer sequences
     than ranks. In a single process the input comes back unchanged.
     """
+    if costs is not None and tuple(costs.shape) != (local.num_seqs,):
+        raise ValueError(f"costs must have shape [S] = ({local.num_seqs},), got {tuple(costs.shape)}")
     if not info.distributed:
         return local
-    lengths, _ = all_gather_varlen(local.lengths.long(), info=info)  # [S_all]
-    cost_all = lengths if costs is None else all_gather_varlen(costs.long(), info=info)[0]  # [S_all]
+    lengths, seq_sizes = all_gather_varlen(local.lengths.long(), info=info)  # [S_all]
+    host_lengths = lengths.tolist()
+    bounds = list(itertools.accumulate(seq_sizes, initial=0))
+    tok_sizes = [sum(host_lengths[a:b]) for a, b in zip(bounds, bounds[1:])]  # tokens per rank
+    # every rank's row counts are known now: each field takes one collective (fields in the same order on all ranks)
     gathered = SequenceShard(
         lengths=lengths,
-        token_fields={k: all_gather_varlen(v, info=info)[0] for k, v in sorted(local.token_fields.items())},
-        seq_fields={k: all_gather_varlen(v, info=info)[0] for k, v in sorted(local.seq_fields.items())},
+        token_fields={k: _gather_known_sizes(v, tok_sizes, info=info) for k, v in sorted(local.token_fields.items())},
+        seq_fields={k: _gather_known_sizes(v, seq_sizes, info=info) for k, v in sorted(local.seq_fields.items())},
     )
-    owner = lpt_assign(cost_all.tolist(), info.world_size)
+    cost_all = host_lengths if costs is None else _gather_known_sizes(costs.long(), seq_sizes, info=info).tolist()
+    owner = lpt_assign(cost_all, info.world_size)
     return gathered.select([i for i, r in enumerate(owner) if r == info.rank])
 
 
@@ -361,7 +382,8 @@ def global_counts(*, num_tokens: int, num_seqs: int, info: DistInfo) -> GlobalCo
     _require_group(info)
     t = torch.tensor([int(num_tokens), int(num_seqs)], dtype=torch.int64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return GlobalCounts(tokens=int(t[0]), seqs=int(t[1]))
+    tokens, seqs = t.tolist()  # one host sync
+    return GlobalCounts(tokens=tokens, seqs=seqs)
 
 
 def grad_scale(*, parallelism: str, info: DistInfo) -> float:
@@ -418,35 +440,40 @@ def reduce_metrics(
     if not info.distributed:
         return dict(metrics)
     _require_group(info)
-    all_names: list = [None] * info.world_size
-    dist.all_gather_object(all_names, names)
-    if any(other != names for other in all_names):
+    dev = info.device
+    # the tensors below have one slot per name: check that every rank has the same names first (a mismatch would
+    # hang or mix metrics); the max of (crc, -crc) over ranks shows whether all crcs agree
+    crc = zlib.crc32("\n".join(names).encode())
+    check = torch.tensor([crc, -crc], dtype=torch.int64, device=dev)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    hi, neg_lo = check.tolist()
+    if hi != -neg_lo:  # every rank sees this: only now gather the names, to say which differ
+        all_names: list = [None] * info.world_size
+        dist.all_gather_object(all_names, names)
         differ = sorted(set().union(*map(set, all_names)) - set.intersection(*map(set, all_names)))
         raise ValueError(f"ranks report different metrics ({differ[:5]}): every rank must report the same names")
-    dev = info.device
+    k = len(names)
+    local = [values[n] for n in names]
     weights = [values[specs[n][1]] if specs[n][1] else 1.0 for n in names]
-    sums = torch.tensor([values[n] * w for n, w in zip(names, weights)] + weights, dtype=torch.float64, device=dev)
-    mins = torch.tensor([values[n] for n in names], dtype=torch.float64, device=dev)
-    maxs = mins.clone()
-    plain = mins.clone()
+    # [plain sums | weighted sums | weight sums] and [minima | -maxima]: two collectives, one host sync each
+    sums = torch.tensor(local + [v * w for v, w in zip(local, weights)] + weights, dtype=torch.float64, device=dev)
+    mins = torch.tensor(local + [-v for v in local], dtype=torch.float64, device=dev)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     dist.all_reduce(mins, op=dist.ReduceOp.MIN)
-    dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
-    dist.all_reduce(plain, op=dist.ReduceOp.SUM)
+    sums_l, mins_l = sums.tolist(), mins.tolist()
     out = {}
-    k = len(names)
     for i, n in enumerate(names):
         op, w = specs[n]
         if op == "sum":
-            out[n] = float(plain[i])
+            out[n] = sums_l[i]
         elif op == "min":
-            out[n] = float(mins[i])
+            out[n] = mins_l[i]
         elif op == "max":
-            out[n] = float(maxs[i])
-        elif w is not None and float(sums[k + i]) != 0.0:
-            out[n] = float(sums[i] / sums[k + i])
+            out[n] = -mins_l[k + i]
+        elif w is not None and sums_l[2 * k + i] != 0.0:
+            out[n] = sums_l[k + i] / sums_l[2 * k + i]
         else:
-            out[n] = float(plain[i]) / info.world_size
+            out[n] = sums_l[i] / info.world_size
         if op != "mean" and isinstance(metrics[n], int) and not isinstance(metrics[n], bool):
             out[n] = int(round(out[n]))
     return {n: out[n] for n in metrics}  # in the caller's order

@@ -97,6 +97,30 @@ def test_sequence_shard_select_and_validation():
         D.SequenceShard(lengths=torch.tensor([1.0]))
 
 
+@given(st.lists(st.integers(0, 4), max_size=8), st.data())
+def test_sequence_shard_select_matches_slicing(lengths, data):
+    """Any index (repeats, any order, empty sequences): each picked sequence's rows, one after another."""
+    index = data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=10) if lengths else st.just([]))
+    total = sum(lengths)
+    shard = D.SequenceShard(
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        token_fields={"ids": torch.arange(total), "pair": torch.arange(2.0 * total).reshape(total, 2)},
+        seq_fields={"n": torch.tensor(lengths, dtype=torch.long)},
+    )
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = [r for i in index for r in range(starts[i], starts[i] + lengths[i])]
+    sub = shard.select(index)
+    assert sub.lengths.tolist() == sub.seq_fields["n"].tolist() == [lengths[i] for i in index]
+    assert sub.token_fields["ids"].tolist() == rows
+    assert torch.equal(sub.token_fields["pair"], shard.token_fields["pair"][torch.tensor(rows, dtype=torch.long)])
+
+
+def test_balance_sequences_rejects_costs_of_the_wrong_shape():
+    shard = D.SequenceShard(lengths=torch.tensor([1, 2]), token_fields={"t": torch.tensor([7, 8, 9])})
+    with pytest.raises(ValueError, match="costs"):
+        D.balance_sequences(shard, info=SINGLE, costs=torch.tensor([1, 2, 3]))
+
+
 def test_single_process_collectives_are_local():
     x = torch.arange(6.0).reshape(3, 2)
     gathered, sizes = D.all_gather_varlen(x, info=SINGLE)

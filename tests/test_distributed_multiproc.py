@@ -399,6 +399,8 @@ def test_two_processes(tmp_path):
             result = found.get(f"rank{rank}.json", {}).get(name, f"not reported; torchrun exited {proc.returncode}")
             if result != "ok":
                 failures.append(f"{name} on rank {rank}:\n{result}")
+    if proc.returncode != 0:  # every check passed but a rank failed afterwards (e.g. tearing down the group)
+        failures.append(f"torchrun exited {proc.returncode}")
     assert not failures, "\n\n".join(failures) + f"\n{proc.stderr[-3000:]}"
 
 
