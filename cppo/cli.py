@@ -62,27 +62,24 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from .config import TrainConfig
+    from cppo_kernels._validate import check_int
+
+    from .config import check_model_and_data
     from .data import load_problems
     from .models import load_model_and_tokenizer, resolve_device
     from .rollout import HFRollout
     from .trainer import evaluate_model
 
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.limit is not None:
+        check_int("--limit", args.limit, low=1)
+    for flag in ("max_prompt_length", "max_completion_length", "batch_size"):
+        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
+    check_model_and_data(
+        model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
+    )
     model_path = args.model
     if os.path.isdir(os.path.join(model_path, "model")):
         model_path = os.path.join(model_path, "model")  # a checkpoint folder
-    TrainConfig(  # validates the settings eval shares with training before loading anything
-        model=args.model,
-        dataset=args.dataset,
-        dataset_path=args.dataset_path,
-        dtype=args.dtype,
-        device=args.device,
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_completion_length,
-        micro_batch_tokens=args.max_prompt_length + args.max_completion_length,
-    )
     problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
     model, tokenizer = load_model_and_tokenizer(
         model_path, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed

@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from cppo_kernels.config import KL_ESTIMATORS, LOSS_AGGS
+from cppo_kernels import LossConfig
+from cppo_kernels._validate import METRICS, check_choice
+
+from .distributed import PARALLELISMS, SELECTION_SCOPES
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 TINY_MODELS = ("tiny-qwen2",)
-BUILTIN_DATASETS = ("arith", "gsm8k", "math500")
+BUILTIN_DATASETS = ("arith", "gsm8k", "math", "math500")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -99,6 +102,20 @@ class TrainConfig:
         # round() first so that e.g. 2 / (1 - 0.75) = 8.000000001 does not become 9
         return math.ceil(round(self.questions_per_step / (1.0 - self.pruning_rate), 9))
 
+    @property
+    def loss_config(self) -> LossConfig:
+        """The options of ``fused_cppo_loss``, with entropy (a step metric); ``LossConfig`` validates them."""
+        return LossConfig(
+            temperature=self.temperature,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            kl_estimator=self.kl_estimator,
+            loss_agg=self.loss_agg,
+            max_completion_length=self.max_completion_length,
+            compute_entropy=True,
+        )
+
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first bad setting."""
         for name, hint in _field_types().items():
@@ -126,46 +143,58 @@ class TrainConfig:
                 f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + max_completion_length "
                 f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
             )
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("selection_scope", self.selection_scope, ("group", "batch", "global"))
-        _choice("parallelism", self.parallelism, ("none", "ddp", "fsdp2"))
-        _choice("selection_metric", self.selection_metric, ("smallest", "largest", "random"))
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _choice("rollout_backend", self.rollout_backend, ("auto", "hf", "vllm"))
-        _choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_choice("selection_scope", self.selection_scope, SELECTION_SCOPES)
+        check_choice("parallelism", self.parallelism, PARALLELISMS)
+        check_choice("selection_metric", self.selection_metric, METRICS)
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("rollout_backend", self.rollout_backend, ("auto", "hf", "vllm"))
+        check_choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("beta", "epsilon_low", "lr", "weight_decay", "max_grad_norm"):
+        for name in ("lr", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ValueError(f"epsilon_high must be >= 0 or null, got {self.epsilon_high}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.rewards:
             raise ValueError("rewards must name at least one reward function")
-        self._validate_paths()
-
-    def _validate_paths(self) -> None:
-        if self.dataset_path is not None and not os.path.exists(self.dataset_path):
-            raise ValueError(f"dataset_path {self.dataset_path!r} does not exist")
-        if self.dataset.endswith(".jsonl") and not os.path.isfile(self.dataset):
-            raise ValueError(f"dataset file {self.dataset!r} does not exist")
-        if self.model.endswith(".gguf") and not os.path.isfile(self.model):
-            raise ValueError(f"model file {self.model!r} does not exist")
-        if self.model.startswith("tiny-") and self.model not in TINY_MODELS:
-            raise ValueError(f"model {self.model!r}: the tiny models are {TINY_MODELS}")
-        if self.model_config is not None and not self.model.startswith("tiny-"):
-            raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+        check_model_and_data(
+            model=self.model,
+            model_config=self.model_config,
+            dataset=self.dataset,
+            dataset_path=self.dataset_path,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_model_and_data(
+    *,
+    model: str,
+    dataset: str,
+    dataset_path: str | None = None,
+    model_config: dict | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+) -> None:
+    """The checks training and ``cppo eval`` share, before anything loads: ``ValueError`` naming the setting."""
+    check_choice("dtype", dtype, DTYPES)
+    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dataset_path is not None and not os.path.exists(dataset_path):
+        raise ValueError(f"dataset_path {dataset_path!r} does not exist")
+    if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
+        raise ValueError(f"dataset file {dataset!r} does not exist")
+    if model.endswith(".gguf") and not os.path.isfile(model):
+        raise ValueError(f"model file {model!r} does not exist")
+    if model.startswith("tiny-") and model not in TINY_MODELS:
+        raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
+    if model_config is not None and not model.startswith("tiny-"):
+        raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
 
 
 def _field_types() -> dict[str, typing.Any]:
@@ -201,11 +230,6 @@ def _positive(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def _coerce(name: str, value, hint):

@@ -35,6 +35,11 @@ def cut_after_eos(ids: list[int], eos_ids: set[int], max_length: int) -> list[in
     return ids
 
 
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
+    """Token ids of each prompt, truncated on the left to ``max_prompt_length``."""
+    return [p[-max_prompt_length:] for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+
+
 def _eos_ids(tokenizer, model) -> set[int]:
     eos = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -67,17 +72,14 @@ class HFRollout:
         self.synced_gpus = synced_gpus  # FSDP2: keep stepping until every rank is done (its blocks gather in step)
         self.eos_ids = _eos_ids(tokenizer, model)
 
-    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids of each prompt, truncated on the left to ``max_prompt_length``."""
-        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return [p[-self.max_prompt_length :] for p in ids]
-
     @torch.no_grad()
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
         """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first)."""
         from transformers import GenerationConfig
 
-        prompt_ids = [p for p in self.encode_prompts(prompts) for _ in range(num_per_prompt)]
+        prompt_ids = [
+            p for p in encode_prompts(self.tokenizer, prompts, self.max_prompt_length) for _ in range(num_per_prompt)
+        ]
         if not prompt_ids:
             return Rollout([], [], [])
         device = self.model.device
@@ -150,7 +152,7 @@ class VLLMRollout:
         )
 
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
-        ids = [p[-self.max_prompt_length :] for p in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        ids = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
         params = self.vllm.SamplingParams(
             n=num_per_prompt,
             temperature=0.0 if greedy else self.temperature,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import glob
 import os
@@ -111,16 +112,7 @@ class Trainer:
             if not isinstance(self.rollout, HFRollout):
                 raise ValueError("parallelism='fsdp2' generates with transformers: set rollout_backend='hf'")
             self.rollout.synced_gpus = True  # the blocks gather their shards in every forward: ranks stay in step
-        self.loss_options = {
-            "temperature": config.temperature,
-            "epsilon_low": config.epsilon_low,
-            "epsilon_high": config.epsilon_high,
-            "beta": config.beta,
-            "kl_estimator": config.kl_estimator,
-            "loss_agg": config.loss_agg,
-            "max_completion_length": config.max_completion_length,
-            "compute_entropy": True,
-        }
+        self.loss_options = dataclasses.asdict(config.loss_config)  # keyword options of fused_cppo_loss
         self.step = 0
 
     # ------------------------------------------------------------------------------------------------------
@@ -150,7 +142,8 @@ class Trainer:
         with timer("select"):
             advantages, kept = self._select(rewards)  # [Q * G], this rank's survivors
             samples = [
-                Sample(rollout.prompt_ids[i], rollout.completion_ids[i], float(advantages[i])) for i in kept.tolist()
+                Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
+                for i, a in zip(kept.tolist(), advantages[kept].tolist())
             ]
             num_kept = len(samples)
             samples = self._balance(samples)
@@ -164,28 +157,32 @@ class Trainer:
 
         total_tokens, total_seqs = self._batch_counts(batches[:num_real])
         scale = distributed.grad_scale(parallelism=cfg.parallelism, info=self.info)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+        # per micro-batch: its share of the batch loss (0 for a filler pass, which only keeps the ranks in step) and
+        # of the token-mean metrics; the same in every one of the mu updates
+        weights = [
+            loss_weight(
+                cfg.loss_agg,
+                num_tokens=b.num_tokens,
+                num_seqs=b.num_seqs,
+                total_tokens=total_tokens,
+                total_seqs=total_seqs,
+            )
+            if k < num_real
+            else 0.0
+            for k, b in enumerate(batches)
+        ]
+        shares = [b.num_tokens / max(total_tokens, 1) / cfg.mu for b in batches[:num_real]]
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, kl, clip_fraction, entropy
         for _ in range(cfg.mu):
             with timer("update"):
                 for k, (b, old_b, ref_b) in enumerate(zip(batches, old, ref)):
-                    weight = loss_weight(
-                        cfg.loss_agg,
-                        num_tokens=b.num_tokens,
-                        num_seqs=b.num_seqs,
-                        total_tokens=total_tokens,
-                        total_seqs=total_seqs,
-                    )
-                    weight = weight if k < num_real else 0.0  # a filler pass only keeps the ranks in step
                     with distributed.gradient_sync(self.policy, k == len(batches) - 1):
                         loss, stats = self._policy_loss(b, old_b, ref_b)
-                        (loss * (weight * scale)).backward()
-                    if k >= num_real:
-                        continue
-                    sums["loss"] += float(loss.detach()) * weight / cfg.mu
-                    share = b.num_tokens / max(total_tokens, 1) / cfg.mu
-                    sums["kl"] += float(stats["kl"]) * share
-                    sums["clip_fraction"] += float(stats["clip_fraction_low"] + stats["clip_fraction_high"]) * share
-                    sums["entropy"] += float(stats["entropy"]) * share
+                        (loss * (weights[k] * scale)).backward()
+                    if k < num_real:  # summed on the device: one host sync per step, after the updates
+                        clip = stats["clip_fraction_low"] + stats["clip_fraction_high"]
+                        part = torch.stack([loss.detach(), stats["kl"], clip, stats["entropy"]]).double()
+                        sums += part * part.new_tensor([weights[k] / cfg.mu, shares[k], shares[k], shares[k]])
             with timer("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
@@ -212,10 +209,7 @@ class Trainer:
             "tokens_trained": sum(b.num_tokens for b in batches[:num_real]) * cfg.mu,
             "tokens_forward": sum(b.num_input_tokens for b in batches[:num_real]) * passes,
             "micro_batches": num_real,
-            "loss": sums["loss"],
-            "kl": sums["kl"],
-            "clip_fraction": sums["clip_fraction"],
-            "entropy": sums["entropy"],
+            **dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())),
             "grad_norm": float(grad_norm),
             "lr": self.scheduler.get_last_lr()[0],
         }
@@ -227,8 +221,9 @@ class Trainer:
     # Stages
     # ------------------------------------------------------------------------------------------------------
 
-    def _step_seed(self) -> int:
-        return (self.config.seed * 1_000_003 + self.step) * 64 + self.rank
+    def _step_seed(self, rank: int | None = None) -> int:
+        """This step's seed for ``rank`` (default: this rank's)."""
+        return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
 
     @property
     def _sharded(self) -> bool:
@@ -246,7 +241,7 @@ class Trainer:
         cfg = self.config
         if cfg.selection_scope == "global" and self.info.distributed:
             # every rank selects over the gathered batch: random scores must be drawn alike on all ranks
-            gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + self.step) * 64)
+            gen = torch.Generator().manual_seed(self._step_seed(rank=0))
             advantages = group_advantages(rewards, cfg.group_size)  # [Q * G]
             kept = distributed.select_across_ranks(
                 advantages,
@@ -277,12 +272,11 @@ class Trainer:
         )
         costs = torch.tensor([s.num_input_tokens for s in samples], dtype=torch.long)
         mine = distributed.balance_sequences(local, info=self.info, costs=costs)
-        out, start = [], 0
+        flat, out, start = mine.token_fields["ids"].tolist(), [], 0  # one copy to the host, not one per sequence
         for n, p, a in zip(
             mine.lengths.tolist(), mine.seq_fields["prompt_length"].tolist(), mine.seq_fields["advantage"].tolist()
         ):
-            seq = mine.token_fields["ids"][start : start + n].tolist()
-            out.append(Sample(seq[:p], seq[p:], a))
+            out.append(Sample(flat[start : start + p], flat[start + p : start + n], a))
             start += n
         return out
 

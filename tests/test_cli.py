@@ -57,7 +57,11 @@ def test_resume_and_eval(tmp_path, capsys, monkeypatch):
         (["train", "--config", "tiny-cpu", "--set", "pruning_rate=1.5"], "pruning_rate"),
         (["train", "--config", "tiny-cpu", "--set", "bogus=1"], "bogus"),
         (["eval", "--model", "tiny-qwen2", "--dataset", "nope.jsonl"], "nope.jsonl"),
-        (["eval", "--model", "tiny-qwen2", "--limit", "0"], "limit"),
+        (["eval", "--model", "tiny-qwen2", "--limit", "0"], "--limit"),
+        (["eval", "--model", "tiny-qwen2", "--max-completion-length", "0"], "--max-completion-length"),
+        (["eval", "--model", "tiny-qwen2", "--batch-size", "0"], "--batch-size"),
+        (["eval", "--model", "tiny-qwen2", "--dtype", "float8"], "dtype"),
+        (["eval", "--model", "missing.gguf"], "missing.gguf"),
     ],
 )
 def test_bad_input_exits_with_a_message(argv, match, capsys, tmp_path):

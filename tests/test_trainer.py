@@ -93,7 +93,9 @@ def test_p0_step_equals_grpo_on_padded_batches(tmp_path, loss_agg):
     adv = reference.group_advantages(rewards, cfg.group_size)
     ids, attn, mask = padded(rollout, list(range(len(rewards))))
     targets = ids[:, 1:]
-    loss_cfg = LossConfig(beta=cfg.beta, loss_agg=loss_agg, max_completion_length=cfg.max_completion_length)
+    loss_cfg = LossConfig(
+        beta=cfg.beta, loss_agg=loss_agg, max_completion_length=cfg.max_completion_length, compute_entropy=True
+    )
     opt = torch.optim.SGD(baseline.parameters(), lr=lr)
 
     def logprobs(model):
@@ -103,9 +105,10 @@ def test_p0_step_equals_grpo_on_padded_batches(tmp_path, loss_agg):
     with torch.no_grad():
         old = logprobs(baseline)[0]
     ref = old.clone()  # the reference model is the initial model
+    want_metrics = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}  # means over the mu updates
     for _ in range(cfg.mu):
         _, hidden = logprobs(baseline)
-        loss, _ = reference.fused_cppo_loss(
+        loss, stats = reference.fused_cppo_loss(
             hidden,
             lm_head(baseline)[0],
             targets,
@@ -115,6 +118,14 @@ def test_p0_step_equals_grpo_on_padded_batches(tmp_path, loss_agg):
             ref_logprobs=ref,
             config=loss_cfg,
         )
+        clip = stats["clip_fraction_low"] + stats["clip_fraction_high"]
+        for key, value in (
+            ("loss", loss.detach()),
+            ("kl", stats["kl"]),
+            ("clip_fraction", clip),
+            ("entropy", stats["entropy"]),
+        ):
+            want_metrics[key] += float(value) / cfg.mu
         loss.backward()
         torch.nn.utils.clip_grad_norm_(baseline.parameters(), cfg.max_grad_norm)
         opt.step()
@@ -127,6 +138,9 @@ def test_p0_step_equals_grpo_on_padded_batches(tmp_path, loss_agg):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
         moved = max(moved, float((want - init).detach().abs().max()))
     assert moved > 1e-3  # the update is not trivially zero
+    for key, want in want_metrics.items():  # the reported metrics are those of the whole batch
+        assert metrics[key] == pytest.approx(want, rel=1e-4, abs=1e-6), key
+    assert want_metrics["kl"] > 0 and want_metrics["entropy"] > 0  # the second update moved away from the reference
 
 
 def count_forward_tokens(trainer):
