@@ -19,7 +19,11 @@ SYSTEM_PROMPT = (
     "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
 )
 MATH_SUFFIX = " Put the final answer inside \\boxed{} within the answer tags."
-HUB_NAMES = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
+HUB_NAMES = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", None),  # the MATH training set (7,500 problems)
+    "math500": ("HuggingFaceH4/MATH-500", None),
+}
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
 
 
@@ -81,9 +85,19 @@ def load_problems(
     max_questions: int | None = None,
     seed: int = 0,
 ) -> list[dict]:
-    """Problems of ``dataset``: "arith" (generated; the test split uses other seeds), "gsm8k" / "math500" (from
-    ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
-    .jsonl path, or a hub dataset name. ``max_questions`` caps the count (the first ones)."""
+    """Problems of ``dataset``: "arith" (generated; the test split uses other seeds), "gsm8k" / "math" / "math500"
+    (from ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
+    .jsonl path, or a hub dataset name. ``max_questions`` caps the count (the first ones).
+
+    "math500" is an evaluation set only: asking for its train split is an error (train on "math", the MATH
+    training set). The test split of "math" is MATH-500, the set the paper's recipe reports."""
+    if dataset == "math500" and split != "test":
+        raise ValueError(
+            "dataset 'math500' (MATH-500) is an evaluation set: train on dataset=math (the MATH training set) or a "
+            ".jsonl path, and evaluate on math500"
+        )
+    if dataset == "math" and split == "test":
+        dataset = "math500"
     if dataset == "arith":
         problems = arithmetic_problems(max_questions or 10_000, seed=seed + ARITH_SPLIT_SEED.get(split, 7))
     elif dataset.endswith(".jsonl"):

@@ -39,8 +39,15 @@ def test_gsm8k_and_math_rows(tmp_path):
 def test_shared_datasets(shared_dir):
     gsm = load_problems("gsm8k", split="test", dataset_path=str(shared_dir / "data" / "gsm8k"))
     assert len(gsm) == 1319 and all(p["kind"] == "gsm8k" for p in gsm)
-    math = load_problems("math500", dataset_path=str(shared_dir / "data" / "math500"))
+    math = load_problems("math500", split="test", dataset_path=str(shared_dir / "data" / "math500"))
     assert len(math) == 500 and all(p["kind"] == "math" for p in math)
+    via_math = load_problems("math", split="test", dataset_path=str(shared_dir / "data" / "math500"))
+    assert via_math == math  # the test split of MATH is MATH-500
+
+
+def test_math500_is_not_a_training_set(tmp_path):
+    with pytest.raises(ValueError, match="math500.*evaluation set"):
+        load_problems("math500", split="train", dataset_path=str(tmp_path))
 
 
 def test_prompt_asks_for_tags():
