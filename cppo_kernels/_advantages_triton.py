@@ -406,19 +406,9 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
 def group_advantages(
     rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
 ) -> torch.Tensor:
-    """Triton path of :func:`cppo_kernels.group_advantages`: one launch (two for ``scale="batch"``)."""
-    num_groups = reference.check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
-    x = rewards.detach().contiguous()  # [N]
-    adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
-    if num_groups == 0:
-        return adv
-    ddof = int(unbiased)
-    std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
-    _launch_group(
-        x, adv, std, adv, adv, num_groups, group_size, 0, eps, ddof,
-        compute=_compute_dtype(x), scale=scale, mode=MODE_ADVANTAGES, metric="smallest",
-    )  # fmt: skip
-    return adv
+    """Triton path of :func:`cppo_kernels.group_advantages`: the advantages of :func:`cppo_select` with
+    ``keep=0``, one launch (two for ``scale="batch"``)."""
+    return cppo_select(rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps)[0]
 
 
 def select_completions(
@@ -479,7 +469,7 @@ def cppo_select(
         return adv, idx
     std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
     idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
-    mode = MODE_FUSED if scope == "group" else MODE_ADVANTAGES
+    mode = MODE_FUSED if scope == "group" and keep > 0 else MODE_ADVANTAGES  # keep=0: no rank pass
     _launch_group(
         x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof,
         compute=compute, scale=scale, mode=mode, metric=metric,

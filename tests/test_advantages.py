@@ -269,19 +269,35 @@ def test_triton_launch_counts(monkeypatch):
     calls = []
     for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
         real = getattr(_advantages_triton, name)
-        monkeypatch.setattr(_advantages_triton, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+
+        def record(*a, _n=name, _f=real, **k):
+            calls.append((_n, k.get("mode")))
+            return _f(*a, **k)
+
+        monkeypatch.setattr(_advantages_triton, name, record)
     rewards = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(0)).float()
+    fused, adv_only = _advantages_triton.MODE_FUSED, _advantages_triton.MODE_ADVANTAGES
+    std = ("_launch_batch_std", None)
     expected = {
-        ("group", "group"): ["_launch_group"],
-        ("group", "none"): ["_launch_group"],
-        ("group", "batch"): ["_launch_batch_std", "_launch_group"],
-        ("batch", "group"): ["_launch_batch"],
-        ("batch", "batch"): ["_launch_batch"],
+        ("group", "group", 4): [("_launch_group", fused)],
+        ("group", "none", 4): [("_launch_group", fused)],
+        ("group", "batch", 4): [std, ("_launch_group", fused)],
+        ("batch", "group", 4): [("_launch_batch", fused)],
+        ("batch", "batch", 4): [("_launch_batch", fused)],
+        ("group", "group", 0): [("_launch_group", adv_only)],  # nothing to rank
+        ("batch", "batch", 0): [std, ("_launch_group", adv_only)],
     }
-    for (scope, scale), launches in expected.items():
+    for (scope, scale, keep), launches in expected.items():
         calls.clear()
-        cppo_select(rewards, 16, 4, scope=scope, scale=scale)
-        assert calls == launches, (scope, scale, calls)
+        cppo_select(rewards, 16, keep, scope=scope, scale=scale)
+        assert calls == launches, (scope, scale, keep, calls)
+    for scale, launches in {
+        "group": [("_launch_group", adv_only)],
+        "batch": [std, ("_launch_group", adv_only)],
+    }.items():
+        calls.clear()
+        group_advantages(rewards, 16, scale=scale)
+        assert calls == launches, (scale, calls)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,24 +1,25 @@
 """Every kernel of _advantages_triton compiles for sm_80 and sm_90 at the launchers' configs, fits, no spills."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import triton.language as tl
 
 from cppo_kernels import _advantages_triton as K
-from cppo_kernels._aot import SHARED_MEMORY_LIMIT, compile_for
+from cppo_kernels._aot import SHARED_MEMORY_LIMIT, compile_many, job
 
-CODE = {"group": 0, "batch": 1, "none": 2, "smallest": 0, "largest": 1, "random": 2}
 POINTER = {tl.float32: "*fp32", tl.float64: "*fp64", tl.bfloat16: "*bf16"}
 SCALARS = {"eps": "fp32", "ddof": "i32"}
 
 
-def group_kernel(group_size, mode, scale, metric, dtype):
+def _fused_args(group_size, mode, scale, metric, dtype):
+    """(config, compute dtype, constexprs both kernels share)."""
     cfg = K.group_config(group_size)
     compute = tl.float64 if dtype == tl.float64 else tl.float32
+    constexprs = {"COMPUTE": compute, "SCALE": K.SCALE_CODE[scale], "MODE": mode, "METRIC": K.METRIC_CODE[metric]}
+    return cfg, compute, {**constexprs, "BLOCK_Q": cfg.block_q, "BLOCK_G": cfg.block_g}
+
+
+def group_kernel(group_size, mode, scale, metric, dtype):
+    cfg, compute, constexprs = _fused_args(group_size, mode, scale, metric, dtype)
     signature = {
         "x_ptr": POINTER[dtype],
         "rand_ptr": "*fp32",
@@ -30,21 +31,11 @@ def group_kernel(group_size, mode, scale, metric, dtype):
         "keep": "i32",
         **SCALARS,
     }
-    constexprs = {
-        "COMPUTE": compute,
-        "SCALE": CODE[scale],
-        "MODE": mode,
-        "METRIC": CODE[metric],
-        "BLOCK_Q": cfg.block_q,
-        "BLOCK_G": cfg.block_g,
-        "BLOCK_J": cfg.block_j,
-    }
-    return K._group_kernel, signature, constexprs, cfg.num_warps
+    return K._group_kernel, signature, {**constexprs, "BLOCK_J": cfg.block_j}, cfg.num_warps
 
 
 def batch_kernel(group_size, mode, scale, metric, dtype):
-    cfg = K.group_config(group_size)
-    compute = tl.float64 if dtype == tl.float64 else tl.float32
+    cfg, _, constexprs = _fused_args(group_size, mode, scale, metric, dtype)
     signature = {
         "x_ptr": POINTER[dtype],
         "src_ptr": "*fp32" if metric == "random" or mode == K.MODE_FUSED else POINTER[dtype],
@@ -56,17 +47,7 @@ def batch_kernel(group_size, mode, scale, metric, dtype):
         "keep_total": "i32",
         **SCALARS,
     }
-    constexprs = {
-        "COMPUTE": compute,
-        "SCALE": CODE[scale],
-        "MODE": mode,
-        "METRIC": CODE[metric],
-        "BLOCK_Q": cfg.block_q,
-        "BLOCK_G": cfg.block_g,
-        "BLOCK": cfg.block,
-        "BINS": K.RADIX_BINS,
-    }
-    return K._batch_kernel, signature, constexprs, cfg.num_warps
+    return K._batch_kernel, signature, {**constexprs, "BLOCK": cfg.block, "BINS": K.RADIX_BINS}, cfg.num_warps
 
 
 def batch_std_kernel(group_size, dtype):
@@ -104,31 +85,13 @@ def test_every_kernel_is_covered():
     assert kernels == covered
 
 
-def compile_all(arch: int) -> dict[str, dict]:
-    """Resource usage of every config on ``sm_<arch>`` (run without the interpreter, see below)."""
-    out = {}
-    for name, (make, args) in CONFIGS.items():
-        fn, signature, constexprs, num_warps = make(*args)
-        signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-        compiled = compile_for(fn, signature=signature, constexprs=constexprs, arch=arch, num_warps=num_warps)
-        out[name] = {"shared": compiled.shared, "registers": compiled.registers, "stack": compiled.stack,
-                     "local": compiled.local, "fits": compiled.fits, "spills": compiled.spills}  # fmt: skip
-    return out
-
-
 @pytest.mark.parametrize("arch", [80, 90])
 def test_compiles_fits_and_does_not_spill(arch):
-    # The interpreter (on for the test session) patches triton.language's tensor operators, which breaks
-    # real compilation of kernels that call jitted helpers: compile in a fresh interpreter-free process.
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, __file__, str(arch)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    usage = json.loads(proc.stdout.splitlines()[-1])
-    assert set(usage) == set(CONFIGS)
-    for name, u in usage.items():
-        assert u["fits"], f"{name}: {u['shared']} B shared > {SHARED_MEMORY_LIMIT[arch]} B on sm_{arch}"
-        assert not u["spills"], f"{name}: spills on sm_{arch} (stack {u['stack']} B, local {u['local']} B)"
-
-
-if __name__ == "__main__":
-    print(json.dumps(compile_all(int(sys.argv[1]))))
+    jobs = []
+    for make, args in CONFIGS.values():
+        fn, signature, constexprs, num_warps = make(*args)
+        jobs.append(job(fn, signature=signature, constexprs=constexprs, arch=arch, num_warps=num_warps))
+    for name, c in zip(CONFIGS, compile_many(jobs), strict=True):
+        assert not isinstance(c, str), f"{name}: does not compile for sm_{arch}: {c}"
+        assert c.fits, f"{name}: {c.shared} B shared > {SHARED_MEMORY_LIMIT[arch]} B on sm_{arch}"
+        assert not c.spills, f"{name}: spills on sm_{arch} (stack {c.stack} B, local {c.local} B)"
