@@ -152,8 +152,11 @@ def logprobs_bwd(
                 w_b = w[v0:v1]  # [Vb, H]
                 q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], inv_t)
                 q.sub_(lse_c).exp_()  # [n, Vb] softmax
-                hit = ((tgt >= v0) & (tgt < v1)).nonzero().squeeze(1)  # rows whose target is in this block
-                q[hit, tgt[hit] - v0] -= 1.0  # q = softmax - onehot, so dz = -g q / temperature
+                # q = softmax - onehot, so dz = -g q / temperature; scatter, not nonzero(): no device sync
+                col = (tgt - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)  # [n, 1]
+                at = q.gather(1, col)  # [n, 1]
+                hit = ((tgt >= v0) & (tgt < v1)).unsqueeze(1)  # [n, 1] rows whose target is in this block
+                q.scatter_(1, col, torch.where(hit, at - 1.0, at))
                 if dh is not None:
                     dh[:n].addmm_(q, w_b)
                 if dweight is not None:

@@ -8,6 +8,7 @@ apply the cheap O(T) policy loss (:func:`cppo_kernels.reference.policy_loss`, el
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -45,9 +46,41 @@ def _shape(name: str, x: Tensor, expected: tuple[int, ...], what: str) -> None:
         raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(x.shape)}")
 
 
-def _finite(name: str, x: Tensor) -> None:
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} must be finite (found NaN or inf)")
+class _Checks:
+    """Checks on tensor values, read back with one host sync (:meth:`raise_first`) instead of one each.
+
+    Each entry is a 0-d bool tensor that is True when the input is bad, and a function making the error
+    message (called only then, so messages may sync).
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Tensor, Callable[[], str]]] = []
+
+    def add(self, bad: Tensor, message: Callable[[], str]) -> None:
+        self._items.append((bad, message))
+
+    def finite(self, name: str, x: Tensor) -> None:
+        if x.numel():
+            self.add(~torch.isfinite(x).all(), lambda: f"{name} must be finite (found NaN or inf)")
+
+    def in_range(self, targets: Tensor, vocab: int) -> None:
+        """Targets in ``[0, vocab)``."""
+        if targets.numel():
+            lo, hi = torch.aminmax(targets)
+            self.add(
+                (lo < 0) | (hi >= vocab),
+                lambda: f"targets must lie in [0, V={vocab}), got values in [{int(lo)}, {int(hi)}]",
+            )
+
+    def raise_first(self) -> None:
+        """Raises the ValueError of the first failed check, in the order they were added."""
+        if not self._items:
+            return
+        failed = torch.stack([bad for bad, _ in self._items]).tolist()  # the one host sync
+        for flag, (_, message) in zip(failed, self._items):
+            if flag:
+                raise ValueError(message())
+        self._items.clear()
 
 
 def _check_head(hidden: Tensor, weight, bias) -> None:
@@ -78,12 +111,6 @@ def _check_targets(targets, lead: tuple[int, ...], device: torch.device, what: s
     return targets
 
 
-def _check_range(targets: Tensor, vocab: int) -> None:
-    if targets.numel() and (bool((targets < 0).any()) or bool((targets >= vocab).any())):
-        lo, hi = int(targets.min()), int(targets.max())
-        raise ValueError(f"targets must lie in [0, V={vocab}), got values in [{lo}, {hi}]")
-
-
 class _Packed(NamedTuple):
     """The inputs in the packed layout: rows ``x`` and their per-token / per-sequence tensors."""
 
@@ -106,10 +133,12 @@ def _pack(
     mask,
     old_logprobs,
     ref_logprobs,
+    checks: _Checks,
     gather_rows: bool = True,
 ) -> _Packed:
     """Validates the layout arguments and converts the padded layout to the packed one.
 
+    Shapes and dtypes are checked here; value checks are added to ``checks`` (the caller raises them).
     With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (flattened to ``[B*L, D]``).
     """
     x = _tensor(xname, x)
@@ -128,12 +157,12 @@ def _pack(
         if not _is_int(cu) or cu.dim() != 1 or cu.numel() < 1:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {cu.dtype} {list(cu.shape)}")
         cu = cu.to(torch.int64)
-        if int(cu[0]) != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-        if bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError("cu_seqlens must be non-decreasing")
-        if int(cu[-1]) != num_tokens:
-            raise ValueError(f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}")
+        checks.add(cu[0] != 0, lambda: f"cu_seqlens must start at 0, got {int(cu[0])}")
+        checks.add((cu[1:] < cu[:-1]).any(), lambda: "cu_seqlens must be non-decreasing")
+        checks.add(
+            cu[-1] != num_tokens,
+            lambda: f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}",
+        )
         flat = None
     else:
         if x.dim() != 3:
@@ -144,8 +173,8 @@ def _pack(
             raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
         _shape("mask", mask, lead, what)
         if mask.dtype != torch.bool:
-            if mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError("mask must hold only 0 and 1")
+            if mask.numel():
+                checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must hold only 0 and 1")
             mask = mask.bool()
         flat, cu = reference.packed_from_padded(mask)
     targets = _check_targets(targets, lead, device, what)
@@ -154,7 +183,7 @@ def _pack(
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must have a floating dtype, got {advantages.dtype}")
     _shape("advantages", advantages, (num_seqs,), "[S]" if flat is None else "[B]")
-    _finite("advantages", advantages)
+    checks.finite("advantages", advantages)
     logprobs = {}
     for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if lp is not None:
@@ -164,7 +193,7 @@ def _pack(
             _shape(name, lp, lead, what)
             if flat is not None:
                 lp = lp.reshape(-1)[flat]
-            _finite(name, lp)
+            checks.finite(name, lp)
         logprobs[name] = lp
     if flat is not None:
         targets = targets.reshape(-1)
@@ -287,6 +316,7 @@ def fused_cppo_loss(
     )
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
+    checks = _Checks()
     p = _pack(
         "hidden",
         hidden,
@@ -296,10 +326,12 @@ def fused_cppo_loss(
         mask=mask,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        checks=checks,
     )
     _check_head(p.x, weight, bias)
-    _check_range(p.targets, weight.shape[0])
-    _finite("hidden", p.x)
+    checks.in_range(p.targets, weight.shape[0])
+    checks.finite("hidden", p.x)
+    checks.raise_first()
     h = p.x.contiguous()  # [T, H]
     logp, entropy = _FusedLogProbs.apply(
         h,
@@ -310,15 +342,7 @@ def fused_cppo_loss(
         cfg.compute_entropy,
         _backend(h),
     )
-    return reference.policy_loss(
-        logp,
-        p.advantages,
-        p.cu_seqlens,
-        old_logprobs=p.old_logprobs,
-        ref_logprobs=p.ref_logprobs,
-        entropy=entropy,
-        config=cfg,
-    )
+    return _policy_loss(p, logp, entropy, cfg)
 
 
 @torch.no_grad()
@@ -343,8 +367,10 @@ def fused_logprobs(
     _check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
     targets = _check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
-    _check_range(targets, weight.shape[0])
-    _finite("hidden", hidden)
+    checks = _Checks()
+    checks.in_range(targets, weight.shape[0])
+    checks.finite("hidden", hidden)
+    checks.raise_first()
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
     logp, _, entropy = _backend(h).logprobs_fwd(
         h,
@@ -397,6 +423,7 @@ def cppo_loss_from_logits(
     )
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
+    checks = _Checks()
     p = _pack(
         "logits",
         logits,
@@ -406,26 +433,34 @@ def cppo_loss_from_logits(
         mask=mask,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        checks=checks,
         gather_rows=False,
     )
     vocab = p.x.shape[-1]
     if vocab == 0:
         raise ValueError("logits must have a non-empty last dimension (V >= 1)")
-    targets = p.targets if p.flat is None else p.targets.masked_fill(~_valid(p.flat, p.x.shape[0]), 0)
-    _check_range(targets, vocab)
+    checks.in_range(p.targets if p.flat is None else p.targets[p.flat], vocab)
     z = p.x.float()  # [N, V]
     if cfg.temperature != 1.0:
         z = z / cfg.temperature
     lse = torch.logsumexp(z, dim=-1)  # [N]
+    checks.finite("logits", (lse if p.flat is None else lse[p.flat]).detach())
+    checks.raise_first()
+    # Targets at padding (any value) are clamped into range; their rows are dropped below.
+    targets = p.targets if p.flat is None else p.targets.clamp(0, vocab - 1)
     logp = z.gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1) - lse  # [N]
     entropy = None
     if cfg.compute_entropy:
         with torch.no_grad():
             entropy = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)  # [N]
     if p.flat is not None:
-        logp, lse = logp[p.flat], lse[p.flat]
+        logp = logp[p.flat]
         entropy = None if entropy is None else entropy[p.flat]
-    _finite("logits", lse.detach())
+    return _policy_loss(p, logp, entropy, cfg)
+
+
+def _policy_loss(p: _Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
+    """:func:`cppo_kernels.reference.policy_loss` on the packed per-token log-probs."""
     return reference.policy_loss(
         logp,
         p.advantages,
@@ -435,10 +470,3 @@ def cppo_loss_from_logits(
         entropy=entropy,
         config=cfg,
     )
-
-
-def _valid(flat: Tensor, rows: int) -> Tensor:
-    """Bool ``[rows]`` marking the flat indices of the valid (masked-in) positions."""
-    valid = torch.zeros(rows, dtype=torch.bool, device=flat.device)
-    valid[flat] = True
-    return valid

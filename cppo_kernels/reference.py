@@ -242,14 +242,18 @@ def policy_loss(
     dtype = logp.dtype
     num_seqs = advantages.numel()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)  # [S]
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), lengths)  # [T]
+    # output_size: no device sync to size the result (this runs on the training hot path).
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), lengths, output_size=logp.numel())
+    seq_len = lengths.clamp(min=1).to(dtype)  # [S]
+
+    def seq_mean(x: torch.Tensor) -> torch.Tensor:  # [T] -> [S], 0 for an empty sequence
+        return torch.zeros(num_seqs, dtype=dtype, device=logp.device).index_add(0, seq_of, x) / seq_len
+
     adv_t = advantages.to(dtype)[seq_of]  # [T]
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
     log_ratio = logp - old  # [T]
     if cfg.importance_sampling == "sequence":
-        seq_sum = torch.zeros(num_seqs, dtype=dtype, device=logp.device).index_add(0, seq_of, log_ratio)
-        seq_mean = seq_sum / lengths.clamp(min=1).to(dtype)  # [S]
-        log_ratio = seq_mean[seq_of]
+        log_ratio = seq_mean(log_ratio)[seq_of]
     ratio = torch.exp(log_ratio)  # [T]
     clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.eps_high)
     pg = -torch.minimum(ratio * adv_t, clipped * adv_t)
@@ -265,8 +269,7 @@ def policy_loss(
     if cfg.loss_agg == "token-mean":
         loss = per_token.sum() / max(num_tokens, 1)
     elif cfg.loss_agg == "seq-mean-token-mean":
-        seq_sum = torch.zeros(num_seqs, dtype=dtype, device=logp.device).index_add(0, seq_of, per_token)
-        loss = (seq_sum / lengths.clamp(min=1).to(dtype)).sum() / max(num_seqs, 1)
+        loss = seq_mean(per_token).sum() / max(num_seqs, 1)
     else:
         loss = per_token.sum() / (max(num_seqs, 1) * cfg.max_completion_length)
 
