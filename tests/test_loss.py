@@ -9,13 +9,22 @@ from hypothesis import strategies as st
 
 from cppo_kernels import LossConfig, _loss_torch, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, reference
 
-#: Tolerances per input dtype: (loss and metrics, gradients). Gradients are compared as
-#: max|got - want| <= tol * max|want| (they come back in the input dtype; the Triton backend feeds
-#: bf16/fp16 operands to its backward dots). Losses are fp32 whatever the input dtype.
+#: Tolerances per input dtype: (loss and metrics, gradients of the torch backend and of
+#: cppo_loss_from_logits, gradients of the Triton backend). Gradients are compared as
+#: max|got - want| <= tol * max|want|; they come back in the input dtype. The torch backend accumulates
+#: in fp32 and rounds once to nearest: half an ulp (bf16 2^-8, fp16 2^-11) plus fp32 slack. The Triton
+#: backend also feeds bf16/fp16 dz operands to its backward dots and, under the interpreter, truncates
+#: fp32 -> bf16/fp16 stores (1 ulp); the dz rounding error is relative to sum_v |dz_v| |w_v|, not to the
+#: (cancelling) result, so no ulp bound holds there and its tolerance is empirical (bf16 worst seen
+#: 1.3e-2 over 270 random problems; tests/test_loss_triton.py checks the kernels against the proper
+#: error bound). Last column: absolute gradient slack. fp16 gradients here reach the subnormal range
+#: (< 6.1e-5, spacing 2^-24 = 6e-8) where errors are absolute: the truncated output and each dz operand
+#: flushed to a subnormal before the dot (seen: 3.3 spacings on a 7e-6 dweight), hence 4 spacings more.
+#: Losses are fp32 whatever the input dtype.
 TOL = {
-    torch.float32: (2e-5, 1e-4),
-    torch.bfloat16: (1e-4, 2e-2),
-    torch.float16: (1e-4, 4e-3),
+    torch.float32: (2e-5, 1e-4, 1e-4, 1e-7),
+    torch.bfloat16: (1e-4, 5e-3, 2e-2, 1e-7),
+    torch.float16: (1e-4, 1e-3, 2e-3, 1e-7 + 4 * 2**-24),
 }
 DTYPES = list(TOL)
 METRIC_KEYS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens")
@@ -33,13 +42,13 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(_loss_torch, "_DEFAULT", _loss_torch.ChunkConfig(tokens=8, bwd_tokens=16, vocab=64))
 
 
-def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, atol: float = 1e-7) -> None:
     got, want = got.detach().double(), want.detach().double()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
     err = (got - want).abs().max().item() if got.numel() else 0.0
     scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-6)
-    assert err <= tol * scale + 1e-7, f"{name}: max error {err:.3g} > {tol} x {scale:.3g}"
+    assert err <= tol * scale + atol, f"{name}: max error {err:.3g} > {tol} x {scale:.3g}"
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -153,20 +162,22 @@ def test_loss_matches_reference(
         bias=params64[2] if with_bias else None,
         config=LossConfig(**options),
     )
-    loss_tol, grad_tol = TOL[dtype]
+    loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if backend == "torch" else 2]
     assert loss.dtype == torch.float32 and loss.dim() == 0
     _assert_close("loss", loss, want, loss_tol)
     assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set())
     for key, value in metrics.items():
         assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad, key
-        _assert_close(key, value, want_metrics[key], 1e-4)
+        # kl = f(logp - ref) cancels: its fp32 error scales with |logp|, not with kl itself.
+        atol = loss_tol * float(logp64.abs().max()) if key == "kl" and T else 1e-7
+        _assert_close(key, value, want_metrics[key], 1e-4, atol)
 
     upstream = float(torch.randn((), generator=g))
     for name, got, exp in zip(
         ("dhidden", "dweight", "dbias"), _grads(loss, params, upstream), _grads(want, params64, upstream)
     ):
         assert got.dtype == dtype, name
-        _assert_close(name, got, exp, grad_tol)
+        _assert_close(name, got, exp, grad_tol, TOL[dtype][3])
 
 
 def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: int, g: torch.Generator):
@@ -194,8 +205,10 @@ def test_packed_and_padded_agree(backend, seed, lengths, dtype, loss_agg, import
     H, V, L = 24, 100, 10
     hidden, weight, bias, targets, adv, g = _problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
     T = hidden.shape[0]
-    old = -torch.rand(T, generator=g) * 5
-    ref = -torch.rand(T, generator=g) * 5
+    with torch.no_grad():  # old / ref near the current log-probs: ratios stay in range (fp16 dweight finite)
+        logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
+    old = (logp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)).float()
+    ref = (logp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)).float()
     options = dict(
         beta=0.04, loss_agg=loss_agg, max_completion_length=12, importance_sampling=importance_sampling,
         compute_entropy=True,
@@ -235,11 +248,16 @@ def test_logprobs_do_not_depend_on_packing(backend, seed, lengths, dtype, temper
 
     Under the Triton interpreter ``tl.dot`` is numpy's matmul, whose fp32 result for a row depends on the
     row's position in the tile (a BLAS micro-kernel artefact, not the kernel's), so there only the first
-    sequence (same rows of the same tiles either way) must be identical and the others within 2 ulp.
+    sequence (same rows of the same tiles either way) must be identical. The others get logits that differ
+    by about an ulp of the token's largest logit, an absolute error on logp and entropy of up to about
+    2 * eps_fp32 * max_v |z_tv| (measured up to 5.7e-6 at these logit scales); the test allows twice that,
+    per token. Bit-exactness at any offset is checked on GPU in test_loss_triton.py.
     """
     hidden, weight, bias, targets, _, _ = _problem(seed, lengths, 37, 150, dtype, logit_scale=4.0, bias=True)
     cu = _cu(lengths)
     logp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=True)
+    z_max = ((hidden.double() @ weight.double().t() + bias.double()) / temperature).abs().amax(-1)  # [T]
+    bound = 4 * torch.finfo(torch.float32).eps * z_max  # [T]
     for s in range(len(lengths)):
         a, b = int(cu[s]), int(cu[s + 1])
         alone, alone_ent = fused_logprobs(
@@ -249,8 +267,8 @@ def test_logprobs_do_not_depend_on_packing(backend, seed, lengths, dtype, temper
             assert torch.equal(alone, logp[a:b]), f"sequence {s}"
             assert torch.equal(alone_ent, ent[a:b]), f"sequence {s} entropy"
         else:
-            torch.testing.assert_close(alone, logp[a:b], rtol=2.5e-7, atol=2e-6)
-            torch.testing.assert_close(alone_ent, ent[a:b], rtol=2.5e-7, atol=2e-6)
+            assert ((alone - logp[a:b]).abs() <= bound[a:b]).all(), f"sequence {s}"
+            assert ((alone_ent - ent[a:b]).abs() <= bound[a:b]).all(), f"sequence {s} entropy"
 
 
 @_settings(max_examples=10)
@@ -367,7 +385,7 @@ def test_frozen_weight_and_entropy_only(backend):
     want, _ = reference.fused_cppo_loss(h64, weight.double(), targets, adv.double(), cu_seqlens=_cu([5, 4]),
                                         bias=bias.double())  # fmt: skip
     (exp,) = torch.autograd.grad(want * 0.5, [h64])
-    _assert_close("dhidden", dh, exp, TOL[torch.float32][1])
+    _assert_close("dhidden", dh, exp, TOL[torch.float32][1 if backend == "torch" else 2])
 
     w = weight.clone().requires_grad_()
     _, metrics = fused_cppo_loss(hidden, w, targets, adv, cu_seqlens=_cu([5, 4]), compute_entropy=True)
