@@ -62,7 +62,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from cppo_kernels._validate import check_int
+    from cppo_kernels.config import check_int
 
     from .config import check_model_and_data
     from .data import load_problems

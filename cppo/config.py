@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from cppo_kernels import LossConfig
-from cppo_kernels._validate import METRICS, check_choice
+from cppo_kernels.config import METRICS, check_choice
 
 from .distributed import PARALLELISMS, SELECTION_SCOPES
 

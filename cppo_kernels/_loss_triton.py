@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import interpreter_enabled
-from ._validate import check_float
+from .config import check_float
 
 __all__ = ["LossKernelConfig", "default_config", "logprobs_fwd", "logprobs_bwd"]
 

@@ -4,36 +4,7 @@ from __future__ import annotations
 
 import torch
 
-SCALES = ("group", "batch", "none")
-SCOPES = ("group", "batch")
-METRICS = ("smallest", "largest", "random")
-
-
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-    return value
-
-
-def check_float(name: str, value, *, low: float | None = None, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    return value
+from .config import check_int
 
 
 def check_grouped_vector(name: str, x, group_size: int) -> int:

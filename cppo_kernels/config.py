@@ -1,11 +1,49 @@
-"""Hyper-parameters of the CPPO policy loss, as one frozen dataclass."""
+"""Public options of the ops: the choices each option accepts, the scalar checks every layer shares (also used by
+the ``cppo`` trainer), and the loss hyper-parameters as one frozen dataclass (:class:`LossConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._validate import check_choice, check_float, check_int
+#: ``scale`` of :func:`cppo_kernels.group_advantages`.
+SCALES = ("group", "batch", "none")
+#: ``scope`` of :func:`cppo_kernels.select_completions`.
+SCOPES = ("group", "batch")
+#: ``metric`` of :func:`cppo_kernels.select_completions`: which completions are pruned.
+METRICS = ("smallest", "largest", "random")
 
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``choices``, else a ``ValueError`` naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` when it is an int (not a bool) in ``[low, high]``, else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def check_float(name: str, value, *, low: float | None = None, low_open: bool = False) -> float:
+    """``float(value)`` when it is a finite real number >= ``low`` (> with ``low_open``), else a ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    return value
+
+
+#: ``kl_estimator`` of :func:`cppo_kernels.fused_cppo_loss`.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING = ("token", "sequence")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")

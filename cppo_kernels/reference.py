@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import METRICS, SCALES, SCOPES, check_choice, check_float, check_grouped_vector, check_int
-from .config import LossConfig
+from ._validate import check_grouped_vector
+from .config import METRICS, SCALES, SCOPES, LossConfig, check_choice, check_float, check_int
 
 __all__ = [
     "group_advantages",
