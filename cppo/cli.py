@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -64,11 +63,12 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from cppo_kernels.config import check_int
 
+    from .checkpoint import model_folder
     from .config import check_model_and_data
     from .data import load_problems
+    from .evaluate import evaluate_model
     from .models import load_model_and_tokenizer, resolve_device
     from .rollout import HFRollout
-    from .trainer import evaluate_model
 
     if args.limit is not None:
         check_int("--limit", args.limit, low=1)
@@ -77,12 +77,10 @@ def _eval(args) -> int:
     check_model_and_data(
         model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
     )
-    model_path = args.model
-    if os.path.isdir(os.path.join(model_path, "model")):
-        model_path = os.path.join(model_path, "model")  # a checkpoint folder
+    device = resolve_device(args.device)
     problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
     model, tokenizer = load_model_and_tokenizer(
-        model_path, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed
+        model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
     )
     rollout = HFRollout(
         model, tokenizer, max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length

@@ -15,13 +15,25 @@ import yaml
 from cppo_kernels import LossConfig
 from cppo_kernels.config import METRICS, check_choice
 
-from .distributed import PARALLELISMS, SELECTION_SCOPES
-
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
+#: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
-BUILTIN_DATASETS = ("arith", "gsm8k", "math", "math500")
+#: ``dtype`` of the model weights.
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``device``: these, or ``"cuda:N"`` (:func:`cppo.models.resolve_device` resolves ``"auto"``).
+DEVICES = ("auto", "cpu", "cuda")
+#: ``lr_schedule``: cosine / linear decay or constant, each after a linear warm-up.
 LR_SCHEDULES = ("cosine", "linear", "constant")
+#: ``parallelism``: how the model is replicated over torchrun's processes (``none``: one process only).
+PARALLELISMS = ("none", "ddp", "fsdp2")
+#: ``selection_scope``: per question, pooled per rank, or pooled over all ranks.
+SELECTION_SCOPES = ("group", "batch", "global")
+#: ``rollout_backend``: transformers ``generate``, vLLM, or vLLM on CUDA when installed.
+ROLLOUT_BACKENDS = ("auto", "hf", "vllm")
+#: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+#: How :func:`cppo.distributed.reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
+REDUCTIONS = ("sum", "mean", "min", "max")
 
 
 @dataclass
@@ -147,8 +159,8 @@ class TrainConfig:
         check_choice("parallelism", self.parallelism, PARALLELISMS)
         check_choice("selection_metric", self.selection_metric, METRICS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_choice("rollout_backend", self.rollout_backend, ("auto", "hf", "vllm"))
-        check_choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -183,8 +195,7 @@ def check_model_and_data(
 ) -> None:
     """The checks training and ``cppo eval`` share, before anything loads: ``ValueError`` naming the setting."""
     check_choice("dtype", dtype, DTYPES)
-    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    check_device(device)
     if dataset_path is not None and not os.path.exists(dataset_path):
         raise ValueError(f"dataset_path {dataset_path!r} does not exist")
     if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
@@ -195,6 +206,15 @@ def check_model_and_data(
         raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
     if model_config is not None and not model.startswith("tiny-"):
         raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+
+
+def check_device(device: str) -> str:
+    """``device`` when it is one of :data:`DEVICES` or ``"cuda:N"``, else a ``ValueError`` (the format only: whether
+    CUDA is there is checked when the device is resolved)."""
+    numbered = isinstance(device, str) and device.startswith("cuda:") and device.removeprefix("cuda:").isdigit()
+    if not (device in DEVICES or numbered):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
 
 
 def _field_types() -> dict[str, typing.Any]:

@@ -1,6 +1,7 @@
-"""Multi-process training under ``torchrun``: process groups, data split, selection, balancing, reductions,
-model wrapping and checkpoints.
+"""The processes of a ``torchrun`` job and what passes between them: the process group, collectives, the split of
+the questions, selection across ranks, balancing the retained completions, global counts and metric reductions.
 
+Model wrapping and gradient synchronisation are in :mod:`cppo.parallel`, checkpoints in :mod:`cppo.checkpoint`.
 Every function takes a :class:`DistInfo` and is a no-op (or a plain local computation) in a single process, so the
 trainer has one code path. The data flow of a distributed step:
 
@@ -11,8 +12,8 @@ trainer has one code path. The data flow of a distributed step:
    concatenation in rank order (as the official verl recipe), each rank keeping its own survivors;
 3. the survivors are spread over the ranks by token count (:func:`balance_sequences`, longest-processing-time greedy);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
-   :func:`grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the single-process
-   update of the concatenated batch;
+   :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
+   single-process update of the concatenated batch;
 5. metrics are reduced across ranks (:func:`reduce_metrics`) and only rank 0 prints and writes (``DistInfo.is_main``).
 
 Collectives are tensor collectives on the rank's device (nccl on CUDA, gloo on CPU); the only object collective
@@ -21,34 +22,29 @@ runs when the ranks report different metric names, to name them in the error.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import heapq
 import itertools
-import json
 import os
-import pathlib
-import shutil
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from cppo_kernels import select_completions
+from cppo_kernels.config import check_choice
 
-PARALLELISMS = ("none", "ddp", "fsdp2")
-SELECTION_SCOPES = ("group", "batch", "global")
-REDUCTIONS = ("sum", "mean", "min", "max")
+from .config import REDUCTIONS, SELECTION_SCOPES
+from .models import resolve_device
+from .packing import Sample
 
 __all__ = [
-    "PARALLELISMS",
-    "SELECTION_SCOPES",
     "DistInfo",
     "init_distributed",
     "close_distributed",
+    "require_group",
     "barrier",
     "print_main",
     "question_slice",
@@ -57,17 +53,11 @@ __all__ = [
     "SequenceShard",
     "lpt_assign",
     "balance_sequences",
+    "balance_samples",
     "GlobalCounts",
     "global_counts",
-    "grad_scale",
     "max_across_ranks",
     "reduce_metrics",
-    "wrap_model",
-    "unwrap_model",
-    "gradient_sync",
-    "root_unsharded",
-    "save_checkpoint",
-    "load_checkpoint",
 ]
 
 
@@ -119,28 +109,18 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
     """Joins the process group described by torchrun's environment, or returns the single-process :class:`DistInfo`.
 
     Under torchrun (``WORLD_SIZE`` set; ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` read by torch)
-    the backend is nccl when the device is CUDA (``"auto"`` means ``cuda:LOCAL_RANK`` when CUDA is available), gloo
-    on the CPU. ``device`` is ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``); a single
-    process also accepts ``"cuda:N"``. Idempotent: an already initialised group is reused.
+    the backend is nccl when the device is CUDA, gloo on the CPU. ``device`` is resolved by
+    :func:`cppo.models.resolve_device`: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``);
+    a single process also accepts ``"cuda:N"``. Idempotent: an already initialised group is reused.
     """
     if "WORLD_SIZE" not in os.environ:
-        if device == "auto":
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        return DistInfo(device=torch.device(device))
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' under torchrun (one GPU per rank), got {device!r}")
+        return DistInfo(device=resolve_device(device))
     world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
     local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    dev = resolve_device(device, local_rank=local_rank)
+    use_cuda = dev.type == "cuda"
     if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA devices")
-        dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -158,7 +138,8 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _require_group(info: DistInfo) -> None:
+def require_group(info: DistInfo) -> None:
+    """``RuntimeError`` when ``info`` spans several processes but no process group is initialised."""
     if info.distributed and not dist.is_initialized():
         raise RuntimeError(f"world_size={info.world_size} but no process group is initialised: call init_distributed()")
 
@@ -166,7 +147,7 @@ def _require_group(info: DistInfo) -> None:
 def barrier(info: DistInfo) -> None:
     """Waits for every rank (no-op in a single process)."""
     if info.distributed:
-        _require_group(info)
+        require_group(info)
         dist.barrier()
 
 
@@ -204,7 +185,7 @@ def all_gather_varlen(x: torch.Tensor, *, info: DistInfo) -> tuple[torch.Tensor,
         raise ValueError(f"x must be a tensor with at least one dimension, got {type(x).__name__}")
     if not info.distributed:
         return x, [x.shape[0]]
-    _require_group(info)
+    require_group(info)
     n = torch.tensor([x.shape[0]], dtype=torch.int64, device=info.device)
     sizes_t = [torch.zeros_like(n) for _ in range(info.world_size)]
     dist.all_gather(sizes_t, n)
@@ -243,8 +224,7 @@ def select_across_ranks(
     exactly what one process selects with ``"batch"`` over the concatenated batch. With ``metric="random"`` and
     ``"global"`` every rank draws the global scores itself: ``generator`` must be seeded alike on all ranks.
     """
-    if scope not in SELECTION_SCOPES:
-        raise ValueError(f"scope must be one of {SELECTION_SCOPES}, got {scope!r}")
+    check_choice("scope", scope, SELECTION_SCOPES)
     if scope != "global" or not info.distributed:
         local_scope = "batch" if scope == "global" else scope
         return select_completions(advantages, group_size, keep, scope=local_scope, metric=metric, generator=generator)
@@ -362,6 +342,31 @@ def balance_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tens
     return gathered.select([i for i, r in enumerate(owner) if r == info.rank])
 
 
+def balance_samples(samples: list[Sample], *, info: DistInfo) -> list[Sample]:
+    """The retained completions of all ranks, spread over the ranks by input-token count with
+    :func:`balance_sequences` (each sample moves with its prompt, completion and advantage); a no-op alone."""
+    if not info.distributed:
+        return samples
+    ids = [s.prompt_ids + s.completion_ids for s in samples]
+    local = SequenceShard(
+        lengths=torch.tensor([len(x) for x in ids], dtype=torch.long),
+        token_fields={"ids": torch.tensor([t for x in ids for t in x], dtype=torch.long)},
+        seq_fields={
+            "prompt_length": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+            "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float64),
+        },
+    )
+    costs = torch.tensor([s.num_input_tokens for s in samples], dtype=torch.long)
+    mine = balance_sequences(local, info=info, costs=costs)
+    flat, out, start = mine.token_fields["ids"].tolist(), [], 0  # one copy to the host, not one per sequence
+    for n, p, a in zip(
+        mine.lengths.tolist(), mine.seq_fields["prompt_length"].tolist(), mine.seq_fields["advantage"].tolist()
+    ):
+        out.append(Sample(flat[start : start + p], flat[start + p : start + n], a))
+        start += n
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Global counts for loss normalisation, metric reduction
 # --------------------------------------------------------------------------------------------
@@ -379,29 +384,18 @@ def global_counts(*, num_tokens: int, num_seqs: int, info: DistInfo) -> GlobalCo
     """All-reduced (summed) token and sequence counts: the denominators of ``token-mean`` and the sequence means."""
     if not info.distributed:
         return GlobalCounts(tokens=int(num_tokens), seqs=int(num_seqs))
-    _require_group(info)
+    require_group(info)
     t = torch.tensor([int(num_tokens), int(num_seqs)], dtype=torch.int64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     tokens, seqs = t.tolist()  # one host sync
     return GlobalCounts(tokens=tokens, seqs=seqs)
 
 
-def grad_scale(*, parallelism: str, info: DistInfo) -> float:
-    """Factor on each rank's loss so that the synchronised gradient is the gradient of the global loss.
-
-    DDP and FSDP2 average gradients over ranks, and each rank's loss is already a share of the global loss
-    (normalised by :func:`global_counts`), so the average must be turned back into a sum: ``world_size``.
-    """
-    if parallelism not in PARALLELISMS:
-        raise ValueError(f"parallelism must be one of {PARALLELISMS}, got {parallelism!r}")
-    return float(info.world_size) if parallelism in ("ddp", "fsdp2") else 1.0
-
-
 def max_across_ranks(value: int, *, info: DistInfo) -> int:
     """The largest ``value`` over ranks (e.g. the micro-batch count, so that every rank runs as many passes)."""
     if not info.distributed:
         return int(value)
-    _require_group(info)
+    require_group(info)
     t = torch.tensor([int(value)], dtype=torch.int64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -414,6 +408,22 @@ def _parse_reduction(name: str, spec: str) -> tuple[str, str | None]:
             f"reduction of metric {name!r} must be one of {REDUCTIONS} or 'mean:<weight metric>', got {spec!r}"
         )
     return op, weight or None
+
+
+def _check_same_names(names: list[str], *, info: DistInfo) -> None:
+    """``ValueError`` on every rank, naming the differences, unless every rank reports the same metric ``names``.
+
+    The reductions have one tensor slot per name: a mismatch would hang or mix metrics. The max of (crc, -crc) over
+    ranks shows whether all crcs agree; only then are the names themselves gathered, to say which differ."""
+    crc = zlib.crc32("\n".join(names).encode())
+    check = torch.tensor([crc, -crc], dtype=torch.int64, device=info.device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    hi, neg_lo = check.tolist()
+    if hi != -neg_lo:  # every rank sees this
+        all_names: list = [None] * info.world_size
+        dist.all_gather_object(all_names, names)
+        differ = sorted(set().union(*map(set, all_names)) - set.intersection(*map(set, all_names)))
+        raise ValueError(f"ranks report different metrics ({differ[:5]}): every rank must report the same names")
 
 
 def reduce_metrics(
@@ -439,19 +449,9 @@ def reduce_metrics(
     values = {n: float(metrics[n]) for n in names}
     if not info.distributed:
         return dict(metrics)
-    _require_group(info)
+    require_group(info)
+    _check_same_names(names, info=info)
     dev = info.device
-    # the tensors below have one slot per name: check that every rank has the same names first (a mismatch would
-    # hang or mix metrics); the max of (crc, -crc) over ranks shows whether all crcs agree
-    crc = zlib.crc32("\n".join(names).encode())
-    check = torch.tensor([crc, -crc], dtype=torch.int64, device=dev)
-    dist.all_reduce(check, op=dist.ReduceOp.MAX)
-    hi, neg_lo = check.tolist()
-    if hi != -neg_lo:  # every rank sees this: only now gather the names, to say which differ
-        all_names: list = [None] * info.world_size
-        dist.all_gather_object(all_names, names)
-        differ = sorted(set().union(*map(set, all_names)) - set.intersection(*map(set, all_names)))
-        raise ValueError(f"ranks report different metrics ({differ[:5]}): every rank must report the same names")
     k = len(names)
     local = [values[n] for n in names]
     weights = [values[specs[n][1]] if specs[n][1] else 1.0 for n in names]
@@ -477,260 +477,3 @@ def reduce_metrics(
         if op != "mean" and isinstance(metrics[n], int) and not isinstance(metrics[n], bool):
             out[n] = int(round(out[n]))
     return {n: out[n] for n in metrics}  # in the caller's order
-
-
-# --------------------------------------------------------------------------------------------
-# Model wrapping
-# --------------------------------------------------------------------------------------------
-
-
-class ForwardModule(nn.Module):
-    """Puts a custom forward (e.g. packed final hidden states, no logits) on a model, so that DDP and FSDP2 wrap a
-    module whose ``forward`` is the pass the trainer differentiates. ``fn(model, *args, **kwargs)``."""
-
-    def __init__(self, model: nn.Module, fn: Callable[..., torch.Tensor]):
-        super().__init__()
-        self.model = model
-        self.fn = fn
-
-    def forward(self, *args, **kwargs):
-        return self.fn(self.model, *args, **kwargs)
-
-
-def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: transformers' ``_no_split_modules`` classes, else the children of
-    every ``nn.ModuleList``."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        blocks = [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m]
-    return blocks
-
-
-def wrap_model(
-    model: nn.Module,
-    *,
-    parallelism: str,
-    info: DistInfo,
-    forward: Callable[..., torch.Tensor] | None = None,
-    find_unused_parameters: bool = False,
-) -> nn.Module:
-    """The module to call for the differentiated forward: ``model`` (``forward=None``) or ``ForwardModule(model,
-    forward)``, wrapped for ``parallelism``.
-
-    - ``"none"``: unwrapped (one process only: with several, replicas would drift apart, so that is a ValueError);
-    - ``"ddp"``: ``DistributedDataParallel`` (gradients all-reduced and averaged in backward);
-    - ``"fsdp2"``: ``fully_shard`` on each block (see :func:`_fsdp_blocks`) and on the root, with the root kept
-      unsharded after forward so that parameters used outside forward (the LM head of a fused loss, read *after*
-      the forward) are whole tensors. Parameters are sharded in place: use :func:`unwrap_model` for the model.
-
-    In a single process ``"ddp"`` and ``"fsdp2"`` also return the unwrapped module (nothing to synchronise).
-    """
-    if parallelism not in PARALLELISMS:
-        raise ValueError(f"parallelism must be one of {PARALLELISMS}, got {parallelism!r}")
-    module = model if forward is None else ForwardModule(model, forward)
-    if not info.distributed:
-        return module
-    if parallelism == "none":
-        raise ValueError(f"parallelism='none' with world_size={info.world_size}: use 'ddp' or 'fsdp2' under torchrun")
-    _require_group(info)
-    if parallelism == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [info.device.index] if info.device.type == "cuda" else None
-        # broadcast_buffers=False: the ranks' buffers (e.g. rotary tables) are equal, and a broadcast in every forward
-        # would tie the ranks' no-grad passes (old/ref log-probs) together
-        return DistributedDataParallel(
-            module, device_ids=device_ids, find_unused_parameters=find_unused_parameters, broadcast_buffers=False
-        )
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError as e:  # torch < 2.6
-        raise ValueError("parallelism='fsdp2' needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from e
-    for block in _fsdp_blocks(model):
-        fully_shard(block)
-    root = fully_shard(module, reshard_after_forward=False)
-    # make `module` the root now: a first forward through a block (e.g. in generate) would otherwise claim it
-    root._get_fsdp_state()._lazy_init()
-    return root
-
-
-def unwrap_model(module: nn.Module) -> nn.Module:
-    """The model inside :func:`wrap_model`'s result (DDP's ``.module``, then ``ForwardModule.model``)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        module = module.module
-    return module.model if isinstance(module, ForwardModule) else module
-
-
-@contextlib.contextmanager
-def root_unsharded(module: nn.Module):
-    """Context in which an FSDP2 root's own parameters (embeddings, final norm, LM head) are whole tensors, so that
-    code outside its forward (``generate``, reading the LM head) can use them; the blocks still gather their
-    parameters in their own forward, so every rank must run as many forward passes (``generate(synced_gpus=True)``).
-    A no-op for other modules."""
-    if not _is_fsdp2(module):
-        yield
-        return
-    module.unshard()
-    try:
-        yield
-    finally:
-        module.reshard()
-
-
-@contextlib.contextmanager
-def gradient_sync(module: nn.Module, enabled: bool):
-    """Context in which backward passes synchronise gradients (``enabled``) or only accumulate them locally.
-
-    Accumulate micro-batches with ``enabled=False`` and run the last one with ``enabled=True``; every rank must
-    run the same number of synchronised backward passes (FSDP2: the same number of forward passes too).
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if enabled:
-        yield
-    elif isinstance(module, DistributedDataParallel):
-        with module.no_sync():
-            yield
-    elif hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 module
-        module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------
-
-_META = "meta.json"
-_FULL = "state.pt"
-_DCP = "dcp"
-_SCHED = "scheduler.pt"
-
-
-def _is_fsdp2(module: nn.Module) -> bool:
-    return hasattr(module, "set_requires_gradient_sync") and hasattr(module, "reshard")
-
-
-def _sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    if optimizer is None:
-        return {"model": get_model_state_dict(module)}
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
-
-
-def save_checkpoint(
-    path: str | os.PathLike,
-    *,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler=None,
-    meta: Mapping | None = None,
-    rank_state: Mapping | None = None,
-    info: DistInfo,
-) -> None:
-    """Writes a checkpoint directory atomically (a temporary sibling renamed into place by rank 0).
-
-    DDP or a single process: rank 0 saves the full state (``state.pt``: model state dict without wrapper prefixes,
-    optimizer, scheduler). FSDP2: every rank saves its shards with ``torch.distributed.checkpoint`` (``dcp/``) and
-    rank 0 the scheduler. ``meta`` (JSON-able, e.g. step) goes to ``meta.json`` with the world size and format;
-    ``rank_state`` (e.g. RNG states) is saved per rank. Several nodes need a shared filesystem.
-    """
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(info)
-    sharded = _is_fsdp2(module)
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-
-        state = _sharded_state(module, optimizer)
-        dcp.save(state, checkpoint_id=str(tmp / _DCP))
-        if info.is_main and scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / _SCHED)
-    elif info.is_main:
-        state = {"model": unwrap_model(module).state_dict()}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        if scheduler is not None:
-            state["scheduler"] = scheduler.state_dict()
-        torch.save(state, tmp / _FULL)
-    if rank_state is not None:
-        torch.save(dict(rank_state), tmp / f"rank{info.rank}.pt")
-    if info.is_main:
-        record = {"world_size": info.world_size, "format": "dcp" if sharded else "full", **(meta or {})}
-        (tmp / _META).write_text(json.dumps(record, indent=2), encoding="utf-8")
-    barrier(info)
-    if info.is_main:
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier(info)
-
-
-def load_checkpoint(
-    path: str | os.PathLike,
-    *,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler=None,
-    info: DistInfo,
-) -> tuple[dict, dict | None]:
-    """Restores what :func:`save_checkpoint` wrote, in place; returns ``(meta, this rank's rank_state or None)``.
-
-    The checkpoint must come from the same world size when it holds per-rank state (resume continues each rank's
-    RNG streams) or FSDP2 shards; a full (DDP) checkpoint without rank state loads at any world size.
-    """
-    path = pathlib.Path(path)
-    meta_file = path / _META
-    if not meta_file.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} has no {_META}: not a checkpoint directory")
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    has_rank_state = (path / "rank0.pt").is_file()
-    if (meta["format"] == "dcp" or has_rank_state) and meta["world_size"] != info.world_size:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was written by {meta['world_size']} processes; resume it with "
-            f"--nproc-per-node/--nnodes giving world_size={meta['world_size']}, not {info.world_size}"
-        )
-    sharded = _is_fsdp2(module)
-    if sharded != (meta["format"] == "dcp"):
-        raise ValueError(
-            f"checkpoint {str(path)!r} is in the {meta['format']!r} format; load it with parallelism "
-            f"{'fsdp2' if meta['format'] == 'dcp' else 'ddp or none'}"
-        )
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        state = _sharded_state(module, optimizer)
-        dcp.load(state, checkpoint_id=str(path / _DCP))
-        if optimizer is None:
-            set_model_state_dict(module, state["model"])
-        else:
-            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(torch.load(path / _SCHED, map_location="cpu", weights_only=False))
-    else:
-        # our own files (optimizer and scheduler states hold plain Python objects)
-        state = torch.load(path / _FULL, map_location=info.device, weights_only=False)
-        unwrap_model(module).load_state_dict(state["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-    rank_file = path / f"rank{info.rank}.pt"
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else None
-    return meta, rank_state

@@ -1,11 +1,52 @@
-"""Metrics as JSON lines and a PNG of the reward and per-phase time curves."""
+"""A step's metrics: the timer of its phases, how each metric combines over ranks, the JSON-lines log and the PNG of
+the reward and per-phase time curves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 
+import torch
+
+#: The timed phases of a step, in order (``time/<phase>`` metrics; ``time/step`` is the whole step).
 PHASES = ("generate", "reward", "select", "logprobs", "update", "optimizer")
+
+#: Counts, and each rank's share of a global token-mean (normalised by the global token count): they add up.
+SUMMED = frozenset(
+    {"questions", "completions", "completions_kept", "tokens_trained", "tokens_forward", "micro_batches"}
+    | {"loss", "kl", "clip_fraction", "entropy"}
+)
+#: Equal on every rank (computed from gathered or synchronised values); wall times take the slowest rank too.
+MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr"})
+
+
+class PhaseTimer:
+    """Accumulates wall seconds per phase (synchronising CUDA so GPU work lands in the right phase)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def metric_reduction(name: str) -> str:
+    """How :func:`cppo.distributed.reduce_metrics` combines a step metric over ranks: counts and loss shares add
+    up, times take the slowest rank, per-completion means are weighted by each rank's completions."""
+    if name in SUMMED:
+        return "sum"
+    if name in MAXED or name.startswith("time/"):
+        return "max"
+    return "mean:completions"
 
 
 def append_jsonl(path: str, record: dict) -> None:
@@ -25,6 +66,13 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 def read_jsonl(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, *, last_step: int) -> None:
+    """Drops the records after ``last_step`` from the log at ``path`` if there is one (what a killed run logged
+    after the checkpoint it resumes from)."""
+    if os.path.isfile(path):
+        write_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= last_step])
 
 
 def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:

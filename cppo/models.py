@@ -13,6 +13,8 @@ import string
 
 import torch
 
+from .config import check_device
+
 DEFAULT_TINY = {
     "vocab_size": 2048,
     "hidden_size": 64,
@@ -63,10 +65,33 @@ def attn_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, *, local_rank: int | None = None) -> torch.device:
+    """The torch device of a ``device`` setting: the one function that resolves ``"auto"`` (CUDA when available, else
+    the CPU), for the trainer, ``cppo eval`` and :func:`cppo.distributed.init_distributed`.
+
+    Args:
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        local_rank: this process's rank on its node under torchrun (one GPU per rank): ``"cuda"`` then means
+            ``cuda:local_rank`` and ``"cuda:N"`` is refused. ``None`` for a single process.
+
+    Returns:
+        The device. ``ValueError`` for a malformed setting, for CUDA asked where there is none, or for a GPU index
+        the node lacks.
+    """
+    check_device(device)
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if local_rank is not None and device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' under torchrun (one GPU per rank), got {device!r}")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available: use device=cpu (or auto)")
+    resolved = torch.device("cuda", local_rank) if local_rank is not None else torch.device(device)
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        where = f"LOCAL_RANK={local_rank}" if local_rank is not None else f"device={device!r}"
+        raise ValueError(f"{where} but this node has {torch.cuda.device_count()} CUDA devices")
+    return resolved
 
 
 def load_model_and_tokenizer(
@@ -149,3 +174,11 @@ def packed_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor) ->
     """
     out = decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[0]  # [L, H]
+
+
+def completion_hidden(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, predict_index: torch.Tensor
+) -> torch.Tensor:
+    """Final hidden states ``[T, H]`` of the rows of a packed row that predict completion tokens (``predict_index
+    [T]``): the forward that DDP / FSDP2 wrap (see :func:`cppo.parallel.wrap_model`)."""
+    return packed_hidden(model, input_ids, position_ids)[predict_index]

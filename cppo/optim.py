@@ -1,0 +1,44 @@
+"""The optimizer side of a run: AdamW, the learning-rate schedule over optimizer steps, and one optimizer step
+(gradient clipping, update, schedule, zeroed gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TrainConfig
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters (after wrapping: FSDP2 replaces them with sharded ones)."""
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, total: int):
+    """``config.lr_schedule`` over ``total`` optimizer steps, after a linear warm-up of
+    ``round(warmup_ratio * total)`` steps."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    warmup = int(round(config.warmup_ratio * total))
+    if config.lr_schedule == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    if config.lr_schedule == "linear":
+        return get_linear_schedule_with_warmup(optimizer, warmup, total)
+    return get_constant_schedule_with_warmup(optimizer, warmup)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, max_grad_norm: float):
+    """Clips the gradients to ``max_grad_norm``, steps the optimizer and the schedule, zeroes the gradients.
+
+    Returns:
+        The gradient norm before clipping (a 0-d tensor; under FSDP2 the norm over all shards).
+    """
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
