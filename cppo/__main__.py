@@ -1,3 +1,5 @@
+"""``python -m cppo``: the command line of :mod:`cppo.cli`."""
+
 from .cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume]`` and
+"""The command line: ``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume]`` and
 ``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as JSON).
 
 Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (and torchrun's ``--nnodes``,

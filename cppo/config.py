@@ -1,4 +1,5 @@
-"""Training configuration: one dataclass, loadable from a preset or a YAML file with ``key=value`` overrides."""
+"""Training configuration: one dataclass, loadable from a preset or a YAML file with ``key=value`` overrides, and the
+choices each setting accepts."""
 
 from __future__ import annotations
 

@@ -50,9 +50,14 @@ def evaluate_split(
     }
 
 
-def greedy_rollout(rollout, model, tokenizer, *, max_prompt_length: int, max_completion_length: int) -> HFRollout:
-    """The rollout that evaluation decodes with: the training one when it runs transformers ``generate``, else an
-    :class:`HFRollout` on ``model``."""
+def greedy_rollout(rollout) -> HFRollout:
+    """The rollout evaluation decodes with: the training ``rollout`` when it runs transformers ``generate``, else an
+    :class:`HFRollout` on the same model, tokenizer and lengths (e.g. beside a vLLM engine)."""
     if isinstance(rollout, HFRollout):
         return rollout
-    return HFRollout(model, tokenizer, max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
+    return HFRollout(
+        rollout.model,
+        rollout.tokenizer,
+        max_prompt_length=rollout.max_prompt_length,
+        max_completion_length=rollout.max_completion_length,
+    )

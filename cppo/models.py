@@ -1,4 +1,5 @@
-"""Loading models and tokenizers, and the packed forward that gives final hidden states without logits.
+"""Models: loading them and their tokenizers on the resolved device, and the packed forward that gives final hidden
+states without logits.
 
 Any ``AutoModelForCausalLM`` works: the decoder (``model.get_decoder()``) gives the final, normalised hidden
 states and ``model.get_output_embeddings()`` the LM head. With tied embeddings that head's weight *is* the

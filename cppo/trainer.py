@@ -368,13 +368,7 @@ class Trainer:
         gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
-        rollout = greedy_rollout(
-            self.rollout,
-            self.model,
-            self.tokenizer,
-            max_prompt_length=cfg.max_prompt_length,
-            max_completion_length=cfg.max_completion_length,
-        )
+        rollout = greedy_rollout(self.rollout)
         if self._sharded:
             with parallel.root_unsharded(self.policy):
                 return evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)

@@ -1,13 +1,19 @@
-"""Single-process tests of cppo.distributed: the pure parts (splitting, LPT balancing, shards, reductions' specs)
-and the single-process defaults every collective falls back to. The 2-process tests are in
-test_distributed_multiproc.py."""
+"""Single-process tests of cppo.distributed, cppo.parallel and cppo.checkpoint: the pure parts (splitting, LPT
+balancing, shards, reductions' specs), the single-process defaults every collective and wrapper falls back to, and
+checkpoints. The 2-process tests are in test_distributed_multiproc.py."""
+
+import os
+import shutil
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cppo import checkpoint as C
 from cppo import distributed as D
+from cppo import parallel as P
+from cppo.models import load_model_and_tokenizer
 from cppo_kernels import reference
 
 SINGLE = D.DistInfo()
@@ -27,6 +33,12 @@ def test_init_distributed_without_torchrun_is_single(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     info = D.init_distributed(device="cpu")
     assert info == D.DistInfo(device=torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert D.init_distributed(device="auto").device == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        D.init_distributed(device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert D.init_distributed(device="cuda:1").device == torch.device("cuda", 1)  # a single process may pick a GPU
     with pytest.raises(ValueError, match="device"):
         D.init_distributed(device="tpu")
@@ -156,25 +168,41 @@ def test_reduce_metrics_single_process_and_spec_errors():
 
 def test_grad_scale_and_wrap_model_single_process():
     two = D.DistInfo(rank=0, world_size=2)
-    assert D.grad_scale(parallelism="ddp", info=two) == 2.0
-    assert D.grad_scale(parallelism="fsdp2", info=two) == 2.0
-    assert D.grad_scale(parallelism="none", info=SINGLE) == 1.0
+    assert P.grad_scale(parallelism="ddp", info=two) == 2.0
+    assert P.grad_scale(parallelism="fsdp2", info=two) == 2.0
+    assert P.grad_scale(parallelism="none", info=SINGLE) == 1.0
     with pytest.raises(ValueError, match="parallelism"):
-        D.grad_scale(parallelism="zero3", info=SINGLE)
+        P.grad_scale(parallelism="zero3", info=SINGLE)
     model = torch.nn.Linear(3, 2)
-    assert D.wrap_model(model, parallelism="ddp", info=SINGLE) is model
-    wrapped = D.wrap_model(model, parallelism="none", info=SINGLE, forward=lambda m, x: m(x) * 2)
+    assert P.wrap_model(model, parallelism="ddp", info=SINGLE) is model
+    wrapped = P.wrap_model(model, parallelism="none", info=SINGLE, forward=lambda m, x: m(x) * 2)
     x = torch.randn(4, 3)
-    assert torch.equal(wrapped(x), model(x) * 2) and D.unwrap_model(wrapped) is model
+    assert torch.equal(wrapped(x), model(x) * 2) and P.unwrap_model(wrapped) is model
     with pytest.raises(ValueError, match="parallelism='none'"):
-        D.wrap_model(model, parallelism="none", info=two)
-    with D.gradient_sync(model, False):
+        P.wrap_model(model, parallelism="none", info=two)
+    # a frozen model has no gradients to synchronise: DDP leaves it unwrapped, without a process group
+    frozen = P.wrap_model(model, parallelism="ddp", info=two, forward=lambda m, x: m(x), frozen=True)
+    assert isinstance(frozen, P.ForwardModule) and P.unwrap_model(frozen) is model
+    assert not P.is_fsdp2(wrapped)
+    with P.gradient_sync(model, False), P.root_unsharded(model):
         model(x).sum().backward()
     assert model.weight.grad is not None
 
 
+TINY = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _tiny_run():
+    """A tiny causal LM, its tokenizer, AdamW and a step-decay schedule after one update."""
+    model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train_one(model, opt, sched)
+    return model, tok, opt, sched
+
+
 def _train_one(model, opt, sched):
-    loss = model(torch.ones(2, 3)).pow(2).sum()
+    loss = model(input_ids=torch.tensor([[5, 9, 2, 7]]), use_cache=False).logits.pow(2).mean()
     loss.backward()
     opt.step()
     sched.step()
@@ -182,32 +210,50 @@ def _train_one(model, opt, sched):
 
 
 def test_checkpoint_round_trip_single_process(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    _train_one(model, opt, sched)
-    path = tmp_path / "ckpt"
-    D.save_checkpoint(path, module=model, optimizer=opt, scheduler=sched, meta={"step": 1}, info=SINGLE)
-    D.save_checkpoint(path, module=model, optimizer=opt, scheduler=sched, meta={"step": 1}, info=SINGLE)  # overwrite
+    model, tok, opt, sched = _tiny_run()
+    path = str(tmp_path / "checkpoint-000001")
+    kwargs = dict(module=model, tokenizer=tok, optimizer=opt, scheduler=sched, info=SINGLE)
+    C.save(path, state={"step": 0}, **kwargs)
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    assert C.save(path, state={"step": 1, "sampler": {"epoch": 0}}, **kwargs) == path  # overwrites atomically
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
     _train_one(model, opt, sched)
-    meta, rank_state = D.load_checkpoint(path, module=model, optimizer=opt, scheduler=sched, info=SINGLE)
-    assert meta["step"] == 1 and meta["world_size"] == 1 and meta["format"] == "full" and rank_state is None
+    torch.manual_seed(4)
+    state = C.load(path, module=model, optimizer=opt, scheduler=sched, info=SINGLE)
+    assert state["step"] == 1 and state["sampler"] == {"epoch": 0} and state["world_size"] == 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt)
-    assert sched.last_epoch == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directories left
+    assert sched.last_epoch == 1 and torch.equal(torch.get_rng_state(), rng)
+    assert sorted(os.listdir(path)) == ["model", "trainer_state.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001"]  # no temporary folders left
+    assert C.latest(str(tmp_path)) == path and C.model_folder(path) == os.path.join(path, "model")
+    again, _ = load_model_and_tokenizer(C.model_folder(path))  # the folder from_pretrained and `cppo eval` load
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in saved.items())
 
 
-def test_checkpoint_rank_state_needs_same_world_size(tmp_path):
-    model = torch.nn.Linear(2, 2)
-    rng = torch.Generator().manual_seed(5).get_state()
-    D.save_checkpoint(tmp_path / "c", module=model, rank_state={"rng": rng, "step": 3}, info=SINGLE)
-    _, state = D.load_checkpoint(tmp_path / "c", module=model, info=SINGLE)
-    assert torch.equal(state["rng"], rng) and state["step"] == 3
-    with pytest.raises(ValueError, match="world_size=1"):
-        D.load_checkpoint(tmp_path / "c", module=model, info=D.DistInfo(rank=0, world_size=2))
-    with pytest.raises(ValueError, match="not a checkpoint"):
-        D.load_checkpoint(tmp_path, module=model, info=SINGLE)
+def test_checkpoint_load_rejects_other_formats(tmp_path):
+    model, tok, opt, sched = _tiny_run()
+    path = str(tmp_path / "c")
+    C.save(path, module=model, tokenizer=tok, optimizer=opt, scheduler=sched, state={"step": 1}, info=SINGLE)
+    load = dict(module=model, optimizer=opt, scheduler=sched, info=SINGLE)
+    with pytest.raises(ValueError, match="trainer_state.pt"):
+        C.load(str(tmp_path), **load)
+    shutil.copytree(os.path.join(path, "model"), tmp_path / "empty")
+    for name in os.listdir(tmp_path / "empty"):
+        if name.endswith(".safetensors"):
+            os.remove(tmp_path / "empty" / name)
+    with pytest.raises(ValueError, match="no .safetensors"):
+        C.load_weights(model, str(tmp_path / "empty"))
+    # FSDP2 shards (dcp/) written by 2 processes: another world size, or another parallelism, cannot resume them
+    os.makedirs(os.path.join(path, "dcp"))
+    with pytest.raises(ValueError, match="written by 1 processes.*world_size=1, not 2"):
+        C.load(path, **{**load, "info": D.DistInfo(rank=0, world_size=2)})
+    with pytest.raises(ValueError, match="parallelism=fsdp2"):
+        C.load(path, **load)
+    shutil.rmtree(os.path.join(path, "dcp"))
+    sharded = torch.nn.Module()  # what cppo.parallel.is_fsdp2 recognises
+    sharded.set_requires_gradient_sync = sharded.reshard = lambda *args: None
+    with pytest.raises(ValueError, match="holds a full model"):
+        C.load(path, **{**load, "module": sharded})

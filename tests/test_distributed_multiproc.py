@@ -1,4 +1,5 @@
-"""2-process tests of cppo.distributed on CPU (gloo), launched once through torchrun.
+"""2-process tests of cppo.distributed, cppo.parallel and cppo.checkpoint on CPU (gloo), launched once through
+torchrun.
 
 This file is both the pytest module and the worker: the test runs ``python -m torch.distributed.run --standalone
 --nproc-per-node 2 <this file> OUT`` once, each rank runs every check in :data:`CHECKS` and writes
@@ -18,7 +19,9 @@ import pytest
 import torch
 from torch import nn
 
+from cppo import checkpoint as C
 from cppo import distributed as D
+from cppo import parallel as P
 from cppo_kernels import LossConfig, reference
 
 WORLD = 2
@@ -244,8 +247,8 @@ def _distributed_grads(info, parallelism: str, agg: str) -> tuple[dict, dict]:
 
     model = ToyLM()
     model.load_state_dict(state)
-    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
-    inner = D.unwrap_model(wrapped)
+    wrapped = P.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    inner = P.unwrap_model(wrapped)
     assert inner is model
     # rank 0 holds sequences 0..3 in two micro-batches, rank 1 holds 4..6 in one: both run max_across_ranks passes,
     # the short rank a dummy pass with weight 0, and only the last pass synchronises gradients
@@ -253,10 +256,10 @@ def _distributed_grads(info, parallelism: str, agg: str) -> tuple[dict, dict]:
     local_tokens = sum(batch["lengths"][i] for m in micro for i in m)
     counts = D.global_counts(num_tokens=local_tokens, num_seqs=sum(map(len, micro)), info=info)
     passes = D.max_across_ranks(len(micro), info=info)
-    scale = D.grad_scale(parallelism=parallelism, info=info)
+    scale = P.grad_scale(parallelism=parallelism, info=info)
     for k in range(passes):
         seqs = micro[k] if k < len(micro) else micro[0]
-        with D.gradient_sync(wrapped, k == passes - 1):
+        with P.gradient_sync(wrapped, k == passes - 1):
             loss, t, s = _micro_loss(wrapped, lambda: inner.head.weight, batch, seqs, agg)
             share = (t / counts.tokens if agg == "token-mean" else s / counts.seqs) if k < len(micro) else 0.0
             (loss * share * scale).backward()
@@ -291,9 +294,9 @@ def fsdp2_root_unsharded_for_code_outside_forward(info):
     model = ToyLM()
     want = ToyLM()
     want.load_state_dict(model.state_dict())
-    wrapped = D.wrap_model(model, parallelism="fsdp2", info=info, forward=lambda m, ids: m.hidden_states(ids))
+    wrapped = P.wrap_model(model, parallelism="fsdp2", info=info, forward=lambda m, ids: m.hidden_states(ids))
     ids = torch.tensor([1, 4, 2])
-    with D.root_unsharded(wrapped):
+    with P.root_unsharded(wrapped):
         whole = type(model.embed.weight).__name__
         h = model.hidden_states(ids)  # what generate does: the model's own code, the blocks gathering themselves
     after = type(model.embed.weight).__name__
@@ -307,10 +310,23 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in full.items()}
 
 
+def _tiny_lm():
+    """A tiny causal LM (transformers, seeded) and its tokenizer: what the trainer checkpoints."""
+    from cppo.models import load_model_and_tokenizer
+
+    config = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+    return load_model_and_tokenizer("tiny-qwen2", model_config=config, seed=0)
+
+
+def _hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    from cppo.models import packed_hidden
+
+    return packed_hidden(model, ids[None], torch.arange(ids.numel())[None])  # [L, H]
+
+
 def _checkpoint_round_trip(info, parallelism: str, root: pathlib.Path) -> None:
-    torch.manual_seed(0)
-    model = ToyLM()
-    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    model, tok = _tiny_lm()
+    wrapped = P.wrap_model(model, parallelism=parallelism, info=info, forward=_hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ids = torch.arange(5) + info.rank
@@ -322,26 +338,25 @@ def _checkpoint_round_trip(info, parallelism: str, root: pathlib.Path) -> None:
         opt.zero_grad()
 
     step()
-    path = root / parallelism
-    rng = torch.Generator().manual_seed(100 + info.rank).get_state()
-    D.save_checkpoint(
-        path, module=wrapped, optimizer=opt, scheduler=sched, meta={"step": 1}, rank_state={"rng": rng}, info=info
-    )
+    path = str(root / parallelism)
+    torch.manual_seed(100)
+    rng = torch.get_rng_state()
+    C.save(path, module=wrapped, tokenizer=tok, optimizer=opt, scheduler=sched, state={"step": 1}, info=info)
     saved = _full_params(model)
     step()
     assert any(not torch.equal(saved[n], p) for n, p in _full_params(model).items())
-    meta, state = D.load_checkpoint(path, module=wrapped, optimizer=opt, scheduler=sched, info=info)
-    assert meta["step"] == 1 and meta["world_size"] == 2
-    assert meta["format"] == ("dcp" if parallelism == "fsdp2" else "full")
-    assert torch.equal(state["rng"], rng)  # each rank gets its own state back
+    torch.manual_seed(7)
+    state = C.load(path, module=wrapped, optimizer=opt, scheduler=sched, info=info)
+    assert state["step"] == 1 and state["world_size"] == 2
+    assert sorted(os.listdir(path)) == ["dcp" if parallelism == "fsdp2" else "model", "trainer_state.pt"]
+    assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(saved[n], p) for n, p in _full_params(model).items())
     assert sched.last_epoch == 1
     # the restored optimizer continues exactly as an uninterrupted one: one more step from both must agree
     step()
     after_resume = _full_params(model)
-    torch.manual_seed(0)
-    twin = ToyLM()
-    twin_wrapped = D.wrap_model(twin, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    twin, _ = _tiny_lm()
+    twin_wrapped = P.wrap_model(twin, parallelism=parallelism, info=info, forward=_hidden)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.05)
     twin_sched = torch.optim.lr_scheduler.StepLR(twin_opt, step_size=1, gamma=0.5)
     for _ in range(2):

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cppo import checkpoint
+from cppo.distributed import DistInfo
 from cppo.models import lm_head, load_model_and_tokenizer, packed_hidden
 from cppo.packing import Sample, allocate, loss_weight, pack, pack_all
 from cppo_kernels import reference
@@ -129,8 +130,13 @@ def test_packed_forward_smollm2(smollm2):
 def test_gguf_model_checkpoints_and_reloads(smollm2, tmp_path):
     """A GGUF model is de-quantised on load: save_pretrained must accept it and the folder must reload exactly."""
     model, tok = smollm2
-    checkpoint.save(str(tmp_path / "ckpt"), model=model, tokenizer=tok, state={"step": 0})
-    again, tok2 = load_model_and_tokenizer(str(tmp_path / "ckpt" / "model"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(
+        path, module=model, tokenizer=tok, optimizer=opt, scheduler=sched, state={"step": 0}, info=DistInfo()
+    )
+    again, tok2 = load_model_and_tokenizer(checkpoint.model_folder(path))
     assert tok2.eos_token == tok.eos_token
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name

@@ -1,10 +1,12 @@
 """Rollouts: the completion mask (cut after the first EOS), seeded sampling, and the lazy vLLM backend."""
 
 import importlib.util
+import types
 
 import pytest
 import torch
 
+from cppo.evaluate import greedy_rollout
 from cppo.models import load_model_and_tokenizer
 from cppo.rollout import HFRollout, cut_after_eos, make_rollout
 
@@ -51,3 +53,15 @@ def test_vllm_backend_missing_gives_a_clear_error():
         make_rollout("vllm", model, tok, model_name="x", max_prompt_length=4, max_completion_length=4)
     assert isinstance(make_rollout("auto", model, tok, model_name="x", max_prompt_length=4, max_completion_length=4),
                       HFRollout)  # fmt: skip
+
+
+def test_evaluation_decodes_with_transformers():
+    """Evaluation reuses a transformers rollout and builds one on the same model, tokenizer and lengths beside
+    another engine (vLLM)."""
+    model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
+    hf = HFRollout(model, tok, max_prompt_length=5, max_completion_length=7)
+    assert greedy_rollout(hf) is hf
+    engine = types.SimpleNamespace(model=model, tokenizer=tok, max_prompt_length=5, max_completion_length=7)
+    built = greedy_rollout(engine)
+    assert isinstance(built, HFRollout) and built.model is model and built.tokenizer is tok
+    assert (built.max_prompt_length, built.max_completion_length) == (5, 7)

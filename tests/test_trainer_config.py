@@ -1,11 +1,12 @@
 """TrainConfig, presets and overrides; bad settings are rejected before any work, naming the setting."""
 
 import pytest
+import torch
 
 from cppo import TrainConfig, Trainer, load_config
 from cppo.config import available_presets
 from cppo.distributed import DistInfo
-from cppo.models import lm_head
+from cppo.models import lm_head, resolve_device
 
 
 def test_presets_load():
@@ -45,6 +46,7 @@ def test_overrides_are_yaml_scalars(tmp_path):
         (["selection_scope=world"], "selection_scope"),
         (["parallelism=tp"], "parallelism"),
         (["device=tpu"], "device"),
+        (["device=cuda:x"], "device"),
         (["group_size=two"], "group_size"),
         (["mu=0"], "mu"),
         (["model=tiny-gpt"], "tiny"),
@@ -87,3 +89,27 @@ def test_questions_must_divide_by_world_size(tmp_path):
     assert cfg.questions_drawn == 3
     with pytest.raises(ValueError, match="world_size"):
         Trainer(cfg, info=DistInfo(rank=0, world_size=2))
+
+
+def test_resolve_device(monkeypatch):
+    """The one resolution of ``device``: ``auto`` follows CUDA, and CUDA asked for where there is none (or a GPU the
+    node lacks) is a ValueError, not a failure later when the model moves."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto", local_rank=1) == torch.device("cpu")
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device(device)
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("auto", local_rank=1) == resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="2 CUDA devices"):
+        resolve_device("cuda:2")
+    with pytest.raises(ValueError, match="LOCAL_RANK=2"):
+        resolve_device("cuda", local_rank=2)
+    with pytest.raises(ValueError, match="under torchrun"):
+        resolve_device("cuda:0", local_rank=0)
