@@ -60,7 +60,6 @@ from cppo.models import resolve_device
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
 #: ``--preset NAME`` is ``--config PRESETS[NAME]`` (a trainer preset under cppo/presets/).
 PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
@@ -295,9 +294,8 @@ def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[
     the middle of the question range they cover, ties by rate), so a shared machine's changing load falls on
     every rate alike. Each rate's own steps keep their order, and every step reseeds, so the results are the same.
     """
-    keyed = [((k + 0.5) / plan.num_steps if interleave else i, i, k) for i, plan in enumerate(plans)
-             for k in range(plan.num_steps)]  # fmt: skip
-    return [(i, k) for _, i, k in sorted(keyed)]
+    order = [(i, k) for i, plan in enumerate(plans) for k in range(plan.num_steps)]
+    return sorted(order, key=lambda ik: ((ik[1] + 0.5) / plans[ik[0]].num_steps, ik[0])) if interleave else order
 
 
 def run_plans(plans: Sequence[TrainConfig], *, device: str, interleave: bool, on_step: OnStep = None) -> list[RateRun]:
@@ -328,9 +326,8 @@ def run_plans(plans: Sequence[TrainConfig], *, device: str, interleave: bool, on
         sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
         if plan.max_questions is not None and sums["questions"] != plan.max_questions:
             raise RuntimeError(
-                f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s),"
-                f" the plan expected {plan.max_questions} ({plan.questions_drawn} per step): the rates would not see"
-                " the same questions"
+                f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
+                f"not the planned {plan.max_questions}: the rates would not see the same questions"
             )
         runs.append(RateRun(config=plan, sums=sums, setup_seconds=t, cpu_seconds=sum(c for _, _, c in steps)))
     return runs
@@ -377,7 +374,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
     add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
     add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
-    add("--out", type=pathlib.Path, default=DEFAULT_OUT, help="folder for speedup.json and speedup.png")
+    add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for speedup.json and .png")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
