@@ -134,22 +134,15 @@ def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[f
     and ``accuracy``). ``other`` is each step's wall clock minus its named phases (never below 0). ValueError when a
     metric the benchmark needs is missing from a step.
     """
-    phases, counters, total = dict.fromkeys(PHASES, 0.0), dict.fromkeys(COUNTERS, 0), 0.0
-    means: dict[str, list[float]] = {"reward_mean": [], "accuracy": []}
-    for metrics, wall in zip(steps_metrics, step_walls, strict=True):
-        missing = [k for k in (*PHASE_METRICS.values(), *COUNTERS) if k not in metrics]
-        if missing:
-            raise ValueError(f"train_step metrics lack {missing}; the benchmark needs them")
-        named = {phase: float(metrics[key]) for phase, key in PHASE_METRICS.items()}
-        for phase, seconds in {**named, "other": max(0.0, wall - sum(named.values()))}.items():
-            phases[phase] += seconds
-        total += wall
-        for key in COUNTERS:
-            counters[key] += int(round(float(metrics[key])))
-        for key, values in means.items():
-            values.append(float(metrics.get(key, float("nan"))))
-    averages = {k: sum(v) / len(v) if v else float("nan") for k, v in means.items()}
-    return {"phase_seconds": phases, "total_seconds": total, **counters, **averages}
+    steps, nan = list(zip(steps_metrics, step_walls, strict=True)), float("nan")
+    missing = sorted({k for m, _ in steps for k in (*PHASE_METRICS.values(), *COUNTERS) if k not in m})
+    if missing:
+        raise ValueError(f"train_step metrics lack {missing}; the benchmark needs them")
+    phases = {phase: sum(float(m[key]) for m, _ in steps) for phase, key in PHASE_METRICS.items()}
+    phases["other"] = sum(max(0.0, w - sum(float(m[key]) for key in PHASE_METRICS.values())) for m, w in steps)
+    counters = {key: sum(int(round(float(m[key]))) for m, _ in steps) for key in COUNTERS}
+    means = {k: sum(float(m.get(k, nan)) for m, _ in steps) / (len(steps) or nan) for k in ("reward_mean", "accuracy")}
+    return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means}
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -378,10 +371,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    given = {s: getattr(args, s) for _, s, _, _ in SHORTCUTS if getattr(args, s) is not None}
+    values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
+    given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
     if "model" in given and not json.loads(given["model"]).startswith("tiny-"):
         given = {"model_config": "null", **given}  # only a tiny model takes a model_config
-    args.overrides += [f"{s}={json.dumps(v) if isinstance(v, bool) else v}" for s, v in given.items()]
+    args.overrides = [*args.overrides, *(f"{s}={v}" for s, v in given.items())]
     if args.config is None:
         args.preset = args.preset or "cpu"
         args.config = PRESETS[args.preset]
