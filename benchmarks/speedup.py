@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """CPPO against GRPO, end to end, on the same questions: where the time goes and what pruning saves.
 
-``python benchmarks/speedup.py`` trains GRPO (P = 0) and CPPO at several pruning rates P on the same
-questions with the same seed, one fresh model per rate, and reports the wall time of every phase of
-a training step summed over the run, the speedup of the training phases and of the whole run against
-P = 0, the ideal training speedup 1/(1 - P), and the paper's reported GSM8K speedups beside ours.
+``python benchmarks/speedup.py [--config PRESET_OR_YAML] [--set key=value ...]`` trains GRPO (P = 0) and CPPO at
+several pruning rates P from the same model, seed and questions, and reports each phase's wall time summed over
+the run, the speedups of the training phases and of the whole run against P = 0, the ideal training speedup
+1/(1 - P) and the paper's GSM8K speedups. The trainer config comes from ``cppo.load_config`` as in ``cppo train``
+(default: the ``speedup-cpu`` preset); the benchmark sets only each rate's ``pruning_rate``, ``num_steps`` and
+``max_questions``, on the trainer's rules: a rate keeps ``TrainConfig.keep`` completions per question and a step
+draws ``TrainConfig.questions_drawn`` questions, so every rate processes the same ``questions``.
 
 What is timed (wall clock, summed over every measured step of a rate):
 
@@ -19,16 +22,12 @@ What is timed (wall clock, summed over every measured step of a rate):
 
 ``total_seconds`` is the sum of the ``train_step`` wall clocks. Building the model (``setup_seconds``) and
 one warm-up step on questions outside the measured set (``meta.warmup_seconds``) are reported but excluded.
-``cpu_seconds`` (this process's CPU time over the steps) is a check on a shared machine. By default on CPU the
-rates run interleaved (``--schedule``): all of them step through the questions together, so load from other
-processes falls on every rate alike.
+``cpu_seconds`` (this process's CPU time over the steps) is a check on a shared machine. On CPU the rates run
+interleaved by default (``--schedule``) on one torch thread: all of them step through the questions together, so
+load from other processes falls on every rate alike; on a GPU they run one after another (one model in memory).
 
-With allocation (the default, as in the paper) a CPPO step draws ``questions_per_step / (1 - P)`` questions,
-so each rate runs ``questions / that`` steps and every rate processes exactly the same ``questions``.
-Without allocation every rate runs the same steps on the same questions and trains fewer completions.
-
-Writes ``speedup.json`` (one row per rate plus a ``meta`` block) and ``speedup.png`` (stacked phase
-bars) to ``--out``, and prints a Markdown table.
+Writes ``speedup.json`` (one row per rate plus a ``meta`` block: every setting of the base trainer config, the
+machine and the software) and ``speedup.png`` (stacked phase bars) to ``--out``, and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -47,242 +47,102 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from fractions import Fraction
 from typing import Any
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results"
-DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
+import torch
+from tqdm.auto import tqdm
 
-#: Phase name in the results -> the trainer metric holding its seconds for one step.
-PHASE_METRICS = {
-    "generation": "time/generate",
-    "reward": "time/reward",
-    "selection": "time/select",
-    "old_ref_logprobs": "time/logprobs",
-    "policy_fwd_bwd": "time/update",
-    "optimizer": "time/optimizer",
+import cppo
+from cppo import TrainConfig
+from cppo.models import resolve_device
+
+#: ``on_step(plan, metrics)`` after every measured step (progress).
+OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
+#: ``--preset NAME`` is ``--config PRESETS[NAME]`` (a trainer preset under cppo/presets/).
+PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
+#: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
+SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+#: Phase in the results -> (the trainer metric with its seconds in one step, plot label, plot colour): greys for
+#: the phases pruning leaves alone, colours for the training phases; ``other`` is the rest of a step's wall clock.
+PHASE_TABLE = {
+    "generation": ("time/generate", "generation", "#9e9e9e"),
+    "reward": ("time/reward", "reward", "#bdbdbd"),
+    "selection": ("time/select", "selection", "#e0e0e0"),
+    "old_ref_logprobs": ("time/logprobs", "old/ref log-probs", "#1f77b4"),
+    "policy_fwd_bwd": ("time/update", "policy fwd+bwd", "#ff7f0e"),
+    "optimizer": ("time/optimizer", "optimizer", "#2ca02c"),
+    "other": (None, "other", "#d6d6f5"),
 }
+PHASES = tuple(PHASE_TABLE)
+PHASE_METRICS = {phase: metric for phase, (metric, _, _) in PHASE_TABLE.items() if metric}
 #: The phases whose work CPPO prunes: their sum is ``train_seconds``.
 TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
-PHASES = (*PHASE_METRICS, "other")
-
+#: Step metrics summed over a rate's steps (``questions`` is reported as ``questions_seen``).
+COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
 #: Speedups reported by the paper (GSM8K, Qwen2.5-1.5B-Instruct, G = 16, whole training run vs GRPO).
 PAPER_SPEEDUP_GSM8K = {0.0: 1.0, 0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}
 
-#: The default CPU model: the trainer's tiny Qwen2-architecture model, built from a config (no download), 1.3M
-#: parameters with a 4096-token LM head: big enough that the training phases dominate a step on a CPU.
-TINY_MODEL_CONFIG = {
-    "vocab_size": 4096,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-#: ``--preset``: the values of every option the command line leaves unset.
-#:
-#: - ``cpu`` (default): the tiny model on the procedural arithmetic task, no download. Its tokenizer is
-#:   character-level, so the reasoning system prompt alone is ~440 tokens: its prompts keep their last 64 tokens
-#:   (the question and the chat markers), a prompt:completion ratio near GSM8K's (other models keep 512). Packed
-#:   rows attend through a dense block-diagonal mask on CPU (cost ~ row length^2), so 512-token micro-batches
-#:   (4-5 sequences; at least one prompt + completion) train faster there than the trainer's 4096.
-#:   ``questions`` defaults to twice the least count every rate divides. Rates run interleaved (tiny models).
-#:   One torch thread: the ratios do not depend on it, and on a machine shared with other jobs two OpenMP threads
-#:   per process oversubscribe the cores (measured here: steps 3-10x slower and far noisier than with one).
-#: - ``gsm8k``: the paper's GSM8K setting (the trainer's ``gsm8k-qwen2.5-1.5b`` preset: Qwen2.5-1.5B-Instruct,
-#:   G = 16, 8 questions per GRPO step, 1024 new tokens, bf16) for a fixed number of steps, on a GPU; rates run
-#:   one after another (one model and rollout engine in GPU memory at a time).
-PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": {
-        "trainer_preset": None,
-        "model": "tiny-qwen2",
-        "dataset": "arith",
-        "dtype": "float32",
-        "max_new_tokens": 48,
-        "max_prompt_length": 512,
-        "tiny_max_prompt_length": 64,
-        "micro_batch_tokens": 512,
-        "questions_per_step": 1,
-        "question_multiple": 2,
-        "schedule": "interleaved",
-        "threads": 1,
-    },
-    "gsm8k": {
-        "trainer_preset": "gsm8k-qwen2.5-1.5b",
-        "model": "Qwen/Qwen2.5-1.5B-Instruct",
-        "dataset": "gsm8k",
-        "dtype": "bfloat16",
-        "max_new_tokens": 1024,
-        "max_prompt_length": 512,
-        "tiny_max_prompt_length": 512,
-        "micro_batch_tokens": 16384,
-        "questions_per_step": 8,
-        "question_multiple": 1,
-        "schedule": "sequential",
-        "threads": None,
-    },
-}
-#: GSM8K's training split where the workplace keeps it (used by ``--preset gsm8k`` when present).
-SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-
-
-# --------------------------------------------------------------------------------------------
-# Schedule: which questions and how many steps each pruning rate runs
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RatePlan:
-    """What one pruning rate runs: ``steps`` steps of ``step_questions`` questions, ``keep`` of G kept each."""
-
-    pruning_rate: float
-    keep: int
-    group_size: int
-    questions: int
-    step_questions: int
-    steps: int
-
-
-def keep_for(pruning_rate: float, group_size: int) -> int:
-    """Completions kept per question: round(G (1 - P)), at least 1 (else ValueError)."""
-    keep = round(group_size * (1.0 - pruning_rate))
-    if keep < 1:
-        raise ValueError(
-            f"pruning_rates: P={pruning_rate} with group_size={group_size} keeps round(G(1-P))={keep} completions;"
-            " it must keep at least 1"
-        )
-    return keep
-
-
-def step_questions_for(pruning_rate: float, *, questions_per_step: int, allocation: bool) -> int:
-    """Questions one step draws: ``questions_per_step / (1 - P)`` with allocation, else ``questions_per_step``."""
-    if not allocation:
-        return questions_per_step
-    exact = Fraction(questions_per_step) / (1 - Fraction(pruning_rate).limit_denominator(1 << 20))
-    if exact.denominator != 1:
-        raise ValueError(
-            f"pruning_rates: with allocation a step draws questions_per_step/(1-P) questions, which must be a whole"
-            f" number; P={pruning_rate} with questions_per_step={questions_per_step} gives {float(exact):g}"
-        )
-    return int(exact)
-
-
-def check_rates(pruning_rates: Sequence[float]) -> list[float]:
-    """The rates as floats; ValueError unless they are distinct values in [0, 1) starting with 0 (GRPO)."""
-    rates = [float(p) for p in pruning_rates]
-    if not rates:
-        raise ValueError("pruning_rates must not be empty")
-    for p in rates:
-        if not (0.0 <= p < 1.0) or math.isnan(p):
-            raise ValueError(f"pruning_rates must lie in [0, 1), got {p}")
-    if len(set(rates)) != len(rates):
-        raise ValueError(f"pruning_rates must be distinct, got {rates}")
-    if rates[0] != 0.0:
-        raise ValueError(
-            f"pruning_rates must start with 0 (the GRPO baseline every speedup is measured against), got {rates}"
-        )
-    return rates
-
 
 def plan_schedule(
-    pruning_rates: Sequence[float], *, group_size: int, questions: int, questions_per_step: int, allocation: bool
-) -> list[RatePlan]:
-    """One :class:`RatePlan` per rate; every rate processes the same ``questions`` questions.
+    base: TrainConfig, pruning_rates: Sequence[float], *, questions: int | None = None, least_times: int = 1
+) -> list[TrainConfig]:
+    """One trainer config per rate: ``base`` at ``pruning_rate`` P with ``max_questions = questions`` (default:
+    ``least_times`` x the least count every rate divides) and ``num_steps`` steps of its ``questions_drawn``.
 
-    ValueError (naming the argument) unless the rates are distinct values in [0, 1) starting with 0 (the GRPO
-    baseline), each keeps at least one completion, and ``questions`` is a multiple of every rate's questions
-    per step (the message gives the smallest valid value).
+    ValueError naming the argument unless the rates are distinct and start with 0 (the GRPO baseline), each makes
+    a valid trainer config (keep >= 1), and ``questions`` is a multiple of every rate's questions per step.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}")
-    if isinstance(questions_per_step, bool) or not isinstance(questions_per_step, int) or questions_per_step < 1:
-        raise ValueError(f"questions_per_step must be an int >= 1, got {questions_per_step!r}")
-    if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
-        raise ValueError(f"questions must be an int >= 1, got {questions!r}")
-    rates = check_rates(pruning_rates)
-    per_step = [step_questions_for(p, questions_per_step=questions_per_step, allocation=allocation) for p in rates]
-    multiple = math.lcm(*per_step)
-    if questions % multiple:
+    rates = [float(p) for p in pruning_rates]
+    if not rates or rates[0] != 0.0 or len(set(rates)) != len(rates):
+        raise ValueError(f"--pruning-rates must be distinct and start with 0 (the GRPO baseline), got {rates}")
+    configs = []
+    for p in rates:
+        try:
+            configs.append(dataclasses.replace(base, pruning_rate=p))
+        except ValueError as e:
+            raise ValueError(f"--pruning-rates {p:g}: {e}") from None
+    per_step = [c.questions_drawn for c in configs]
+    least = math.lcm(*per_step)
+    questions = least * least_times if questions is None else questions
+    if questions < 1:
+        raise ValueError(f"--questions must be >= 1, got {questions}")
+    if questions % least:
         raise ValueError(
-            f"questions must be a multiple of {multiple} (the questions one step draws at every pruning rate: "
+            f"--questions must be a multiple of {least} (the questions one step draws at every pruning rate: "
             f"{dict(zip(rates, per_step))}) so that every rate processes the same questions; got {questions}, "
-            f"e.g. use {-(-questions // multiple) * multiple}"
+            f"e.g. use {-(-questions // least) * least}"
         )
-    return [
-        RatePlan(
-            pruning_rate=p,
-            keep=keep_for(p, group_size),
-            group_size=group_size,
-            questions=questions,
-            step_questions=q,
-            steps=questions // q,
-        )
-        for p, q in zip(rates, per_step)
-    ]
-
-
-def smallest_questions(pruning_rates: Sequence[float], *, questions_per_step: int, allocation: bool) -> int:
-    """The least question count every rate's schedule divides (the lcm of the questions per step)."""
-    rates = check_rates(pruning_rates)
-    return math.lcm(
-        *(step_questions_for(p, questions_per_step=questions_per_step, allocation=allocation) for p in rates)
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Measurements -> result rows
-# --------------------------------------------------------------------------------------------
+    return [dataclasses.replace(c, num_steps=questions // c.questions_drawn, max_questions=questions) for c in configs]
 
 
 @dataclasses.dataclass
 class RateRun:
-    """What one pruning rate measured: phase seconds and counters summed over its steps."""
+    """What one pruning rate measured: its planned trainer config and :func:`accumulate`'s sums over its steps."""
 
-    plan: RatePlan
-    phase_seconds: dict[str, float]
-    total_seconds: float
-    tokens_trained: int
-    tokens_forward: int = 0
-    completions: int = 0
-    completions_kept: int = 0
-    questions_seen: int = 0
+    config: TrainConfig
+    sums: dict[str, Any]
     setup_seconds: float = 0.0
     cpu_seconds: float = float("nan")
-    reward_mean: float = float("nan")
-    accuracy: float = float("nan")
 
 
 def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[float]) -> dict[str, Any]:
-    """Sums a rate's per-step trainer metrics: phase seconds, wall total, token and completion counts.
-
-    ``other`` is each step's wall clock minus its named phases (never below 0). ValueError when a metric
-    the benchmark needs is missing from a step.
+    """Sums a rate's step metrics (``phase_seconds``, ``total_seconds``, :data:`COUNTERS`; averages ``reward_mean``
+    and ``accuracy``). ``other`` is each step's wall clock minus its named phases (never below 0). ValueError when a
+    metric the benchmark needs is missing from a step.
     """
-    phases = dict.fromkeys(PHASES, 0.0)
-    counters = {"tokens_trained": 0, "tokens_forward": 0, "completions": 0, "completions_kept": 0, "questions": 0}
-    rewards, accuracies, total = [], [], 0.0
-    for metrics, wall in zip(steps_metrics, step_walls, strict=True):
-        missing = [k for k in (*PHASE_METRICS.values(), *counters) if k not in metrics]
-        if missing:
-            raise ValueError(f"train_step metrics lack {missing}; the benchmark needs them")
-        named = 0.0
-        for phase, key in PHASE_METRICS.items():
-            phases[phase] += float(metrics[key])
-            named += float(metrics[key])
-        phases["other"] += max(0.0, wall - named)
-        total += wall
-        for key in counters:
-            counters[key] += int(round(float(metrics[key])))
-        rewards.append(float(metrics.get("reward_mean", float("nan"))))
-        accuracies.append(float(metrics.get("accuracy", float("nan"))))
-    return {
-        "phase_seconds": phases,
-        "total_seconds": total,
-        **counters,
-        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-        "accuracy": sum(accuracies) / len(accuracies) if accuracies else float("nan"),
-    }
+    steps, nan = list(zip(steps_metrics, step_walls, strict=True)), float("nan")
+    missing = sorted({k for m, _ in steps for k in (*PHASE_METRICS.values(), *COUNTERS) if k not in m})
+    if missing:
+        raise ValueError(f"train_step metrics lack {missing}; the benchmark needs them")
+    phases = {phase: sum(float(m[key]) for m, _ in steps) for phase, key in PHASE_METRICS.items()}
+    phases["other"] = sum(max(0.0, w - sum(float(m[key]) for key in PHASE_METRICS.values())) for m, w in steps)
+    counters = {key: sum(int(round(float(m[key]))) for m, _ in steps) for key in COUNTERS}
+    means = {k: sum(float(m.get(k, nan)) for m, _ in steps) / (len(steps) or nan) for k in ("reward_mean", "accuracy")}
+    return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means}
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -292,6 +152,8 @@ def _ratio(num: float, den: float) -> float | None:
 def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     """Result rows, one per rate, with speedups against the first run (which must be P = 0).
 
+    - ``keep``, ``questions_per_step``, ``steps``, ``questions``: the rate's ``TrainConfig.keep``,
+      ``questions_drawn``, ``num_steps`` and ``max_questions``; ``questions_seen``: what its steps reported;
     - ``train_seconds``: old/ref log-probs + policy forward/backward + optimizer;
     - ``speedup_train`` / ``speedup_total``: P = 0's train / total seconds over this rate's;
     - ``ideal_speedup_train``: 1 / (1 - P); ``fraction_of_ideal``: speedup_train / ideal;
@@ -305,56 +167,32 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     """
     if not runs:
         raise ValueError("runs must not be empty")
-    if runs[0].plan.pruning_rate != 0.0:
-        raise ValueError(f"runs[0] must be the P = 0 baseline, got P = {runs[0].plan.pruning_rate}")
+    if runs[0].config.pruning_rate != 0.0:
+        raise ValueError(f"runs[0] must be the P = 0 baseline, got P = {runs[0].config.pruning_rate}")
     rows = []
-    base_train = base_total = base_cpu = 0.0
     for i, run in enumerate(runs):
-        p = run.plan.pruning_rate
-        phases = {k: float(run.phase_seconds.get(k, 0.0)) for k in PHASES}
-        train = sum(phases[k] for k in TRAIN_PHASES)
+        c, sums, p = run.config, run.sums, run.config.pruning_rate
+        phases = {k: float(sums["phase_seconds"].get(k, 0.0)) for k in PHASES}
+        train, total = sum(phases[k] for k in TRAIN_PHASES), sums["total_seconds"]
         if i == 0:
-            base_train, base_total, base_cpu = train, run.total_seconds, run.cpu_seconds
-        ideal = 1.0 / (1.0 - p)
-        speedup_train = 1.0 if i == 0 else _ratio(base_train, train)
-        speedup_total = 1.0 if i == 0 else _ratio(base_total, run.total_seconds)
-        amdahl = _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
-        rows.append(
-            {
-                "pruning_rate": p,
-                "keep": run.plan.keep,
-                "group_size": run.plan.group_size,
-                "questions": run.plan.questions,
-                "questions_seen": run.questions_seen,
-                "questions_per_step": run.plan.step_questions,
-                "steps": run.plan.steps,
-                "phase_seconds": phases,
-                "total_seconds": run.total_seconds,
-                "train_seconds": train,
-                "setup_seconds": run.setup_seconds,
-                "cpu_seconds": run.cpu_seconds,
-                "tokens_trained": run.tokens_trained,
-                "tokens_forward": run.tokens_forward,
-                "completions": run.completions,
-                "completions_kept": run.completions_kept,
-                "speedup_train": speedup_train,
-                "speedup_total": speedup_total,
-                "ideal_speedup_train": ideal,
-                "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
-                "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
-                "amdahl_speedup_total": 1.0 if i == 0 else amdahl,
-                "generation_share": _ratio(phases["generation"], run.total_seconds),
-                "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p),
-                "reward_mean": run.reward_mean,
-                "accuracy": run.accuracy,
-            }
-        )
+            base_train, base_total, base_cpu = train, total, run.cpu_seconds
+        ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
+        amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
+        rows.append({
+            "pruning_rate": p, "keep": c.keep, "group_size": c.group_size, "questions": c.max_questions,
+            "questions_seen": sums["questions"], "questions_per_step": c.questions_drawn, "steps": c.num_steps,
+            "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
+            "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
+            **{k: sums[k] for k in COUNTERS[:-1]},
+            "speedup_train": speedup_train, "speedup_total": 1.0 if i == 0 else _ratio(base_total, total),
+            "ideal_speedup_train": ideal,
+            "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
+            "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
+            "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
+            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p),
+            "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
+        })  # fmt: skip
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Report: table, JSON, PNG
-# --------------------------------------------------------------------------------------------
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -370,42 +208,29 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
-        ph = r["phase_seconds"]
+        percent = {k: None if r[k] is None else 100 * r[k] for k in ("fraction_of_ideal", "generation_share")}
         cells = [
             f"{r['pruning_rate']:g}",
-            str(r["keep"]),
-            str(r["questions"]),
-            str(r["steps"]),
-            *(f"{ph[k]:.2f}" for k in PHASES),
-            f"{r['total_seconds']:.2f}",
-            f"{r['train_seconds']:.2f}",
+            *(str(r[k]) for k in ("keep", "questions", "steps")),
+            *(f"{r['phase_seconds'][k]:.2f}" for k in PHASES),
+            *(f"{r[k]:.2f}" for k in ("total_seconds", "train_seconds")),
             str(r["tokens_trained"]),
             _fmt(r["speedup_train"], ".2f", "x"),
             f"{r['ideal_speedup_train']:.2f}x",
-            _fmt(None if r["fraction_of_ideal"] is None else 100 * r["fraction_of_ideal"], ".0f", "%"),
-            _fmt(r["speedup_total"], ".2f", "x"),
-            _fmt(r["amdahl_speedup_total"], ".2f", "x"),
-            _fmt(None if r["generation_share"] is None else 100 * r["generation_share"], ".0f", "%"),
+            _fmt(percent["fraction_of_ideal"], ".0f", "%"),
+            *(_fmt(r[k], ".2f", "x") for k in ("speedup_total", "amdahl_speedup_total")),
+            _fmt(percent["generation_share"], ".0f", "%"),
             _fmt(r["paper_speedup_gsm8k"], ".2f", "x"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """``{"meta": ..., "rows": [...]}``, NaN written as null."""
+    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null."""
+    safe = json.loads(json.dumps({"meta": meta, "rows": list(rows)}), parse_constant=lambda _: None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe({"meta": meta, "rows": list(rows)}), indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(safe, indent=2) + "\n", encoding="utf-8")
 
 
 def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -415,21 +240,12 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    style = {  # phase -> (legend label, colour): grey for the unpruned phases, colours for the training phases
-        "generation": ("generation", "#9e9e9e"),
-        "reward": ("reward", "#bdbdbd"),
-        "selection": ("selection", "#e0e0e0"),
-        "old_ref_logprobs": ("old/ref log-probs", "#1f77b4"),
-        "policy_fwd_bwd": ("policy fwd+bwd", "#ff7f0e"),
-        "optimizer": ("optimizer", "#2ca02c"),
-        "other": ("other", "#d6d6f5"),
-    }
     labels = [f"P={r['pruning_rate']:g}\nkeep {r['keep']}/{r['group_size']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2.0), 5.0))
     bottom = [0.0] * len(rows)
     for phase in PHASES:
         heights = [r["phase_seconds"][phase] for r in rows]
-        label, color = style[phase]
+        _, label, color = PHASE_TABLE[phase]
         ax.bar(labels, heights, bottom=bottom, label=label, color=color, edgecolor="white", linewidth=0.5)
         bottom = [b + h for b, h in zip(bottom, heights)]
     for x, (r, top) in enumerate(zip(rows, bottom)):
@@ -440,8 +256,7 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
         ax.annotate(text, (x, top), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax.set_ylim(0, max(bottom) * 1.22 if max(bottom) > 0 else 1.0)
     ax.set_ylabel("seconds (summed over the run)")
-    model = pathlib.Path(str(meta.get("model", "?"))).name
-    where = meta.get("device_name") or meta.get("device", "?")
+    model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
     ax.set_title(
         f"CPPO vs GRPO on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}, "
         f"{meta.get('max_completion_length', '?')} new tokens\n{model} on {where}",
@@ -455,316 +270,146 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
     plt.close(fig)
 
 
-def git_commit(repo: pathlib.Path = REPO) -> tuple[str, bool | None]:
-    """``(HEAD commit, working tree dirty)``, ``("unknown", None)`` outside a git checkout."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, check=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-    return head or "unknown", bool(status.strip())
-
-
-# --------------------------------------------------------------------------------------------
-# Running the trainer
-# --------------------------------------------------------------------------------------------
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def timed_step(trainer: Any, *, device: str) -> tuple[dict[str, float], float, float]:
-    """One ``train_step``: ``(metrics, wall seconds, this process's CPU seconds)``."""
-    _sync(device)
+    """One ``train_step``, the GPU synchronised around it: ``(metrics, wall seconds, this process's CPU seconds)``."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    sync()
     wall0, cpu0 = time.perf_counter(), time.process_time()
     metrics = trainer.train_step()
-    _sync(device)
+    sync()
     return metrics, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
-def step_order(plans: Sequence[RatePlan], *, interleave: bool) -> list[tuple[int, int]]:
-    """``(rate index, step index)`` of every step of every rate, in the order they run.
+def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[int, int]]:
+    """``(rate index, step index)`` of every step of every rate (``num_steps`` each), in the order they run.
 
     Sequential: rate after rate. Interleaved: all rates advance together through the questions (steps sorted by
     the middle of the question range they cover, ties by rate), so a shared machine's changing load falls on
     every rate alike. Each rate's own steps keep their order, and every step reseeds, so the results are the same.
     """
-    if not interleave:
-        return [(i, k) for i, plan in enumerate(plans) for k in range(plan.steps)]
-    keyed = [((k + 0.5) / plan.steps, i, k) for i, plan in enumerate(plans) for k in range(plan.steps)]
-    return [(i, k) for _, i, k in sorted(keyed)]
+    order = [(i, k) for i, plan in enumerate(plans) for k in range(plan.num_steps)]
+    return sorted(order, key=lambda ik: ((ik[1] + 0.5) / plans[ik[0]].num_steps, ik[0])) if interleave else order
 
 
-def run_plans(
-    plans: Sequence[RatePlan],
-    base_config: Any,
-    *,
-    device: str,
-    interleave: bool,
-    on_step: Callable[[RatePlan, dict[str, float]], None] | None = None,
-) -> list[RateRun]:
-    """Trains every rate from a fresh model (same seed for all) in :func:`step_order`; one :class:`RateRun` each.
+def run_plans(plans: Sequence[TrainConfig], *, device: str, interleave: bool, on_step: OnStep = None) -> list[RateRun]:
+    """Trains every planned config from a fresh model (same seed for all) in :func:`step_order`; a RateRun each.
 
     A rate's trainer is built before its first step (``setup_seconds``, not timed as a step) and freed after its
-    last. RuntimeError when a trainer draws other questions than the plan says (the rates would not compare).
+    last. RuntimeError when a trainer draws other questions than its ``max_questions`` (the rates would not
+    compare; None: not checked).
     """
-    from cppo import Trainer
-
-    steps: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
-    setup = [0.0] * len(plans)
-    trainers: dict[int, Any] = {}
+    records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
+    setup, trainers = [0.0] * len(plans), {}
     with tempfile.TemporaryDirectory(prefix="cppo-speedup-") as tmp:
         for i, k in step_order(plans, interleave=interleave):
-            plan = plans[i]
             if k == 0:
-                config = dataclasses.replace(
-                    base_config,
-                    pruning_rate=plan.pruning_rate,
-                    num_steps=plan.steps,
-                    max_questions=plan.questions,
-                    output_dir=os.path.join(tmp, f"rate{i}"),
-                )
                 t0 = time.perf_counter()
-                trainers[i] = Trainer(config)
+                trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
                 setup[i] = time.perf_counter() - t0
-            steps[i].append(timed_step(trainers[i], device=device))
+            records[i].append(timed_step(trainers[i], device=device))
             if on_step is not None:
-                on_step(plan, steps[i][-1][0])
-            if k == plan.steps - 1:
+                on_step(plans[i], records[i][-1][0])
+            if k == plans[i].num_steps - 1:
                 del trainers[i]
-                _free(device)
-    return [_rate_run(plan, records, setup=t) for plan, records, t in zip(plans, steps, setup)]
+                gc.collect()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    runs = []
+    for plan, steps, t in zip(plans, records, setup):
+        sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
+        if plan.max_questions is not None and sums["questions"] != plan.max_questions:
+            raise RuntimeError(
+                f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
+                f"not the planned {plan.max_questions}: the rates would not see the same questions"
+            )
+        runs.append(RateRun(config=plan, sums=sums, setup_seconds=t, cpu_seconds=sum(c for _, _, c in steps)))
+    return runs
 
 
-def _free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
-
-
-def _rate_run(plan: RatePlan, records: list[tuple[dict[str, float], float, float]], *, setup: float) -> RateRun:
-    acc = accumulate([m for m, _, _ in records], [w for _, w, _ in records])
-    if acc["questions"] != plan.questions:
-        raise RuntimeError(
-            f"P={plan.pruning_rate}: the trainer drew {acc['questions']} questions in {plan.steps} step(s), the plan"
-            f" expected {plan.questions} ({plan.step_questions} per step): the rates would not see the same questions"
-        )
-    return RateRun(
-        plan=plan,
-        phase_seconds=acc["phase_seconds"],
-        total_seconds=acc["total_seconds"],
-        tokens_trained=acc["tokens_trained"],
-        tokens_forward=acc["tokens_forward"],
-        completions=acc["completions"],
-        completions_kept=acc["completions_kept"],
-        questions_seen=acc["questions"],
-        setup_seconds=setup,
-        cpu_seconds=sum(c for _, _, c in records),
-        reward_mean=acc["reward_mean"],
-        accuracy=acc["accuracy"],
-    )
-
-
-def warmup(base_config: Any, *, device: str) -> float:
-    """One P = 0 step with another seed (other questions, another model), not counted; returns its seconds."""
-    from cppo import Trainer
-
-    with tempfile.TemporaryDirectory(prefix="cppo-speedup-warmup-") as tmp:
-        config = dataclasses.replace(
-            base_config, pruning_rate=0.0, num_steps=1, max_questions=None, seed=base_config.seed + 1, output_dir=tmp
-        )
-        trainer = Trainer(config)
-        _, wall, _ = timed_step(trainer, device=device)
-        del trainer
-    _free(device)
-    return wall
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except for options whose default comes from ``--preset`` (their help says so)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def _preset_help(key: str) -> str:
-    return " (default: " + ", ".join(f"{name} {preset[key]}" for name, preset in PRESETS.items()) + ")"
+#: Shortcut flags, each a ``--set`` of one trainer setting: (flag, setting, how the value becomes YAML, help).
+SHORTCUTS = (
+    ("--model", "model", json.dumps, "'tiny-qwen2', a hub name, a local path or a .gguf file"),
+    ("--model-config", "model_config", None, "JSON overrides of the tiny model's config"),
+    ("--dataset", "dataset", json.dumps, "arith | gsm8k | math500 | a .jsonl path | a hub dataset"),
+    ("--dataset-path", "dataset_path", json.dumps, "local file or folder for --dataset gsm8k / math500"),
+    ("--device", "device", json.dumps, "auto | cpu | cuda | cuda:N"),
+    ("--dtype", "dtype", json.dumps, "float32 | bfloat16 | float16"),
+    ("--group-size", "group_size", int, "completions per question G"),
+    ("--questions-per-step", "questions_per_step", int, "questions a GRPO step draws"),
+    ("--max-new-tokens", "max_completion_length", int, "completion length cap"),
+    ("--max-prompt-length", "max_prompt_length", int, "prompts keep their last N tokens"),
+    ("--micro-batch-tokens", "micro_batch_tokens", int, "token budget per packed micro-batch"),
+    ("--mu", "mu", int, "policy updates per rollout"),
+    ("--backend", "kernel_backend", json.dumps, "auto | triton | torch (triton on CPU runs the interpreter)"),
+    ("--rollout-backend", "rollout_backend", json.dumps, "auto | hf | vllm"),
+    ("--seed", "seed", int, "the same seed for every rate"),
+    ("--allocation", "allocation", None, "CPPO draws 1/(1-P) times more questions per step (the paper's allocation)"),
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; options left unset (None) take the ``--preset``'s value in :func:`apply_preset`."""
-    ap = argparse.ArgumentParser(
-        description="CPPO against GRPO, end to end, on the same questions (see the module docstring).",
-        formatter_class=_HelpFormatter,
-    )
+    """The command line; ``args.config`` and ``args.overrides`` are what ``cppo train --config --set`` takes.
+
+    A shortcut flag given adds its ``setting=value`` after ``--set``'s; ``--model`` with a model that is not
+    ``tiny-*`` also sets ``model_config=null`` (the preset's, if any, only applies to a tiny model).
+    """
+    ap = argparse.ArgumentParser(description="CPPO against GRPO, end to end, on the same questions (see docstring).")
     add = ap.add_argument
-    add(
-        "--preset",
-        choices=sorted(PRESETS),
-        default="cpu",
-        help="cpu: tiny model + arithmetic, no download; gsm8k: the paper's GSM8K setting (needs a GPU)",
-    )
-    add(
-        "--model",
-        help="'tiny-qwen2' (built from a config), a hub name, a local path or a .gguf file" + _preset_help("model"),
-    )
-    add("--model-config", help=f"JSON overrides of the tiny model's config (default: {json.dumps(TINY_MODEL_CONFIG)})")
-    add("--dataset", help="arith | gsm8k | math500 | a .jsonl path | a hub dataset" + _preset_help("dataset"))
-    add("--dataset-path", help="local file or folder for --dataset gsm8k / math500")
-    add("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    add("--dtype", help="float32 | bfloat16 | float16" + _preset_help("dtype"))
-    add(
-        "--pruning-rates",
-        type=float,
-        nargs="+",
-        default=list(DEFAULT_RATES),
-        help="pruning rates P; the first must be 0 (GRPO)",
-    )
-    add("--group-size", type=int, default=16, help="completions per question G")
-    add(
-        "--questions",
-        type=int,
-        help="questions every rate processes, a multiple of each rate's questions per step"
-        " (default: the least such multiple, times 2 on the cpu preset)",
-    )
-    add(
-        "--questions-per-step",
-        type=int,
-        help="questions a GRPO step draws (with allocation CPPO draws this/(1-P))" + _preset_help("questions_per_step"),
-    )
-    add("--max-new-tokens", type=int, help="completion length cap" + _preset_help("max_new_tokens"))
-    add("--max-prompt-length", type=int, help="prompts keep their last N tokens (default: 64 for tiny-qwen2, else 512)")
-    add(
-        "--allocation",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="CPPO draws 1/(1-P) times more questions per step (the paper's allocation)",
-    )
-    add("--mu", type=int, default=2, help="policy updates per rollout")
-    add(
-        "--backend",
-        choices=["auto", "triton", "torch"],
-        default="auto",
-        help="kernel backend (auto: Triton on CUDA; triton on CPU runs the interpreter: slow)",
-    )
-    add(
-        "--rollout-backend",
-        choices=["auto", "hf", "vllm"],
-        default="auto",
-        help="auto: vLLM on CUDA when installed, transformers generate otherwise",
-    )
-    add(
-        "--micro-batch-tokens",
-        type=int,
-        help="token budget per packed micro-batch, at least prompt + completion" + _preset_help("micro_batch_tokens"),
-    )
-    add("--seed", type=int, default=0, help="the same seed for every rate")
-    add(
-        "--schedule",
-        choices=["interleaved", "sequential"],
-        help="interleaved: all rates step through the questions together (one model per rate in memory; evens out"
-        " a shared machine's load); sequential: rate after rate (one model at a time)" + _preset_help("schedule"),
-    )
-    add(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run one untimed step first (its seconds go to meta.warmup_seconds)",
-    )
-    add("--threads", type=int, help="torch.set_num_threads" + _preset_help("threads").replace("None", "torch's choice"))
-    add("--out", type=pathlib.Path, default=DEFAULT_OUT, help="folder for speedup.json and speedup.png")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--config", help="a trainer preset or a YAML file (default: speedup-cpu)")
+    which.add_argument("--preset", choices=sorted(PRESETS), help=f"a shortcut for --config: {PRESETS}")
+    add("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="trainer setting")
+    for flag, setting, to_yaml, text in SHORTCUTS:
+        kind = {"action": argparse.BooleanOptionalAction} if setting == "allocation" else {"type": to_yaml}
+        add(flag, dest=setting, **kind, help=f"--set {setting}=...: {text}")
+    add("--pruning-rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="the first must be 0 (GRPO)")
+    add("--questions", type=int, help="questions every rate processes (default: the least valid, x2 on CPU)")
+    add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
+    add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
+    add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
+    add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for speedup.json and .png")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
-    return ap.parse_args(argv)
-
-
-def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the options left unset from ``PRESETS[args.preset]`` and checks the integer options."""
-    preset = PRESETS[args.preset]
-    for key in ("model", "dataset", "dtype", "max_new_tokens", "schedule", "threads"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
-    if args.max_prompt_length is None:
-        args.max_prompt_length = preset["tiny_max_prompt_length" if args.model == "tiny-qwen2" else "max_prompt_length"]
-    if args.micro_batch_tokens is None:
-        args.micro_batch_tokens = max(preset["micro_batch_tokens"], args.max_prompt_length + args.max_new_tokens)
-    if args.questions_per_step is None:
-        args.questions_per_step = preset["questions_per_step"]
-    if args.dataset_path is None and args.dataset == "gsm8k" and SHARED_GSM8K.is_dir():
-        args.dataset_path = str(SHARED_GSM8K)
-    for name in ("max_new_tokens", "max_prompt_length", "micro_batch_tokens", "mu", "group_size"):
-        value = getattr(args, name)
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if args.questions is None:
-        least = smallest_questions(
-            args.pruning_rates, questions_per_step=args.questions_per_step, allocation=args.allocation
-        )
-        args.questions = preset["question_multiple"] * least
+    args = ap.parse_args(argv)
+    values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
+    given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
+    if "model" in given and not json.loads(given["model"]).startswith("tiny-"):
+        given = {"model_config": "null", **given}  # only a tiny model takes a model_config
+    args.overrides = [*args.overrides, *(f"{s}={v}" for s, v in given.items())]
+    if args.config is None:
+        args.preset = args.preset or "cpu"
+        args.config = PRESETS[args.preset]
     return args
 
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available")
-    return device
-
-
-def base_config(args: argparse.Namespace, *, device: str) -> Any:
-    """The trainer config shared by every rate (everything but the rate, its steps and the output folder)."""
-    from cppo import TrainConfig, load_config
-
-    trainer_preset = PRESETS[args.preset]["trainer_preset"]
-    config = load_config(trainer_preset) if trainer_preset else TrainConfig()
-    model_config = json.loads(args.model_config) if args.model_config else None
-    if args.model == "tiny-qwen2" and model_config is None:
-        model_config = dict(TINY_MODEL_CONFIG)
-    return dataclasses.replace(
-        config,
-        model=args.model,
-        model_config=model_config,
-        dataset=args.dataset,
-        dataset_path=args.dataset_path,
-        dtype=args.dtype,
-        device=device,
-        group_size=args.group_size,
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_new_tokens,
-        micro_batch_tokens=args.micro_batch_tokens,
-        questions_per_step=args.questions_per_step,
-        allocation=args.allocation,
-        mu=args.mu,
-        kernel_backend=args.backend,
-        rollout_backend=args.rollout_backend,
-        seed=args.seed,
-        num_epochs=1,
-        save_every=0,
-        eval_every=0,
-    )
+def base_config(args: argparse.Namespace) -> TrainConfig:
+    """``load_config(args.config, args.overrides)`` with ``device`` resolved (and ../shared's GSM8K if present)."""
+    config = cppo.load_config(args.config, args.overrides)
+    device = resolve_device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={config.device!r} but CUDA is not available")
+    if args.preset == "gsm8k" and device.type != "cuda":
+        raise ValueError("--preset gsm8k trains Qwen2.5-1.5B-Instruct and needs a CUDA device (--device cuda)")
+    if config.dataset == "gsm8k" and config.dataset_path is None and SHARED_GSM8K.is_dir():
+        config = dataclasses.replace(config, dataset_path=str(SHARED_GSM8K))
+    return dataclasses.replace(config, device=str(device))
 
 
-def _cpu_name() -> str:
+def git_commit(repo: pathlib.Path = REPO) -> tuple[str, bool | None]:
+    """``(HEAD commit, working tree dirty)``, ``("unknown", None)`` outside a git checkout."""
+    try:
+        out = [
+            subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, check=True, timeout=10).stdout
+            for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain"])
+        ]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    return out[0].strip() or "unknown", bool(out[1].strip())
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
@@ -773,40 +418,17 @@ def _cpu_name() -> str:
     return f"{names[0] if names else platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
 
 
-def collect_meta(config: Any, *, device: str, argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how the numbers were measured."""
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
+    """Where and how the numbers were measured: every setting of the base trainer config, the machine, the software."""
+    triton = importlib.import_module("triton") if importlib.util.find_spec("triton") else None
     commit, dirty = git_commit()
-    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
     return {
-        "device": device,
-        "device_name": device_name,
+        **config.to_dict(),
+        "device_name": _device_name(config.device),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "model": config.model,
-        "model_config": config.model_config,
-        "dataset": config.dataset,
-        "dtype": config.dtype,
-        "group_size": config.group_size,
-        "max_prompt_length": config.max_prompt_length,
-        "max_completion_length": config.max_completion_length,
-        "micro_batch_tokens": config.micro_batch_tokens,
-        "questions_per_step": config.questions_per_step,
-        "allocation": config.allocation,
-        "mu": config.mu,
-        "beta": config.beta,
-        "kernel_backend": config.kernel_backend,
-        "rollout_backend": config.rollout_backend,
-        "seed": config.seed,
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": getattr(triton, "__version__", None),
         "python": platform.python_version(),
         "git_commit": commit,
         "git_dirty": dirty,
@@ -822,42 +444,33 @@ def collect_meta(config: Any, *, device: str, argv: Sequence[str]) -> dict[str, 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/speedup.json``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = apply_preset(parse_args(argv))
-    plans = plan_schedule(
-        args.pruning_rates,
-        group_size=args.group_size,
-        questions=args.questions,
-        questions_per_step=args.questions_per_step,
-        allocation=args.allocation,
-    )
-    if args.backend == "triton" and not args.device.startswith("cuda"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import (CPU interpreter)
-
-    import torch
-    from tqdm.auto import tqdm
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    if args.preset == "gsm8k" and not device.startswith("cuda"):
-        raise ValueError("--preset gsm8k trains Qwen2.5-1.5B-Instruct and needs a CUDA device (--device cuda)")
-    config = base_config(args, device=device)
-    meta = collect_meta(config, device=device, argv=argv)
-    meta.update(preset=args.preset, schedule=args.schedule, questions=args.questions)
-
-    bar = tqdm(total=sum(p.steps for p in plans), unit="step", desc="speedup", disable=args.no_progress)
+    args = parse_args(argv)
+    config = base_config(args)
+    on_cpu = config.device == "cpu"
+    plans = plan_schedule(config, args.pruning_rates, questions=args.questions, least_times=2 if on_cpu else 1)
+    threads = args.threads if args.threads is not None else (1 if on_cpu else None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    schedule = args.schedule or ("interleaved" if on_cpu else "sequential")
+    if config.kernel_backend == "triton" and on_cpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
+    if threads is not None:
+        torch.set_num_threads(threads)
+    meta = collect_meta(config, argv=argv)
+    meta.update(preset=args.preset, config=args.config, schedule=schedule, questions=plans[0].max_questions)
+    bar = tqdm(total=sum(p.num_steps for p in plans), unit="step", desc="speedup", disable=args.no_progress)
     meta["warmup_seconds"] = None
-    if args.warmup:
+    if args.warmup:  # one P = 0 step with another seed (another model, other questions), not counted
         bar.set_postfix_str("warm-up")
-        meta["warmup_seconds"] = warmup(config, device=device)
+        warm = dataclasses.replace(plans[0], num_steps=1, max_questions=None, seed=config.seed + 1)
+        meta["warmup_seconds"] = run_plans([warm], device=config.device, interleave=False)[0].sums["total_seconds"]
 
-    def on_step(plan: RatePlan, metrics: dict[str, float]) -> None:
+    def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
         bar.set_postfix_str(f"P={plan.pruning_rate:g} keep {plan.keep}/{plan.group_size}", refresh=False)
         bar.update(1)
 
-    runs = run_plans(plans, config, device=device, interleave=args.schedule == "interleaved", on_step=on_step)
+    runs = run_plans(plans, device=config.device, interleave=schedule == "interleaved", on_step=on_step)
     bar.close()
-
     rows = build_rows(runs)
     out = pathlib.Path(args.out)
     write_json(out / "speedup.json", rows, meta)
@@ -869,4 +482,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"speedup.py: error: {e}")

@@ -1,16 +1,22 @@
-"""benchmarks/speedup.py: the schedule, the result rows, the writers, and a tiny end-to-end run."""
+"""benchmarks/speedup.py: the trainer config it builds, the schedule, the result rows, the writers, a tiny run."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import pathlib
+import subprocess
 import sys
 
 import pytest
+import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "speedup.py"
+from cppo import TrainConfig, load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "speedup.py"
 
 
 @pytest.fixture(scope="module")
@@ -23,65 +29,190 @@ def speedup():
     sys.modules.pop(spec.name, None)
 
 
+def _config(*overrides):
+    return load_config("speedup-cpu", ["device=cpu", *overrides])
+
+
 # --------------------------------------------------------------------------------------------
-# Schedule
+# The trainer config: --config / --set exactly as `cppo train`, flags as one --set each
+# --------------------------------------------------------------------------------------------
+
+
+def test_config_and_set_build_what_cppo_train_builds(speedup):
+    argv = ["--config", "tiny-cpu", "--set", "mu=1", "lr=1e-4", "--set", "rewards=format,accuracy"]
+    args = speedup.parse_args(argv)
+    assert (args.config, args.overrides, args.preset) == (
+        "tiny-cpu",
+        ["mu=1", "lr=1e-4", "rewards=format,accuracy"],
+        None,
+    )
+    assert speedup.base_config(args) == load_config("tiny-cpu", ["mu=1", "lr=1e-4", "rewards=format,accuracy"])
+    yaml = REPO / "cppo" / "presets" / "tiny-cpu.yaml"
+    args = speedup.parse_args(["--config", str(yaml), "--set", "group_size=4"])
+    assert speedup.base_config(args) == load_config(str(yaml), ["group_size=4"])
+
+
+def test_presets_are_trainer_presets(speedup):
+    args = speedup.parse_args([])
+    assert (args.preset, args.config, args.overrides) == ("cpu", "speedup-cpu", [])
+    config = speedup.base_config(speedup.parse_args(["--device", "cpu"]))
+    assert config == load_config("speedup-cpu", ["device=cpu"])
+    assert config.model == "tiny-qwen2" and config.model_config["vocab_size"] == 4096
+    assert (config.max_prompt_length, config.max_completion_length, config.micro_batch_tokens) == (64, 48, 512)
+    assert (config.group_size, config.questions_per_step, config.mu, config.allocation) == (16, 1, 2, True)
+    args = speedup.parse_args(["--preset", "gsm8k"])
+    assert args.config == "gsm8k-qwen2.5-1.5b"
+    gsm8k = load_config(args.config, args.overrides)
+    assert (gsm8k.model, gsm8k.dtype, gsm8k.group_size, gsm8k.questions_per_step) == (
+        "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", 16, 8
+    )  # fmt: skip
+    assert speedup.plan_schedule(gsm8k, speedup.DEFAULT_RATES)[0].max_questions == 128
+
+
+TINY = (
+    '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
+    '"num_attention_heads": 2, "num_key_value_heads": 1}'
+)
+
+#: flag, value on the command line, setting, value in the TrainConfig
+FLAGS = [
+    ("--model", "tiny-qwen2", "model", "tiny-qwen2"),
+    ("--model-config", TINY, "model_config", json.loads(TINY)),
+    ("--dataset", "gsm8k", "dataset", "gsm8k"),
+    ("--dataset-path", str(REPO), "dataset_path", str(REPO)),
+    ("--device", "cpu", "device", "cpu"),
+    ("--dtype", "bfloat16", "dtype", "bfloat16"),
+    ("--group-size", "8", "group_size", 8),
+    ("--questions-per-step", "3", "questions_per_step", 3),
+    ("--max-new-tokens", "64", "max_completion_length", 64),
+    ("--max-prompt-length", "32", "max_prompt_length", 32),
+    ("--micro-batch-tokens", "1024", "micro_batch_tokens", 1024),
+    ("--mu", "1", "mu", 1),
+    ("--backend", "torch", "kernel_backend", "torch"),
+    ("--rollout-backend", "hf", "rollout_backend", "hf"),
+    ("--seed", "7", "seed", 7),
+]
+
+
+@pytest.mark.parametrize(("flag", "raw", "setting", "value"), FLAGS)
+def test_each_flag_is_a_set_of_one_setting(speedup, flag, raw, setting, value):
+    args = speedup.parse_args([flag, raw])
+    config = load_config(args.config, args.overrides)
+    assert getattr(config, setting) == value
+    assert config == dataclasses.replace(load_config("speedup-cpu"), **{setting: value})
+
+
+def test_flags_cover_every_shortcut_and_allocation(speedup):
+    assert {f for f, *_ in FLAGS} | {"--allocation"} == {f for f, *_ in speedup.SHORTCUTS}
+    assert speedup.parse_args(["--no-allocation"]).overrides == ["allocation=false"]
+    assert speedup.parse_args(["--no-allocation", "--allocation"]).overrides == ["allocation=true"]
+    # strings stay strings (YAML would read 123 as a number), and a flag comes after --set
+    args = speedup.parse_args(["--dataset", "123", "--set", "dataset=arith"])
+    assert args.overrides == ["dataset=arith", 'dataset="123"']
+
+
+def test_a_non_tiny_model_drops_the_presets_model_config(speedup):
+    args = speedup.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    config = load_config(args.config, args.overrides)
+    assert (config.model, config.model_config) == ("Qwen/Qwen2.5-0.5B-Instruct", None)
+    assert config.max_prompt_length == 64  # everything else stays the preset's
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--max-new-tokens", "0"], "max_completion_length must be >= 1"),
+        (["--backend", "cuda"], "kernel_backend"),
+        (["--set", "bogus=1"], "unknown setting 'bogus'"),
+        (["--set", "group_size"], "must look like key=value"),
+        (["--config", "no-such-preset"], "unknown preset 'no-such-preset'"),
+        (["--questions", "24"], r"--questions must be a multiple of 16 .* use 32"),
+        (["--questions", "0"], "--questions must be >= 1"),
+        (["--pruning-rates", "0", "1"], r"--pruning-rates 1: pruning_rate must be in \[0, 1\)"),
+        (["--pruning-rates", "0.5", "0.75"], "start with 0"),
+        (["--group-size", "8", "--questions", "32"], r"--pruning-rates 0.9375: .*keep must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--preset", "gsm8k", "--device", "cpu"], "needs a CUDA device"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag_or_setting(speedup, tmp_path, argv, match):
+    with pytest.raises(ValueError, match=match):
+        speedup.main([*argv, "--out", str(tmp_path)])
+    assert not (tmp_path / "speedup.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused(speedup):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        speedup.base_config(speedup.parse_args(["--device", "cuda"]))
+
+
+def test_argparse_errors_name_the_flag(speedup, capsys):
+    for argv, flag in ((["--group-size", "x"], "--group-size"), (["--preset", "cpu", "--config", "x"], "--config")):
+        with pytest.raises(SystemExit):
+            speedup.parse_args(argv)
+        assert flag in capsys.readouterr().err
+
+
+def test_the_script_reports_a_bad_value_in_one_line(tmp_path):
+    # the README's SmolLM2 line fails this way: P = 0.9375 keeps round(8/16) = 0 of G = 8
+    argv = ["--group-size", "8", "--questions", "32", "--device", "cpu", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "speedup.py: error: --pruning-rates 0.9375: pruning_rate=0.9375 with group_size=8 keeps "
+        "round(8 * (1 - 0.9375)) = 0 completions per question; keep must be >= 1"
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule: the trainer's keep and questions per step
 # --------------------------------------------------------------------------------------------
 
 
 def test_schedule_with_allocation_processes_the_same_questions(speedup):
-    plans = speedup.plan_schedule(
-        speedup.DEFAULT_RATES, group_size=16, questions=32, questions_per_step=1, allocation=True
-    )
+    base = _config()
+    plans = speedup.plan_schedule(base, speedup.DEFAULT_RATES, questions=32)
     assert [p.keep for p in plans] == [16, 8, 4, 2, 1]
-    assert [p.step_questions for p in plans] == [1, 2, 4, 8, 16]
-    assert [p.steps for p in plans] == [32, 16, 8, 4, 2]
-    assert all(p.steps * p.step_questions == 32 == p.questions for p in plans)
+    assert [p.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
+    assert [p.num_steps for p in plans] == [32, 16, 8, 4, 2]
+    assert all(p.num_steps * p.questions_drawn == 32 == p.max_questions for p in plans)
+    for p, rate in zip(plans, speedup.DEFAULT_RATES):
+        assert p == dataclasses.replace(base, pruning_rate=rate, num_steps=p.num_steps, max_questions=32)
 
 
 def test_schedule_without_allocation_runs_the_same_steps(speedup):
-    plans = speedup.plan_schedule([0, 0.5, 0.75], group_size=8, questions=6, questions_per_step=2, allocation=False)
+    base = _config("allocation=false", "group_size=8", "questions_per_step=2")
+    plans = speedup.plan_schedule(base, [0, 0.5, 0.75], questions=6)
     assert [p.keep for p in plans] == [8, 4, 2]
-    assert [(p.step_questions, p.steps) for p in plans] == [(2, 3)] * 3
+    assert [(p.questions_drawn, p.num_steps) for p in plans] == [(2, 3)] * 3
 
 
-def test_smallest_questions(speedup):
-    assert speedup.smallest_questions(speedup.DEFAULT_RATES, questions_per_step=1, allocation=True) == 16
-    assert speedup.smallest_questions([0, 0.5, 0.75], questions_per_step=3, allocation=True) == 12
-    assert speedup.smallest_questions([0, 0.5, 0.75], questions_per_step=3, allocation=False) == 3
+def test_schedule_uses_the_trainers_rounding(speedup):
+    """ceil(2 / (1 - 0.3)) = 3 questions a step, as the trainer draws (the old script refused P = 0.3 here)."""
+    base = _config("group_size=10", "questions_per_step=2")
+    plans = speedup.plan_schedule(base, [0, 0.3], questions=6)
+    assert [(p.keep, p.questions_drawn, p.num_steps) for p in plans] == [(10, 2, 3), (7, 3, 2)]
+    trainer_rule = TrainConfig(group_size=10, questions_per_step=2, pruning_rate=0.3)
+    assert (plans[1].keep, plans[1].questions_drawn) == (trainer_rule.keep, trainer_rule.questions_drawn)
+
+
+def test_default_question_count(speedup):
+    base = _config()
+    assert speedup.plan_schedule(base, speedup.DEFAULT_RATES)[0].max_questions == 16
+    assert speedup.plan_schedule(base, speedup.DEFAULT_RATES, least_times=2)[0].max_questions == 32
+    assert speedup.plan_schedule(_config("questions_per_step=3"), [0, 0.5, 0.75])[0].max_questions == 12
+    no_alloc = _config("questions_per_step=3", "allocation=false")
+    assert speedup.plan_schedule(no_alloc, [0, 0.5, 0.75])[0].max_questions == 3
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"questions": 24}, r"questions must be a multiple of 16.*use 32"),
-        ({"questions": 0}, "questions must be an int >= 1"),
-        ({"pruning_rates": [0.5, 0.75]}, "must start with 0"),
-        ({"pruning_rates": [0, 1.0]}, r"must lie in \[0, 1\)"),
-        ({"pruning_rates": [0, -0.5]}, r"must lie in \[0, 1\)"),
-        ({"pruning_rates": [0, 0.5, 0.5]}, "distinct"),
-        ({"pruning_rates": []}, "must not be empty"),
-        ({"pruning_rates": [0, 0.3]}, "whole number"),
-        ({"group_size": 4, "pruning_rates": [0, 0.9375]}, "at least 1"),
-        ({"group_size": 1}, "group_size must be an int >= 2"),
-        ({"questions_per_step": 0}, "questions_per_step must be an int >= 1"),
-    ],
+    ("rates", "match"),
+    [([], "start with 0"), ([0, 0.5, 0.5], "distinct"), ([0, -0.5], r"--pruning-rates -0.5: pruning_rate must be")],
 )
-def test_schedule_rejects_bad_input(speedup, kwargs, match):
-    args = {
-        "pruning_rates": speedup.DEFAULT_RATES,
-        "group_size": 16,
-        "questions": 16,
-        "questions_per_step": 1,
-        "allocation": True,
-    } | kwargs
-    pruning_rates = args.pop("pruning_rates")
+def test_schedule_rejects_bad_rates(speedup, rates, match):
     with pytest.raises(ValueError, match=match):
-        speedup.plan_schedule(pruning_rates, **args)
-
-
-def test_rate_without_whole_allocation_is_fine_without_allocation(speedup):
-    plans = speedup.plan_schedule([0, 0.3], group_size=10, questions=4, questions_per_step=2, allocation=False)
-    assert [p.keep for p in plans] == [10, 7]
+        speedup.plan_schedule(_config(), rates)
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +239,7 @@ def test_accumulate_sums_phases_and_other(speedup):
     assert ph["other"] == pytest.approx(0.25 + 0.0)  # step 1: 3.0 - 2.75; step 2: max(0, 2.5 - 2.75)
     assert acc["total_seconds"] == 5.5
     assert acc["tokens_trained"] == 20 and acc["questions"] == 2 and acc["completions_kept"] == 16
-    assert acc["reward_mean"] == 0.5
+    assert acc["reward_mean"] == 0.5 and acc["accuracy"] == 0.25
 
 
 def test_accumulate_rejects_missing_metric(speedup):
@@ -120,19 +251,21 @@ def test_accumulate_rejects_missing_metric(speedup):
         speedup.accumulate([_metrics()], [1.0, 2.0])
 
 
-def _run(speedup, p, keep, *, gen, train, steps=1):
-    q = 16 // steps
-    plan = speedup.RatePlan(pruning_rate=p, keep=keep, group_size=16, questions=16, step_questions=q, steps=steps)
+def _run(speedup, p, *, gen, train, steps=1):
+    config = TrainConfig(group_size=16, pruning_rate=p, allocation=False, questions_per_step=16 // steps)
+    config = dataclasses.replace(config, num_steps=steps, max_questions=16)
     phases = dict.fromkeys(speedup.PHASES, 0.0)
     phases |= {"generation": gen, "old_ref_logprobs": train / 4, "policy_fwd_bwd": train / 2, "optimizer": train / 4}
-    return speedup.RateRun(plan=plan, phase_seconds=phases, total_seconds=gen + train, tokens_trained=100 * keep)
+    sums = {"phase_seconds": phases, "total_seconds": gen + train, "tokens_trained": 100 * config.keep}
+    sums |= {"tokens_forward": 0, "completions": 256, "completions_kept": 16 * config.keep, "questions": 16}
+    return speedup.RateRun(config=config, sums=sums | {"reward_mean": 0.5, "accuracy": float("nan")})
 
 
 def test_build_rows_speedups(speedup):
     runs = [
-        _run(speedup, 0.0, 16, gen=10.0, train=16.0, steps=16),
-        _run(speedup, 0.75, 4, gen=8.0, train=5.0, steps=4),
-        _run(speedup, 0.8, 3, gen=10.0, train=4.0, steps=4),
+        _run(speedup, 0.0, gen=10.0, train=16.0, steps=16),
+        _run(speedup, 0.75, gen=8.0, train=5.0, steps=4),
+        _run(speedup, 0.8, gen=10.0, train=4.0, steps=4),
     ]
     rows = speedup.build_rows(runs)
     base, cppo, other = rows
@@ -148,31 +281,34 @@ def test_build_rows_speedups(speedup):
     assert cppo["paper_speedup_gsm8k"] == 3.27
     assert other["paper_speedup_gsm8k"] is None and other["ideal_speedup_train"] == pytest.approx(5.0)
     assert [r["keep"] for r in rows] == [16, 4, 3] and [r["steps"] for r in rows] == [16, 4, 4]
+    assert [r["questions_per_step"] for r in rows] == [1, 4, 4] and {r["questions"] for r in rows} == {16}
+    assert [r["completions_kept"] for r in rows] == [256, 64, 48] and rows[2]["questions_seen"] == 16
 
 
 def test_build_rows_needs_the_baseline_first(speedup):
     with pytest.raises(ValueError, match="P = 0"):
-        speedup.build_rows([_run(speedup, 0.5, 8, gen=1.0, train=1.0)])
+        speedup.build_rows([_run(speedup, 0.5, gen=1.0, train=1.0)])
     with pytest.raises(ValueError, match="empty"):
         speedup.build_rows([])
 
 
 def test_build_rows_zero_time_gives_none_not_inf(speedup):
-    rows = speedup.build_rows([_run(speedup, 0.0, 16, gen=1.0, train=2.0), _run(speedup, 0.5, 8, gen=1.0, train=0.0)])
+    rows = speedup.build_rows([_run(speedup, 0.0, gen=1.0, train=2.0), _run(speedup, 0.5, gen=1.0, train=0.0)])
     assert rows[1]["speedup_train"] is None and rows[1]["fraction_of_ideal"] is None
     assert "| 0.5 |" in speedup.format_table(rows)
 
 
 def test_writers(speedup, tmp_path):
-    rows = speedup.build_rows([_run(speedup, 0.0, 16, gen=3.0, train=4.0), _run(speedup, 0.5, 8, gen=3.0, train=2.0)])
+    rows = speedup.build_rows([_run(speedup, 0.0, gen=3.0, train=4.0), _run(speedup, 0.5, gen=3.0, train=2.0)])
     rows[1]["reward_mean"] = float("nan")
     table = speedup.format_table(rows).splitlines()
     assert len(table) == 4 and table[0].startswith("| P | keep |")
     assert table[3].split("|")[15].strip() == "2.00x"  # speedup train
     assert "1.81x" in table[3]
-    speedup.write_json(tmp_path / "speedup.json", rows, {"device": "cpu"})
+    speedup.write_json(tmp_path / "speedup.json", rows, {"device": "cpu", "x": float("inf")})
     data = json.loads((tmp_path / "speedup.json").read_text())
-    assert data["meta"] == {"device": "cpu"} and data["rows"][1]["reward_mean"] is None
+    assert data["meta"] == {"device": "cpu", "x": None} and data["rows"][1]["reward_mean"] is None
+    assert data["rows"][0]["cpu_seconds"] is None and data["rows"][0]["pruning_rate"] == 0.0
     speedup.plot(tmp_path / "speedup.png", rows, {"device": "cpu", "model": "m"})
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -185,7 +321,7 @@ def test_git_commit_outside_a_repo(speedup, tmp_path):
 
 def test_ideal_is_one_over_one_minus_p(speedup):
     for p in speedup.DEFAULT_RATES[1:]:
-        rows = speedup.build_rows([_run(speedup, 0.0, 16, gen=1.0, train=1.0), _run(speedup, p, 1, gen=1.0, train=1.0)])
+        rows = speedup.build_rows([_run(speedup, 0.0, gen=1.0, train=1.0), _run(speedup, p, gen=1.0, train=1.0)])
         assert math.isclose(rows[1]["ideal_speedup_train"], 1.0 / (1.0 - p))
 
 
@@ -208,7 +344,7 @@ class _FakeTrainer:
 
 
 def test_step_order(speedup):
-    plans = speedup.plan_schedule([0, 0.5, 0.75], group_size=8, questions=4, questions_per_step=1, allocation=True)
+    plans = speedup.plan_schedule(_config("group_size=8"), [0, 0.5, 0.75], questions=4)
     assert speedup.step_order(plans, interleave=False) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (2, 0)]
     inter = speedup.step_order(plans, interleave=True)
     assert inter == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (1, 1), (0, 3)]
@@ -219,42 +355,45 @@ def test_run_plans_checks_the_trainer_draws_the_planned_questions(speedup, monke
     import cppo
 
     monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
-    plans = speedup.plan_schedule([0, 0.75], group_size=8, questions=8, questions_per_step=2, allocation=True)
-    config = cppo.TrainConfig(group_size=8, questions_per_step=2, max_completion_length=8)
+    plans = speedup.plan_schedule(_config("group_size=8", "questions_per_step=2"), [0, 0.75], questions=8)
     seen = []
-    runs = speedup.run_plans(plans, config, device="cpu", interleave=True, on_step=lambda p, m: seen.append(p))
-    assert [p.pruning_rate for p in seen] == [0, 0, 0.75, 0, 0]
-    assert [r.questions_seen for r in runs] == [8, 8] and [r.completions for r in runs] == [64, 64]
-    assert [r.completions_kept for r in runs] == [64, 16] and [r.tokens_trained for r in runs] == [40, 10]
+    runs = speedup.run_plans(plans, device="cpu", interleave=True, on_step=lambda p, m: seen.append(p.pruning_rate))
+    assert seen == [0, 0, 0.75, 0, 0]
+    assert [r.sums["questions"] for r in runs] == [8, 8] and [r.sums["completions"] for r in runs] == [64, 64]
+    assert [r.sums["completions_kept"] for r in runs] == [64, 16] and [r.sums["tokens_trained"] for r in runs] == [
+        40,
+        10,
+    ]
+    assert all(r.cpu_seconds >= 0 and r.setup_seconds >= 0 for r in runs)
     monkeypatch.setattr(_FakeTrainer, "extra", 1)
     with pytest.raises(RuntimeError, match="drew 9 questions"):
-        speedup.run_plans(plans[1:], config, device="cpu", interleave=False)
+        speedup.run_plans(plans[1:], device="cpu", interleave=False)
 
 
 # --------------------------------------------------------------------------------------------
 # Smoke test: the whole script, tiny
 # --------------------------------------------------------------------------------------------
 
-TINY = (
-    '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
-    '"num_attention_heads": 2, "num_key_value_heads": 1}'
-)
-
 
 def test_main_smoke(speedup, tmp_path, capsys):
     argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.5", "--questions", "2"]
-    argv += ["--max-new-tokens", "4", "--backend", "torch", "--out", str(tmp_path), "--no-progress", "--no-warmup"]
+    argv += ["--set", "max_completion_length=4", "--backend", "torch", "--out", str(tmp_path), "--no-progress"]
     result = speedup.main(argv)
     data = json.loads((tmp_path / "speedup.json").read_text())
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert data["rows"] == json.loads(json.dumps(speedup._json_safe(result["rows"])))
-    for key in ("device", "model", "torch", "triton", "git_commit", "date", "argv"):
+    assert data["rows"] == json.loads(json.dumps(result["rows"]))
+    settings = ["max_completion_length=4", f"model_config={TINY}", "group_size=4", "kernel_backend=torch", "device=cpu"]
+    expected = load_config("speedup-cpu", settings).to_dict() | {"preset": "cpu"}  # meta's preset: the --preset
+    assert {k: data["meta"][k] for k in expected} == expected  # meta records every setting of the trainer config
+    for key in ("device_name", "torch", "triton", "git_commit", "date", "argv", "warmup_seconds", "timing"):
         assert key in data["meta"], key
-    assert data["meta"]["device"] == "cpu" and data["meta"]["argv"] == argv
+    meta = data["meta"]
+    assert (meta["device"], meta["argv"], meta["preset"], meta["config"]) == ("cpu", argv, "cpu", "speedup-cpu")
+    assert (meta["schedule"], meta["questions"], meta["torch_threads"]) == ("interleaved", 2, 1)
+    assert meta["warmup_seconds"] > 0
     rows = data["rows"]
     assert [r["pruning_rate"] for r in rows] == [0.0, 0.5]
-    assert [r["keep"] for r in rows] == [4, 2] == [round(4 * (1 - r["pruning_rate"])) for r in rows]
-    assert [r["steps"] for r in rows] == [2, 1]
+    assert [r["keep"] for r in rows] == [4, 2] and [r["steps"] for r in rows] == [2, 1]
     for r in rows:
         assert r["questions"] == r["questions_seen"] == 2 and r["group_size"] == 4
         assert r["completions"] == 8 and r["completions_kept"] == 2 * r["keep"]
@@ -270,41 +409,3 @@ def test_main_smoke(speedup, tmp_path, capsys):
     assert [r["paper_speedup_gsm8k"] for r in rows] == [1.0, 1.81]
     out = capsys.readouterr().out
     assert "| P | keep |" in out and "1.81x" in out
-
-
-def test_main_smoke_without_allocation_sequential(speedup, tmp_path):
-    argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.75", "--questions", "2"]
-    argv += ["--max-new-tokens", "3", "--no-allocation", "--schedule", "sequential", "--questions-per-step", "2"]
-    argv += ["--out", str(tmp_path), "--no-progress", "--no-warmup", "--no-plot"]
-    rows = speedup.main(argv)["rows"]
-    assert not (tmp_path / "speedup.png").exists()
-    assert [(r["steps"], r["questions_per_step"], r["questions_seen"]) for r in rows] == [(1, 2, 2)] * 2
-    assert [r["completions"] for r in rows] == [8, 8] and [r["completions_kept"] for r in rows] == [8, 2]
-    assert [r["ideal_speedup_train"] for r in rows] == [1.0, 4.0]
-
-
-def test_main_rejects_a_question_count_that_breaks_the_schedule(speedup, tmp_path):
-    with pytest.raises(ValueError, match="questions must be a multiple of 16"):
-        speedup.main(["--questions", "24", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match=r"pruning_rates must lie in \[0, 1\)"):
-        speedup.main(["--pruning-rates", "0", "1", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="--max-new-tokens must be >= 1"):
-        speedup.main(["--max-new-tokens", "0", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        speedup.main(["--preset", "gsm8k", "--device", "cpu", "--out", str(tmp_path)])
-    assert not (tmp_path / "speedup.json").exists()
-
-
-def test_presets_fill_the_trainer_config(speedup):
-    args = speedup.apply_preset(speedup.parse_args(["--preset", "gsm8k"]))
-    config = speedup.base_config(args, device="cuda")
-    assert (config.model, config.dataset, config.dtype) == ("Qwen/Qwen2.5-1.5B-Instruct", "gsm8k", "bfloat16")
-    assert (config.group_size, config.questions_per_step, config.max_completion_length) == (16, 8, 1024)
-    assert args.questions == 128 and args.schedule == "sequential" and args.threads is None
-    args = speedup.apply_preset(speedup.parse_args(["--model", "some/model", "--max-new-tokens", "64"]))
-    config = speedup.base_config(args, device="cpu")
-    assert config.model_config is None and config.max_prompt_length == 512 and config.micro_batch_tokens == 576
-    args = speedup.apply_preset(speedup.parse_args([]))
-    config = speedup.base_config(args, device="cpu")
-    assert config.model_config == speedup.TINY_MODEL_CONFIG and config.max_prompt_length == 64
-    assert (args.questions, args.threads, config.mu, config.allocation) == (32, 1, 2, True)
