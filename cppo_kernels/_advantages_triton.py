@@ -9,7 +9,7 @@ when another recomputes it:
   count of kept flags is each kept completion's output slot, so indices come out ascending
   without a sort. ``cppo_select(scope="group")`` is this one launch.
 - ``_batch_std_kernel``: one program looping over the batch (two passes, shifted by the first
-  reward, fp32 or fp64 accumulation); only for ``scale="batch"`` with ``scope="group"``.
+  reward); only for ``scale="batch"`` with ``scope="group"``.
 - ``_batch_kernel``: one program for ``scope="batch"``: (optionally) the batch std and the
   advantages, then a radix select of the ``keep * num_groups``-th largest score (4 passes of
   256-bin histograms over order-preserving 32-bit keys), then one compaction pass with running
@@ -17,10 +17,13 @@ when another recomputes it:
   N=65,536). Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
   timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
 
-Arithmetic: rewards are upcast at load to ``COMPUTE`` (fp32; fp64 when the rewards are fp64);
-each group is shifted by its first reward before summing (exact differences for clustered
-rewards), division and square root round to nearest (``div_rn``/``sqrt_rn``: Triton's ``/`` on
-fp32 is approximate on NVIDIA), and a group whose rewards are all equal gets exactly 0.
+Arithmetic: rewards are upcast at load to fp64, whatever their dtype, and the statistics and advantages are
+computed in fp64 (each group shifted by its first reward before summing: exact differences for clustered
+rewards), then rounded to fp32 once, as the PyTorch backend does. Advantages that are equal in exact arithmetic
+then come out as the same fp32 value (barring an fp64 error straddling an fp32 rounding boundary), so exact ties
+go to the lower index on both backends. In fp32 they did not: with G = 3, ``1 - fl(1/3)`` rounds to one ulp below
+``fl(2/3)``, so the advantage 2/3 of the reward 1 in ``[0, 0, 1]`` lost its tie with the -2/3 of the 0 in
+``[0, 1, 1]``. A group whose rewards are all equal gets exactly 0.
 Tile shapes and ``num_warps`` depend only on ``group_size``, never on the batch, so a group's
 advantages do not depend on what else is in the launch.
 """
@@ -72,24 +75,6 @@ def group_config(group_size: int) -> GroupConfig:
 
 
 @triton.jit
-def _div(x, y):
-    if x.dtype == tl.float64:
-        out = x / y
-    else:
-        out = tl.div_rn(x, y)
-    return out
-
-
-@triton.jit
-def _sqrt(x):
-    if x.dtype == tl.float64:
-        out = tl.sqrt(x)
-    else:
-        out = tl.sqrt_rn(x)
-    return out
-
-
-@triton.jit
 def _score(a, METRIC: tl.constexpr):
     """Score kept first: |A| for "smallest" (prune the smallest), -|A| for "largest"; ``a`` fp32."""
     if METRIC == 0:
@@ -111,31 +96,32 @@ def _sort_key(s):
 
 
 @triton.jit
-def _batch_std(x_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    """Std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
+def _batch_std(x_ptr, n, ddof, BLOCK: tl.constexpr):
+    """fp64 std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
     offs = tl.arange(0, BLOCK)
-    pivot = tl.load(x_ptr).to(COMPUTE)
-    acc = tl.zeros([BLOCK], COMPUTE)
+    pivot = tl.load(x_ptr).to(tl.float64)
+    acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs  # [BLOCK]
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
         acc += tl.where(m, x - pivot, 0.0)
-    mean = _div(tl.sum(acc, axis=0), tl.cast(n, COMPUTE))
-    acc = tl.zeros([BLOCK], COMPUTE)
+    mean = tl.sum(acc, axis=0) / tl.cast(n, tl.float64)
+    acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
         c = tl.where(m, (x - pivot) - mean, 0.0)
         acc += c * c
-    var = _div(tl.sum(acc, axis=0), tl.cast(tl.maximum(n - ddof, 1), COMPUTE))
-    return _sqrt(var)
+    var = tl.sum(acc, axis=0) / tl.cast(tl.maximum(n - ddof, 1), tl.float64)
+    return tl.sqrt(var)
 
 
 @triton.jit
 def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
-    """Elementwise advantage (fp32) of rewards ``x`` given their group's statistics (broadcastable).
+    """Elementwise advantage (fp64 arithmetic, rounded to fp32) of fp64 rewards ``x`` given their group's fp64
+    statistics (broadcastable).
 
     A constant group has ``c`` exactly 0 (every reward equals the pivot), hence an advantage of exactly 0.
     """
@@ -143,7 +129,7 @@ def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
     if SCALE == 2:
         a = c
     else:
-        a = _div(c, tl.where(constant, 1.0, denom))  # no 0/0 when eps=0 and the group is constant
+        a = c / tl.where(constant, 1.0, denom)  # no 0/0 when eps=0 and the group is constant
     return a.to(tl.float32)
 
 
@@ -158,7 +144,6 @@ def _tile_advantages(
     std_b,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
 ):
     """Advantages of the groups ``rows`` (``[BLOCK_Q, BLOCK_G]``), stored to ``adv_ptr``; returns the statistics."""
@@ -166,18 +151,18 @@ def _tile_advantages(
     mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
     base = rows.to(tl.int64) * group_size  # [BQ]
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
-    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(COMPUTE)  # [BQ]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(tl.float64)  # [BQ]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
     x = tl.where(mask, x, pivot[:, None])  # padding equal to the pivot: no effect on max, min or sums
     d = x - pivot[:, None]
-    mean = _div(tl.sum(d, axis=1), tl.cast(group_size, COMPUTE))  # [BQ]
+    mean = tl.sum(d, axis=1) / tl.cast(group_size, tl.float64)  # [BQ]
     c = tl.where(mask, d - mean[:, None], 0.0)
     constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
     if SCALE == 0:
-        var = _div(tl.sum(c * c, axis=1), tl.cast(tl.maximum(group_size - ddof, 1), COMPUTE))
-        denom = _sqrt(var) + tl.cast(eps, COMPUTE)  # [BQ]
+        var = tl.sum(c * c, axis=1) / tl.cast(tl.maximum(group_size - ddof, 1), tl.float64)
+        denom = tl.sqrt(var) + tl.cast(eps, tl.float64)  # [BQ]
     else:
-        denom = tl.zeros([rows.shape[0]], COMPUTE) + (std_b + tl.cast(eps, COMPUTE))
+        denom = tl.zeros([rows.shape[0]], tl.float64) + (std_b + tl.cast(eps, tl.float64))
     adv = _advantage(x, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE)  # [BQ, BG]
     tl.store(adv_ptr + offs, adv, mask=mask)
     return adv, pivot, mean, denom, constant
@@ -189,15 +174,15 @@ def _tile_advantages(
 
 
 @triton.jit
-def _batch_std_kernel(x_ptr, std_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK))
+def _batch_std_kernel(x_ptr, std_ptr, n, ddof, BLOCK: tl.constexpr):
+    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, BLOCK))
 
 
 @triton.jit
 def _group_kernel(
     x_ptr,  # [N] rewards (MODE 0, 2) or advantages (MODE 1)
     rand_ptr,  # [N] fp32 uniform scores (METRIC 2)
-    std_ptr,  # [1] batch std (SCALE 1)
+    std_ptr,  # [1] fp64 batch std (SCALE 1)
     adv_ptr,  # [N] fp32 advantages out (MODE 0, 2)
     idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE 1, 2)
     num_groups,
@@ -205,7 +190,6 @@ def _group_kernel(
     keep,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
     MODE: tl.constexpr,
     METRIC: tl.constexpr,
@@ -224,7 +208,7 @@ def _group_kernel(
         if SCALE == 1:
             std_b = tl.load(std_ptr)
         adv, pivot, mean, denom, constant = _tile_advantages(
-            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE
+            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE
         )
     if MODE != 0:
         if METRIC == 2:
@@ -243,7 +227,7 @@ def _group_kernel(
             elif MODE == 1:
                 ps = _score(tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float32), METRIC)
             else:
-                xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(COMPUTE)
+                xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float64)
                 ps = _score(
                     _advantage(xp, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE), METRIC
                 )
@@ -279,7 +263,6 @@ def _batch_kernel(
     keep_total,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
     MODE: tl.constexpr,
     METRIC: tl.constexpr,
@@ -291,11 +274,11 @@ def _batch_kernel(
     if MODE == 2:
         std_b = 0.0
         if SCALE == 1:
-            std_b = _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK)
+            std_b = _batch_std(x_ptr, n, ddof, BLOCK)
         cols = tl.arange(0, BLOCK_G)
         for q0 in range(0, num_groups, BLOCK_Q):
             rows = q0 + tl.arange(0, BLOCK_Q)
-            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE)
+            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE)
         tl.debug_barrier()  # the advantages written above are read back by other threads below
 
     # Radix select: the keep_total-th largest key, one 8-bit digit per pass, most significant first.
@@ -337,13 +320,7 @@ def _batch_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> tl.dtype:
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
-def _launch_group(
-    x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, compute, scale, mode, metric
-) -> None:
+def _launch_group(x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> None:
     cfg = group_config(group_size)
     grid = (triton.cdiv(num_groups, cfg.block_q),)
     _group_kernel[grid](
@@ -357,7 +334,6 @@ def _launch_group(
         keep,
         eps,
         ddof,
-        COMPUTE=compute,
         SCALE=SCALE_CODE[scale],
         MODE=mode,
         METRIC=METRIC_CODE[metric],
@@ -370,9 +346,8 @@ def _launch_group(
 
 def _launch_batch_std(x: torch.Tensor, group_size: int, ddof: int) -> torch.Tensor:
     cfg = group_config(group_size)
-    compute = _compute_dtype(x)
-    std = torch.empty(1, dtype=torch.float64 if compute == tl.float64 else torch.float32, device=x.device)
-    _batch_std_kernel[(1,)](x, std, x.numel(), ddof, COMPUTE=compute, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    std = torch.empty(1, dtype=torch.float64, device=x.device)  # [1]
+    _batch_std_kernel[(1,)](x, std, x.numel(), ddof, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return std
 
 
@@ -390,7 +365,6 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
         keep * num_groups,
         eps,
         ddof,
-        COMPUTE=_compute_dtype(x),
         SCALE=SCALE_CODE[scale],
         MODE=mode,
         METRIC=METRIC_CODE[metric],
@@ -432,9 +406,8 @@ def select_completions(
         )
     idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
     _launch_group(
-        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0,
-        compute=tl.float32, scale="none", mode=MODE_SELECT, metric=metric,
-    )  # fmt: skip
+        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric
+    )
     return idx
 
 
@@ -460,7 +433,6 @@ def cppo_select(
     if num_groups == 0:
         return adv, torch.empty(0, dtype=torch.long, device=x.device)
     ddof = int(unbiased)
-    compute = _compute_dtype(x)
     if scope == "batch" and keep > 0:
         src = rand if metric == "random" else adv
         idx = _launch_batch(
@@ -471,7 +443,6 @@ def cppo_select(
     idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
     mode = MODE_FUSED if scope == "group" and keep > 0 else MODE_ADVANTAGES  # keep=0: no rank pass
     _launch_group(
-        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof,
-        compute=compute, scale=scale, mode=mode, metric=metric,
-    )  # fmt: skip
+        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, scale=scale, mode=mode, metric=metric
+    )
     return adv, idx
