@@ -1,5 +1,6 @@
-"""Triton kernels for group-normalised advantages and completion selection.
+"""Triton backend of the advantages and the completion selection: kernels and their launchers.
 
+The launchers take input already validated by :mod:`cppo_kernels.advantages` and do not check it again.
 Three kernels, all sharing the same jitted helpers so a value computed by one is bit-identical
 when another recomputes it:
 
@@ -36,11 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
-
-SCALE_CODE = {"group": 0, "batch": 1, "none": 2}
-METRIC_CODE = {"smallest": 0, "largest": 1, "random": 2}
-MODE_ADVANTAGES, MODE_SELECT, MODE_FUSED = 0, 1, 2
+# Compile-time codes of the options, read by name inside the kernels (launches pass their ``.value``).
+SCALE_GROUP, SCALE_BATCH, SCALE_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+METRIC_SMALLEST, METRIC_LARGEST, METRIC_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+#: What a launch does: advantages only, selection from given advantages, or both (advantages, then selection).
+MODE_ADVANTAGES, MODE_SELECT, MODE_FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SCALE_CODE = {"group": SCALE_GROUP, "batch": SCALE_BATCH, "none": SCALE_NONE}
+METRIC_CODE = {"smallest": METRIC_SMALLEST, "largest": METRIC_LARGEST, "random": METRIC_RANDOM}
 
 #: Elements of the ``[BLOCK_Q, BLOCK_G, BLOCK_J]`` pairwise-comparison tile of the group rank.
 COMPARE_BUDGET = 8192
@@ -77,7 +80,7 @@ def group_config(group_size: int) -> GroupConfig:
 @triton.jit
 def _score(a, METRIC: tl.constexpr):
     """Score kept first: |A| for "smallest" (prune the smallest), -|A| for "largest"; ``a`` fp32."""
-    if METRIC == 0:
+    if METRIC == METRIC_SMALLEST:
         s = tl.abs(a)
     else:
         s = -tl.abs(a)
@@ -126,7 +129,7 @@ def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
     A constant group has ``c`` exactly 0 (every reward equals the pivot), hence an advantage of exactly 0.
     """
     c = (x - pivot) - mean
-    if SCALE == 2:
+    if SCALE == SCALE_NONE:
         a = c
     else:
         a = c / tl.where(constant, 1.0, denom)  # no 0/0 when eps=0 and the group is constant
@@ -158,7 +161,7 @@ def _tile_advantages(
     mean = tl.sum(d, axis=1) / tl.cast(group_size, tl.float64)  # [BQ]
     c = tl.where(mask, d - mean[:, None], 0.0)
     constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
-    if SCALE == 0:
+    if SCALE == SCALE_GROUP:
         var = tl.sum(c * c, axis=1) / tl.cast(tl.maximum(group_size - ddof, 1), tl.float64)
         denom = tl.sqrt(var) + tl.cast(eps, tl.float64)  # [BQ]
     else:
@@ -180,11 +183,11 @@ def _batch_std_kernel(x_ptr, std_ptr, n, ddof, BLOCK: tl.constexpr):
 
 @triton.jit
 def _group_kernel(
-    x_ptr,  # [N] rewards (MODE 0, 2) or advantages (MODE 1)
-    rand_ptr,  # [N] fp32 uniform scores (METRIC 2)
-    std_ptr,  # [1] fp64 batch std (SCALE 1)
-    adv_ptr,  # [N] fp32 advantages out (MODE 0, 2)
-    idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE 1, 2)
+    x_ptr,  # [N] rewards (MODE_ADVANTAGES, MODE_FUSED) or advantages (MODE_SELECT)
+    rand_ptr,  # [N] fp32 uniform scores (METRIC_RANDOM)
+    std_ptr,  # [1] fp64 batch std (SCALE_BATCH)
+    adv_ptr,  # [N] fp32 advantages out (MODE_ADVANTAGES, MODE_FUSED)
+    idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE_SELECT, MODE_FUSED)
     num_groups,
     group_size,
     keep,
@@ -203,17 +206,17 @@ def _group_kernel(
     mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
     base = rows.to(tl.int64) * group_size  # [BQ]
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
-    if MODE != 1:
+    if MODE != MODE_SELECT:
         std_b = 0.0
-        if SCALE == 1:
+        if SCALE == SCALE_BATCH:
             std_b = tl.load(std_ptr)
         adv, pivot, mean, denom, constant = _tile_advantages(
             x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE
         )
-    if MODE != 0:
-        if METRIC == 2:
+    if MODE != MODE_ADVANTAGES:
+        if METRIC == METRIC_RANDOM:
             s = tl.load(rand_ptr + offs, mask=mask, other=0.0)
-        elif MODE == 1:
+        elif MODE == MODE_SELECT:
             s = _score(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), METRIC)
         else:
             s = _score(adv, METRIC)
@@ -222,9 +225,9 @@ def _group_kernel(
             pcols = j0 + tl.arange(0, BLOCK_J)  # [BJ]
             pmask = row_ok[:, None] & (pcols < group_size)[None, :]  # [BQ, BJ]
             poffs = base[:, None] + pcols[None, :]
-            if METRIC == 2:
+            if METRIC == METRIC_RANDOM:
                 ps = tl.load(rand_ptr + poffs, mask=pmask, other=0.0)
-            elif MODE == 1:
+            elif MODE == MODE_SELECT:
                 ps = _score(tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float32), METRIC)
             else:
                 xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float64)
@@ -243,8 +246,8 @@ def _group_kernel(
 
 @triton.jit
 def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
-    # ".cg" (L2, never the read-only path): in MODE 2 this program wrote these advantages itself.
-    if METRIC == 2:
+    # ".cg" (L2, never the read-only path): in MODE_FUSED this program wrote these advantages itself.
+    if METRIC == METRIC_RANDOM:
         s = tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg")
     else:
         s = _score(tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), METRIC)
@@ -253,9 +256,9 @@ def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
 
 @triton.jit
 def _batch_kernel(
-    x_ptr,  # [N] rewards (MODE 2)
+    x_ptr,  # [N] rewards (MODE_FUSED)
     src_ptr,  # [N] what the scores come from: advantages (any float dtype) or fp32 uniform draws
-    adv_ptr,  # [N] fp32 advantages out (MODE 2; then also src_ptr unless METRIC 2)
+    adv_ptr,  # [N] fp32 advantages out (MODE_FUSED; then also src_ptr unless METRIC_RANDOM)
     idx_ptr,  # [keep_total] int64 kept indices out
     num_groups,
     group_size,
@@ -271,9 +274,9 @@ def _batch_kernel(
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
 ):
-    if MODE == 2:
+    if MODE == MODE_FUSED:
         std_b = 0.0
-        if SCALE == 1:
+        if SCALE == SCALE_BATCH:
             std_b = _batch_std(x_ptr, n, ddof, BLOCK)
         cols = tl.arange(0, BLOCK_G)
         for q0 in range(0, num_groups, BLOCK_Q):
@@ -316,7 +319,7 @@ def _batch_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Host launchers: validate exactly as the reference does, allocate, launch
+# Host launchers: allocate, launch (the input is validated by cppo_kernels.advantages)
 # --------------------------------------------------------------------------------------------
 
 
@@ -334,9 +337,9 @@ def _launch_group(x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddo
         keep,
         eps,
         ddof,
-        SCALE=SCALE_CODE[scale],
-        MODE=mode,
-        METRIC=METRIC_CODE[metric],
+        SCALE=SCALE_CODE[scale].value,
+        MODE=mode.value,
+        METRIC=METRIC_CODE[metric].value,
         BLOCK_Q=cfg.block_q,
         BLOCK_G=cfg.block_g,
         BLOCK_J=cfg.block_j,
@@ -365,9 +368,9 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
         keep * num_groups,
         eps,
         ddof,
-        SCALE=SCALE_CODE[scale],
-        MODE=mode,
-        METRIC=METRIC_CODE[metric],
+        SCALE=SCALE_CODE[scale].value,
+        MODE=mode.value,
+        METRIC=METRIC_CODE[metric].value,
         BLOCK_Q=cfg.block_q,
         BLOCK_G=cfg.block_g,
         BLOCK=cfg.block,
@@ -377,27 +380,21 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
     return idx
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
-) -> torch.Tensor:
-    """Triton path of :func:`cppo_kernels.group_advantages`: the advantages of :func:`cppo_select` with
-    ``keep=0``, one launch (two for ``scale="batch"``)."""
-    return cppo_select(rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps)[0]
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
+    """The advantages of :func:`cppo_select` with ``keep=0``: one launch (two for ``scale="batch"``)."""
+    adv, _ = cppo_select(
+        rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps, scope="group", metric="smallest", draws=None
+    )
+    return adv
 
 
 def select_completions(
-    advantages: torch.Tensor,
-    group_size: int,
-    keep: int,
-    *,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
+    advantages: torch.Tensor, group_size: int, keep: int, *, scope: str, metric: str, draws: torch.Tensor | None
 ) -> torch.Tensor:
-    """Triton path of :func:`cppo_kernels.select_completions`: one launch (plus ``torch.rand`` for "random")."""
-    num_groups = reference.check_selection_args(advantages, group_size, keep, scope, metric, generator)
+    """Ascending int64 indices of the kept completions: one launch. ``draws``: fp32 ``[N]`` for "random"."""
     x = advantages.detach().contiguous()  # [N]
-    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    num_groups = x.numel() // group_size
+    rand = draws if metric == "random" else x  # [N]
     if keep == 0 or num_groups == 0:
         return torch.empty(0, dtype=torch.long, device=x.device)
     if scope == "batch":
@@ -416,19 +413,18 @@ def cppo_select(
     group_size: int,
     keep: int,
     *,
-    scale: str = "group",
-    unbiased: bool = True,
-    eps: float = 1e-4,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
+    scale: str,
+    unbiased: bool,
+    eps: float,
+    scope: str,
+    metric: str,
+    draws: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton path of :func:`cppo_kernels.cppo_select`: one fused launch, plus a batch-std launch for
-    ``scale="batch"`` with ``scope="group"``."""
-    num_groups = reference.check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
-    reference.check_selection_options(group_size, keep, scope, metric, generator)
+    """``(advantages fp32 [N], kept indices)``: one fused launch, plus a batch-std launch for ``scale="batch"``
+    with ``scope="group"``."""
     x = rewards.detach().contiguous()  # [N]
-    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    num_groups = x.numel() // group_size
+    rand = draws if metric == "random" else x  # [N]
     adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
     if num_groups == 0:
         return adv, torch.empty(0, dtype=torch.long, device=x.device)

@@ -13,7 +13,8 @@ SCALARS = {"eps": "fp32", "ddof": "i32"}
 def _fused_args(group_size, mode, scale, metric):
     """(config, constexprs both kernels share)."""
     cfg = K.group_config(group_size)
-    constexprs = {"SCALE": K.SCALE_CODE[scale], "MODE": mode, "METRIC": K.METRIC_CODE[metric]}
+    codes = {"SCALE": K.SCALE_CODE[scale], "MODE": mode, "METRIC": K.METRIC_CODE[metric]}
+    constexprs = {name: code.value for name, code in codes.items()}  # as the launchers pass them
     return cfg, {**constexprs, "BLOCK_Q": cfg.block_q, "BLOCK_G": cfg.block_g}
 
 
