@@ -62,8 +62,14 @@ def _normalise(choice, source: str) -> str:
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
-    """Runs the ops inside the block on ``backend`` (``auto``, ``triton`` or ``torch``), whatever
-    ``$CPPO_KERNELS_BACKEND`` says. Nests; thread- and task-local (a context variable)."""
+    """Runs the ops inside the ``with`` block on ``backend``, whatever ``$CPPO_KERNELS_BACKEND`` says.
+
+    Nests; thread- and task-local (a context variable).
+
+    Args:
+        backend: ``"auto"`` (Triton for CUDA tensors when Triton is importable), ``"triton"`` or ``"torch"``;
+            checked before the block runs (``ValueError`` otherwise).
+    """
     token = _OVERRIDE.set(_normalise(backend, "use_backend"))  # validated before anything runs
     try:
         yield

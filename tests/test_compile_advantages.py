@@ -2,9 +2,9 @@
 
 import pytest
 import triton.language as tl
+from aot import SHARED_MEMORY_LIMIT, compile_many, job
 
 from cppo_kernels import _advantages_triton as K
-from cppo_kernels._aot import SHARED_MEMORY_LIMIT, compile_many, job
 
 POINTER = {tl.float32: "*fp32", tl.float64: "*fp64", tl.bfloat16: "*bf16"}
 SCALARS = {"eps": "fp32", "ddof": "i32"}
