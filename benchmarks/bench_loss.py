@@ -40,7 +40,8 @@ from collections.abc import Callable
 
 import torch
 
-from cppo_kernels import fused_cppo_loss, fused_logprobs, reference
+from cppo_kernels import fused_cppo_loss, fused_logprobs
+from cppo_kernels._policy import policy_loss
 from cppo_kernels.config import LossConfig
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -101,8 +102,8 @@ def naive_loss(hidden, weight, targets, advantages, cu_seqlens, old, ref):
     logits = (hidden @ weight.t()).float()  # [T, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [T]
     del logits
-    loss, _ = reference.policy_loss(
-        logp, advantages, cu_seqlens, old_logprobs=old, ref_logprobs=ref, config=LossConfig(**OPTIONS)
+    loss, _ = policy_loss(
+        logp, advantages, cu_seqlens, old_logprobs=old, ref_logprobs=ref, entropy=None, config=LossConfig(**OPTIONS)
     )
     return loss
 

@@ -1,15 +1,20 @@
-"""cppo-kernels: fused Triton kernels for CPPO / GRPO training.
+"""cppo-kernels: fused Triton kernels for CPPO / GRPO training; this module is the public API.
 
 Public API::
 
     from cppo_kernels import group_advantages, select_completions, cppo_select
-    from cppo_kernels import fused_cppo_loss, fused_logprobs, cppo_loss_from_logits, LossConfig
+    from cppo_kernels import fused_cppo_loss, fused_logprobs, cppo_loss_from_logits, FusedCPPOLoss, LossConfig
+
+Layout: ``advantages.py`` / ``loss.py`` (public functions: validation once, then dispatch), their backends
+``_{op}_triton.py`` (kernels + launchers) and ``_{op}_torch.py`` (PyTorch), ``_policy.py`` (the per-token policy
+math of the loss), ``_dispatch.py`` (backend choice), ``config.py`` (options and checks), ``reference.py`` (naive
+oracles for the tests, apart from all of the above).
 """
 
 from ._dispatch import use_backend
 from .advantages import cppo_select, group_advantages, select_completions
 from .config import LossConfig
-from .loss import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
+from .loss import FusedCPPOLoss, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
 
 __version__ = "0.1.0"
 
@@ -20,6 +25,7 @@ __all__ = [
     "fused_cppo_loss",
     "fused_logprobs",
     "cppo_loss_from_logits",
+    "FusedCPPOLoss",
     "LossConfig",
     "use_backend",
     "__version__",

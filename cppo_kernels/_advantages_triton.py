@@ -1,5 +1,6 @@
-"""Triton kernels for group-normalised advantages and completion selection.
+"""Triton backend of the advantages and the completion selection: kernels and their launchers.
 
+The launchers take input already validated by :mod:`cppo_kernels.advantages` and do not check it again.
 Three kernels, all sharing the same jitted helpers so a value computed by one is bit-identical
 when another recomputes it:
 
@@ -9,7 +10,7 @@ when another recomputes it:
   count of kept flags is each kept completion's output slot, so indices come out ascending
   without a sort. ``cppo_select(scope="group")`` is this one launch.
 - ``_batch_std_kernel``: one program looping over the batch (two passes, shifted by the first
-  reward, fp32 or fp64 accumulation); only for ``scale="batch"`` with ``scope="group"``.
+  reward); only for ``scale="batch"`` with ``scope="group"``.
 - ``_batch_kernel``: one program for ``scope="batch"``: (optionally) the batch std and the
   advantages, then a radix select of the ``keep * num_groups``-th largest score (4 passes of
   256-bin histograms over order-preserving 32-bit keys), then one compaction pass with running
@@ -17,10 +18,13 @@ when another recomputes it:
   N=65,536). Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
   timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
 
-Arithmetic: rewards are upcast at load to ``COMPUTE`` (fp32; fp64 when the rewards are fp64);
-each group is shifted by its first reward before summing (exact differences for clustered
-rewards), division and square root round to nearest (``div_rn``/``sqrt_rn``: Triton's ``/`` on
-fp32 is approximate on NVIDIA), and a group whose rewards are all equal gets exactly 0.
+Arithmetic: rewards are upcast at load to fp64, whatever their dtype, and the statistics and advantages are
+computed in fp64 (each group shifted by its first reward before summing: exact differences for clustered
+rewards), then rounded to fp32 once, as the PyTorch backend does. Advantages that are equal in exact arithmetic
+then come out as the same fp32 value (barring an fp64 error straddling an fp32 rounding boundary), so exact ties
+go to the lower index on both backends. In fp32 they did not: with G = 3, ``1 - fl(1/3)`` rounds to one ulp below
+``fl(2/3)``, so the advantage 2/3 of the reward 1 in ``[0, 0, 1]`` lost its tie with the -2/3 of the 0 in
+``[0, 1, 1]``. A group whose rewards are all equal gets exactly 0.
 Tile shapes and ``num_warps`` depend only on ``group_size``, never on the batch, so a group's
 advantages do not depend on what else is in the launch.
 """
@@ -33,11 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
-
-SCALE_CODE = {"group": 0, "batch": 1, "none": 2}
-METRIC_CODE = {"smallest": 0, "largest": 1, "random": 2}
-MODE_ADVANTAGES, MODE_SELECT, MODE_FUSED = 0, 1, 2
+# Compile-time codes of the options, read by name inside the kernels (launches pass their ``.value``).
+SCALE_GROUP, SCALE_BATCH, SCALE_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+METRIC_SMALLEST, METRIC_LARGEST, METRIC_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+#: What a launch does: advantages only, selection from given advantages, or both (advantages, then selection).
+MODE_ADVANTAGES, MODE_SELECT, MODE_FUSED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SCALE_CODE = {"group": SCALE_GROUP, "batch": SCALE_BATCH, "none": SCALE_NONE}
+METRIC_CODE = {"smallest": METRIC_SMALLEST, "largest": METRIC_LARGEST, "random": METRIC_RANDOM}
 
 #: Elements of the ``[BLOCK_Q, BLOCK_G, BLOCK_J]`` pairwise-comparison tile of the group rank.
 COMPARE_BUDGET = 8192
@@ -72,27 +78,9 @@ def group_config(group_size: int) -> GroupConfig:
 
 
 @triton.jit
-def _div(x, y):
-    if x.dtype == tl.float64:
-        out = x / y
-    else:
-        out = tl.div_rn(x, y)
-    return out
-
-
-@triton.jit
-def _sqrt(x):
-    if x.dtype == tl.float64:
-        out = tl.sqrt(x)
-    else:
-        out = tl.sqrt_rn(x)
-    return out
-
-
-@triton.jit
 def _score(a, METRIC: tl.constexpr):
     """Score kept first: |A| for "smallest" (prune the smallest), -|A| for "largest"; ``a`` fp32."""
-    if METRIC == 0:
+    if METRIC == METRIC_SMALLEST:
         s = tl.abs(a)
     else:
         s = -tl.abs(a)
@@ -111,39 +99,40 @@ def _sort_key(s):
 
 
 @triton.jit
-def _batch_std(x_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    """Std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
+def _batch_std(x_ptr, n, ddof, BLOCK: tl.constexpr):
+    """fp64 std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
     offs = tl.arange(0, BLOCK)
-    pivot = tl.load(x_ptr).to(COMPUTE)
-    acc = tl.zeros([BLOCK], COMPUTE)
+    pivot = tl.load(x_ptr).to(tl.float64)
+    acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs  # [BLOCK]
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
         acc += tl.where(m, x - pivot, 0.0)
-    mean = _div(tl.sum(acc, axis=0), tl.cast(n, COMPUTE))
-    acc = tl.zeros([BLOCK], COMPUTE)
+    mean = tl.sum(acc, axis=0) / tl.cast(n, tl.float64)
+    acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(COMPUTE)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
         c = tl.where(m, (x - pivot) - mean, 0.0)
         acc += c * c
-    var = _div(tl.sum(acc, axis=0), tl.cast(tl.maximum(n - ddof, 1), COMPUTE))
-    return _sqrt(var)
+    var = tl.sum(acc, axis=0) / tl.cast(tl.maximum(n - ddof, 1), tl.float64)
+    return tl.sqrt(var)
 
 
 @triton.jit
 def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
-    """Elementwise advantage (fp32) of rewards ``x`` given their group's statistics (broadcastable).
+    """Elementwise advantage (fp64 arithmetic, rounded to fp32) of fp64 rewards ``x`` given their group's fp64
+    statistics (broadcastable).
 
     A constant group has ``c`` exactly 0 (every reward equals the pivot), hence an advantage of exactly 0.
     """
     c = (x - pivot) - mean
-    if SCALE == 2:
+    if SCALE == SCALE_NONE:
         a = c
     else:
-        a = _div(c, tl.where(constant, 1.0, denom))  # no 0/0 when eps=0 and the group is constant
+        a = c / tl.where(constant, 1.0, denom)  # no 0/0 when eps=0 and the group is constant
     return a.to(tl.float32)
 
 
@@ -158,7 +147,6 @@ def _tile_advantages(
     std_b,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
 ):
     """Advantages of the groups ``rows`` (``[BLOCK_Q, BLOCK_G]``), stored to ``adv_ptr``; returns the statistics."""
@@ -166,18 +154,18 @@ def _tile_advantages(
     mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
     base = rows.to(tl.int64) * group_size  # [BQ]
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
-    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(COMPUTE)  # [BQ]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(tl.float64)  # [BQ]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
     x = tl.where(mask, x, pivot[:, None])  # padding equal to the pivot: no effect on max, min or sums
     d = x - pivot[:, None]
-    mean = _div(tl.sum(d, axis=1), tl.cast(group_size, COMPUTE))  # [BQ]
+    mean = tl.sum(d, axis=1) / tl.cast(group_size, tl.float64)  # [BQ]
     c = tl.where(mask, d - mean[:, None], 0.0)
     constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
-    if SCALE == 0:
-        var = _div(tl.sum(c * c, axis=1), tl.cast(tl.maximum(group_size - ddof, 1), COMPUTE))
-        denom = _sqrt(var) + tl.cast(eps, COMPUTE)  # [BQ]
+    if SCALE == SCALE_GROUP:
+        var = tl.sum(c * c, axis=1) / tl.cast(tl.maximum(group_size - ddof, 1), tl.float64)
+        denom = tl.sqrt(var) + tl.cast(eps, tl.float64)  # [BQ]
     else:
-        denom = tl.zeros([rows.shape[0]], COMPUTE) + (std_b + tl.cast(eps, COMPUTE))
+        denom = tl.zeros([rows.shape[0]], tl.float64) + (std_b + tl.cast(eps, tl.float64))
     adv = _advantage(x, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE)  # [BQ, BG]
     tl.store(adv_ptr + offs, adv, mask=mask)
     return adv, pivot, mean, denom, constant
@@ -189,23 +177,22 @@ def _tile_advantages(
 
 
 @triton.jit
-def _batch_std_kernel(x_ptr, std_ptr, n, ddof, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK))
+def _batch_std_kernel(x_ptr, std_ptr, n, ddof, BLOCK: tl.constexpr):
+    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, BLOCK))
 
 
 @triton.jit
 def _group_kernel(
-    x_ptr,  # [N] rewards (MODE 0, 2) or advantages (MODE 1)
-    rand_ptr,  # [N] fp32 uniform scores (METRIC 2)
-    std_ptr,  # [1] batch std (SCALE 1)
-    adv_ptr,  # [N] fp32 advantages out (MODE 0, 2)
-    idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE 1, 2)
+    x_ptr,  # [N] rewards (MODE_ADVANTAGES, MODE_FUSED) or advantages (MODE_SELECT)
+    rand_ptr,  # [N] fp32 uniform scores (METRIC_RANDOM)
+    std_ptr,  # [1] fp64 batch std (SCALE_BATCH)
+    adv_ptr,  # [N] fp32 advantages out (MODE_ADVANTAGES, MODE_FUSED)
+    idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE_SELECT, MODE_FUSED)
     num_groups,
     group_size,
     keep,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
     MODE: tl.constexpr,
     METRIC: tl.constexpr,
@@ -219,17 +206,17 @@ def _group_kernel(
     mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
     base = rows.to(tl.int64) * group_size  # [BQ]
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
-    if MODE != 1:
+    if MODE != MODE_SELECT:
         std_b = 0.0
-        if SCALE == 1:
+        if SCALE == SCALE_BATCH:
             std_b = tl.load(std_ptr)
         adv, pivot, mean, denom, constant = _tile_advantages(
-            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE
+            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE
         )
-    if MODE != 0:
-        if METRIC == 2:
+    if MODE != MODE_ADVANTAGES:
+        if METRIC == METRIC_RANDOM:
             s = tl.load(rand_ptr + offs, mask=mask, other=0.0)
-        elif MODE == 1:
+        elif MODE == MODE_SELECT:
             s = _score(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), METRIC)
         else:
             s = _score(adv, METRIC)
@@ -238,12 +225,12 @@ def _group_kernel(
             pcols = j0 + tl.arange(0, BLOCK_J)  # [BJ]
             pmask = row_ok[:, None] & (pcols < group_size)[None, :]  # [BQ, BJ]
             poffs = base[:, None] + pcols[None, :]
-            if METRIC == 2:
+            if METRIC == METRIC_RANDOM:
                 ps = tl.load(rand_ptr + poffs, mask=pmask, other=0.0)
-            elif MODE == 1:
+            elif MODE == MODE_SELECT:
                 ps = _score(tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float32), METRIC)
             else:
-                xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(COMPUTE)
+                xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float64)
                 ps = _score(
                     _advantage(xp, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE), METRIC
                 )
@@ -259,8 +246,8 @@ def _group_kernel(
 
 @triton.jit
 def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
-    # ".cg" (L2, never the read-only path): in MODE 2 this program wrote these advantages itself.
-    if METRIC == 2:
+    # ".cg" (L2, never the read-only path): in MODE_FUSED this program wrote these advantages itself.
+    if METRIC == METRIC_RANDOM:
         s = tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg")
     else:
         s = _score(tl.load(src_ptr + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32), METRIC)
@@ -269,9 +256,9 @@ def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
 
 @triton.jit
 def _batch_kernel(
-    x_ptr,  # [N] rewards (MODE 2)
+    x_ptr,  # [N] rewards (MODE_FUSED)
     src_ptr,  # [N] what the scores come from: advantages (any float dtype) or fp32 uniform draws
-    adv_ptr,  # [N] fp32 advantages out (MODE 2; then also src_ptr unless METRIC 2)
+    adv_ptr,  # [N] fp32 advantages out (MODE_FUSED; then also src_ptr unless METRIC_RANDOM)
     idx_ptr,  # [keep_total] int64 kept indices out
     num_groups,
     group_size,
@@ -279,7 +266,6 @@ def _batch_kernel(
     keep_total,
     eps,
     ddof,
-    COMPUTE: tl.constexpr,
     SCALE: tl.constexpr,
     MODE: tl.constexpr,
     METRIC: tl.constexpr,
@@ -288,14 +274,14 @@ def _batch_kernel(
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
 ):
-    if MODE == 2:
+    if MODE == MODE_FUSED:
         std_b = 0.0
-        if SCALE == 1:
-            std_b = _batch_std(x_ptr, n, ddof, COMPUTE, BLOCK)
+        if SCALE == SCALE_BATCH:
+            std_b = _batch_std(x_ptr, n, ddof, BLOCK)
         cols = tl.arange(0, BLOCK_G)
         for q0 in range(0, num_groups, BLOCK_Q):
             rows = q0 + tl.arange(0, BLOCK_Q)
-            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, COMPUTE, SCALE)
+            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE)
         tl.debug_barrier()  # the advantages written above are read back by other threads below
 
     # Radix select: the keep_total-th largest key, one 8-bit digit per pass, most significant first.
@@ -333,17 +319,11 @@ def _batch_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Host launchers: validate exactly as the reference does, allocate, launch
+# Host launchers: allocate, launch (the input is validated by cppo_kernels.advantages)
 # --------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> tl.dtype:
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
-def _launch_group(
-    x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, compute, scale, mode, metric
-) -> None:
+def _launch_group(x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> None:
     cfg = group_config(group_size)
     grid = (triton.cdiv(num_groups, cfg.block_q),)
     _group_kernel[grid](
@@ -357,10 +337,9 @@ def _launch_group(
         keep,
         eps,
         ddof,
-        COMPUTE=compute,
-        SCALE=SCALE_CODE[scale],
-        MODE=mode,
-        METRIC=METRIC_CODE[metric],
+        SCALE=SCALE_CODE[scale].value,
+        MODE=mode.value,
+        METRIC=METRIC_CODE[metric].value,
         BLOCK_Q=cfg.block_q,
         BLOCK_G=cfg.block_g,
         BLOCK_J=cfg.block_j,
@@ -370,9 +349,8 @@ def _launch_group(
 
 def _launch_batch_std(x: torch.Tensor, group_size: int, ddof: int) -> torch.Tensor:
     cfg = group_config(group_size)
-    compute = _compute_dtype(x)
-    std = torch.empty(1, dtype=torch.float64 if compute == tl.float64 else torch.float32, device=x.device)
-    _batch_std_kernel[(1,)](x, std, x.numel(), ddof, COMPUTE=compute, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    std = torch.empty(1, dtype=torch.float64, device=x.device)  # [1]
+    _batch_std_kernel[(1,)](x, std, x.numel(), ddof, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return std
 
 
@@ -390,10 +368,9 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
         keep * num_groups,
         eps,
         ddof,
-        COMPUTE=_compute_dtype(x),
-        SCALE=SCALE_CODE[scale],
-        MODE=mode,
-        METRIC=METRIC_CODE[metric],
+        SCALE=SCALE_CODE[scale].value,
+        MODE=mode.value,
+        METRIC=METRIC_CODE[metric].value,
         BLOCK_Q=cfg.block_q,
         BLOCK_G=cfg.block_g,
         BLOCK=cfg.block,
@@ -403,27 +380,21 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
     return idx
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
-) -> torch.Tensor:
-    """Triton path of :func:`cppo_kernels.group_advantages`: the advantages of :func:`cppo_select` with
-    ``keep=0``, one launch (two for ``scale="batch"``)."""
-    return cppo_select(rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps)[0]
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
+    """The advantages of :func:`cppo_select` with ``keep=0``: one launch (two for ``scale="batch"``)."""
+    adv, _ = cppo_select(
+        rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps, scope="group", metric="smallest", draws=None
+    )
+    return adv
 
 
 def select_completions(
-    advantages: torch.Tensor,
-    group_size: int,
-    keep: int,
-    *,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
+    advantages: torch.Tensor, group_size: int, keep: int, *, scope: str, metric: str, draws: torch.Tensor | None
 ) -> torch.Tensor:
-    """Triton path of :func:`cppo_kernels.select_completions`: one launch (plus ``torch.rand`` for "random")."""
-    num_groups = reference.check_selection_args(advantages, group_size, keep, scope, metric, generator)
+    """Ascending int64 indices of the kept completions: one launch. ``draws``: fp32 ``[N]`` for "random"."""
     x = advantages.detach().contiguous()  # [N]
-    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    num_groups = x.numel() // group_size
+    rand = draws if metric == "random" else x  # [N]
     if keep == 0 or num_groups == 0:
         return torch.empty(0, dtype=torch.long, device=x.device)
     if scope == "batch":
@@ -432,9 +403,8 @@ def select_completions(
         )
     idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
     _launch_group(
-        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0,
-        compute=tl.float32, scale="none", mode=MODE_SELECT, metric=metric,
-    )  # fmt: skip
+        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric
+    )
     return idx
 
 
@@ -443,24 +413,22 @@ def cppo_select(
     group_size: int,
     keep: int,
     *,
-    scale: str = "group",
-    unbiased: bool = True,
-    eps: float = 1e-4,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
+    scale: str,
+    unbiased: bool,
+    eps: float,
+    scope: str,
+    metric: str,
+    draws: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton path of :func:`cppo_kernels.cppo_select`: one fused launch, plus a batch-std launch for
-    ``scale="batch"`` with ``scope="group"``."""
-    num_groups = reference.check_advantage_args(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
-    reference.check_selection_options(group_size, keep, scope, metric, generator)
+    """``(advantages fp32 [N], kept indices)``: one fused launch, plus a batch-std launch for ``scale="batch"``
+    with ``scope="group"``."""
     x = rewards.detach().contiguous()  # [N]
-    rand = reference.selection_scores(x, metric, generator) if metric == "random" else x  # [N]
+    num_groups = x.numel() // group_size
+    rand = draws if metric == "random" else x  # [N]
     adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
     if num_groups == 0:
         return adv, torch.empty(0, dtype=torch.long, device=x.device)
     ddof = int(unbiased)
-    compute = _compute_dtype(x)
     if scope == "batch" and keep > 0:
         src = rand if metric == "random" else adv
         idx = _launch_batch(
@@ -471,7 +439,6 @@ def cppo_select(
     idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
     mode = MODE_FUSED if scope == "group" and keep > 0 else MODE_ADVANTAGES  # keep=0: no rank pass
     _launch_group(
-        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof,
-        compute=compute, scale=scale, mode=mode, metric=metric,
-    )  # fmt: skip
+        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, scale=scale, mode=mode, metric=metric
+    )
     return adv, idx

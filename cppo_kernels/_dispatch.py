@@ -9,15 +9,17 @@
 
 :func:`use_backend` forces a backend inside a ``with`` block (it takes precedence over the
 environment variable and leaves the environment untouched), which is how the trainer honours its
-``kernel_backend`` setting.
+``kernel_backend`` setting. :func:`backend_module` is the one place an op picks its backend module.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
@@ -60,8 +62,14 @@ def _normalise(choice, source: str) -> str:
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
-    """Runs the ops inside the block on ``backend`` (``auto``, ``triton`` or ``torch``), whatever
-    ``$CPPO_KERNELS_BACKEND`` says. Nests; thread- and task-local (a context variable)."""
+    """Runs the ops inside the ``with`` block on ``backend``, whatever ``$CPPO_KERNELS_BACKEND`` says.
+
+    Nests; thread- and task-local (a context variable).
+
+    Args:
+        backend: ``"auto"`` (Triton for CUDA tensors when Triton is importable), ``"triton"`` or ``"torch"``;
+            checked before the block runs (``ValueError`` otherwise).
+    """
     token = _OVERRIDE.set(_normalise(backend, "use_backend"))  # validated before anything runs
     try:
         yield
@@ -83,3 +91,9 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
             f"{_ENV}=triton on a {tensor.device.type} tensor needs TRITON_INTERPRET=1 set before importing cppo_kernels"
         )
     return True
+
+
+def backend_module(op: str, tensor: torch.Tensor) -> ModuleType:
+    """The backend module of ``op`` for ``tensor``: ``cppo_kernels._{op}_triton`` when :func:`use_triton`, else
+    ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed everywhere."""
+    return importlib.import_module(f"{__package__}._{op}_{'triton' if use_triton(tensor) else 'torch'}")

@@ -1,14 +1,14 @@
 """Chunked PyTorch backend of the fused log-prob op: the CPU path and the fallback without Triton.
 
-Same interface as ``_loss_triton``: ``logprobs_fwd`` / ``logprobs_bwd`` over packed rows, all arithmetic
-in fp32 (bf16/fp16 inputs are upcast), never a ``[T, V]`` allocation.
+Same interface as ``_loss_triton``: ``logprobs_fwd`` / ``logprobs_bwd`` over packed rows already validated by
+:mod:`cppo_kernels.loss`, all arithmetic in fp32 (bf16/fp16 inputs are upcast), never a ``[T, V]`` allocation.
 
-- Forward: a fixed chunk of tokens at a time against the whole vocabulary: 1 matmul into a ``[chunk, V]``
+- Forward: a fixed chunk of ``FWD_TOKENS`` tokens at a time against the whole vocabulary: 1 matmul into a ``[chunk, V]``
   buffer and an in-place ``log_softmax`` (row-local, so about one pass over memory). Every logit matmul
   runs on a full ``[chunk, H]`` block (the tail is zero-padded): BLAS picks different kernels for
   different row counts, and a fixed shape is what makes a token's log-prob independent of the tokens
   it is batched with, bit for bit.
-- Backward: ``[bwd_tokens, vocab]`` blocks, so all three matmuls are large: recompute the logits,
+- Backward: ``[BWD_TOKENS, BWD_VOCAB]`` blocks, so all three matmuls are large: recompute the logits,
   ``Q = exp(z - lse) - onehot`` in place, ``dhidden += Q @ W_b`` and ``dweight_b += Q^T @ (-g * h)``.
   The upstream gradient ``g`` scales the small ``[tokens, H]`` operands, never the ``[tokens, V]`` block;
   ``dweight`` is read and written once per token block instead of once per small chunk.
@@ -16,27 +16,17 @@ in fp32 (bf16/fp16 inputs are upcast), never a ``[T, V]`` allocation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-__all__ = ["ChunkConfig", "logprobs_fwd", "logprobs_bwd"]
+__all__ = ["logprobs_fwd", "logprobs_bwd"]
 
-
-@dataclass(frozen=True)
-class ChunkConfig:
-    """Block sizes. Constants (never derived from T), so results do not depend on batch composition.
-
-    ``tokens``: forward chunk (workspace ``tokens x V`` fp32); ``bwd_tokens`` x ``vocab``: backward block.
-    """
-
-    tokens: int = 256
-    bwd_tokens: int = 1024
-    vocab: int = 4096
-
-
-_DEFAULT = ChunkConfig()
+# Block sizes: constants (never derived from T), so results do not depend on batch composition.
+#: Tokens per forward chunk (workspace ``FWD_TOKENS x V`` fp32).
+FWD_TOKENS = 256
+#: The backward block: ``BWD_TOKENS x BWD_VOCAB``.
+BWD_TOKENS = 1024
+BWD_VOCAB = 4096
 
 
 def _fp32(x: Tensor) -> Tensor:
@@ -59,7 +49,6 @@ def logprobs_fwd(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
-    config: ChunkConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Log-prob of each target under softmax((h W^T + b) / temperature), chunked over tokens.
 
@@ -68,7 +57,7 @@ def logprobs_fwd(
     """
     num_tokens, dim = hidden.shape
     vocab = weight.shape[0]
-    chunk = (config or _DEFAULT).tokens
+    chunk = FWD_TOKENS
     device = hidden.device
     inv_t = 1.0 / temperature
     w = _fp32(weight)  # [V, H]
@@ -114,7 +103,6 @@ def logprobs_bwd(
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
-    config: ChunkConfig | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``sum_t grad_logp[t] * logp[t]`` w.r.t. hidden, weight and bias.
 
@@ -122,7 +110,6 @@ def logprobs_bwd(
     recomputed from the saved ``lse [T]``. Returns ``(dhidden, dweight, dbias)`` in the dtypes of
     hidden / weight / bias (accumulated in fp32, cast once), None where not needed.
     """
-    cfg = config or _DEFAULT
     num_tokens, dim = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -134,11 +121,11 @@ def logprobs_bwd(
     dweight = torch.zeros(vocab, dim, dtype=torch.float32, device=device) if needs_weight_grad else None  # [V, H]
     dbias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs_bias_grad else None  # [V]
     if num_tokens > 0 and (needs_hidden_grad or needs_weight_grad or needs_bias_grad):
-        rows = min(cfg.bwd_tokens, num_tokens)
-        zbuf = torch.empty(rows * min(cfg.vocab, vocab), dtype=torch.float32, device=device)  # [Tb * Vb]
+        rows = min(BWD_TOKENS, num_tokens)
+        zbuf = torch.empty(rows * min(BWD_VOCAB, vocab), dtype=torch.float32, device=device)  # [Tb * Vb]
         dh = torch.empty(rows, dim, dtype=torch.float32, device=device) if needs_hidden_grad else None  # [Tb, H]
-        for start in range(0, num_tokens, cfg.bwd_tokens):
-            stop = min(start + cfg.bwd_tokens, num_tokens)
+        for start in range(0, num_tokens, BWD_TOKENS):
+            stop = min(start + BWD_TOKENS, num_tokens)
             n = stop - start
             h = _fp32(hidden[start:stop])  # [n, H]
             tgt = targets[start:stop].long()  # [n]
@@ -147,8 +134,8 @@ def logprobs_bwd(
             lse_c = lse[start:stop].unsqueeze(1)  # [n, 1]
             if dh is not None:
                 dh[:n].zero_()
-            for v0 in range(0, vocab, cfg.vocab):
-                v1 = min(v0 + cfg.vocab, vocab)
+            for v0 in range(0, vocab, BWD_VOCAB):
+                v1 = min(v0 + BWD_VOCAB, vocab)
                 w_b = w[v0:v1]  # [Vb, H]
                 q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], inv_t)
                 q.sub_(lse_c).exp_()  # [n, Vb] softmax

@@ -1,20 +1,21 @@
-"""Triton kernels of the fused token log-prob op: logits ``z = (hidden @ weight^T + bias) / temperature``
-are computed tile by tile and never materialised as ``[T, V]`` in the forward.
+"""Triton backend of the fused token log-prob op: kernels and launchers. Logits
+``z = (hidden @ weight^T + bias) / temperature`` are computed tile by tile and never materialised as ``[T, V]``.
+The launchers take input already validated by :mod:`cppo_kernels.loss` and do not check it again.
 
 Forward: a program per ``block_t`` tokens walks the vocabulary in ``block_v`` tiles (each tile reduced over H
 in ``block_h`` chunks with ``tl.dot``) and keeps an online logsumexp, the target logit and, optionally, the
 entropy (as a running sum of p * (z - max), so large logits do not cancel). Only lse/logp/entropy are stored.
 
-Backward (logit tiles recomputed from the saved LSE), two schemes picked by ``LossKernelConfig.dz_chunk_bytes``:
+Backward (logit tiles recomputed from the saved LSE): for chunks of tokens (length fixed by V and the dtype,
+never by T), one kernel writes ``dz = grad * (onehot - softmax) / temperature`` into a ``[chunk, V]`` scratch,
+then two fixed-tile matmuls give ``dhidden = dz @ W`` and ``dweight += dz^T @ X`` (fp32 across chunks). About 3
+forward-equivalents of FLOPs; scratch <= ``dz_chunk_bytes`` (512 MiB) plus an fp32 ``[V, H]`` accumulator when
+bf16/fp16 T spans several chunks.
 
-- chunked (default): for chunks of tokens (length fixed by V and the dtype, never by T), one kernel writes
-  ``dz = grad * (onehot - softmax) / temperature`` into a ``[chunk, V]`` scratch, then two fixed-tile matmuls
-  give ``dhidden = dz @ W`` and ``dweight += dz^T @ X`` (fp32 across chunks). About 3 forward-equivalents of
-  FLOPs; scratch <= dz_chunk_bytes plus an fp32 ``[V, H]`` accumulator when bf16/fp16 T spans several chunks.
-- slab (``dz_chunk_bytes=0``): no scratch. ``dhidden`` from a program per (token tile, H slab of
-  ``block_h_out``) looping over all vocab tiles, ``dweight``/``dbias`` from a program per (vocab tile, H slab)
-  looping over all token tiles, each slab accumulated in registers and written once. Every slab program
-  recomputes the full logit tiles: ``2 * (ceil(H / block_h_out) + 1)`` forward-equivalents (14 at H=1536).
+Decision (issue 9): the no-scratch "slab" backward that used to sit beside it (a program per H slab recomputing
+every logit tile: ``2 * (ceil(H / block_h_out) + 1)`` forward-equivalents, 14 at H=1536) is gone. No public path
+could pick it, it was 4-5x the FLOPs of the chunked one, and the chunked scratch is bounded; it lives in the git
+history (before issue 9) should a no-scratch backward ever be needed.
 
 No atomics anywhere; every reduction has a fixed order, so results are deterministic and a token's logp, lse,
 entropy and dhidden do not depend on the other tokens of the launch.
@@ -29,24 +30,17 @@ import triton
 import triton.language as tl
 
 from ._dispatch import interpreter_enabled
-from .config import check_float
 
 __all__ = ["LossKernelConfig", "default_config", "logprobs_fwd", "logprobs_bwd"]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class LossKernelConfig:
-    """Launch configuration: tile sizes, warps and pipeline stages (all compile-time constants).
+    """Launch configuration: tile sizes, warps and pipeline stages (compile-time constants), and the dz scratch budget.
 
-    ``block_h`` is the reduction chunk of the logit tiles; ``block_h_out`` the width of the H slab of
-    ``dhidden`` / ``dweight`` that one backward program owns. Tiles are powers of two >= 16 (``tl.dot``).
-
-    ``dz_chunk_bytes`` picks the backward: 0 recomputes the logits in every H-slab program (no scratch memory,
-    ``2 * (ceil(H / block_h_out) + 1)`` forward-equivalents of FLOPs); > 0 writes dz for chunks of tokens into a
-    scratch of at most that many bytes (dtype of the inputs) and contracts it with two fixed-tile matmuls
-    (3 forward-equivalents). The chunk length depends on V and the dtype only, never on T.
+    ``block_h`` is the reduction chunk of the logit tiles; ``block_h_out`` the N tile (a slab of H) of the two
+    gradient matmuls. Tiles are powers of two >= 16 (``tl.dot``). ``dz_chunk_bytes`` bounds the backward's dz
+    scratch (dtype of the inputs); the chunk length depends on V and the dtype only, never on T.
     """
 
     block_t: int
@@ -55,7 +49,7 @@ class LossKernelConfig:
     num_warps: int
     num_stages: int
     block_h_out: int = 128
-    dz_chunk_bytes: int = 0
+    dz_chunk_bytes: int = 512 * 2**20
 
     def __post_init__(self) -> None:
         for name in ("block_t", "block_v", "block_h", "block_h_out"):
@@ -64,8 +58,8 @@ class LossKernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
         if self.num_warps not in (1, 2, 4, 8, 16) or not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {self}")
-        if not isinstance(self.dz_chunk_bytes, int) or self.dz_chunk_bytes < 0:
-            raise ValueError(f"dz_chunk_bytes must be an int >= 0, got {self.dz_chunk_bytes!r}")
+        if not isinstance(self.dz_chunk_bytes, int) or self.dz_chunk_bytes < 1:
+            raise ValueError(f"dz_chunk_bytes must be an int >= 1, got {self.dz_chunk_bytes!r}")
 
     def dz_chunk_tokens(self, vocab_size: int, dtype: torch.dtype) -> int:
         """Tokens per dz chunk: a multiple of block_t within dz_chunk_bytes (at least one token tile)."""
@@ -76,27 +70,16 @@ class LossKernelConfig:
 def default_config(
     hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> LossKernelConfig:
-    """Heuristic launch config; depends on (H, V, dtype, device) only, never on the token count.
-
-    The backward goes through a dz scratch of at most 512 MiB (3 forward-equivalents of FLOPs instead of
-    ``2 * (ceil(H / block_h_out) + 1)``); ``dz_chunk_bytes=0`` trades that for no scratch memory.
-    """
+    """Heuristic launch config; depends on (H, V, dtype, device) only, never on the token count."""
     device = torch.device(device)
-    chunk = 512 * 2**20
     if device.type != "cuda" or interpreter_enabled():
         # Interpreter: cost is programs x loop iterations, so large tiles and few of them.
-        return LossKernelConfig(
-            block_t=64, block_v=128, block_h=128, num_warps=4, num_stages=1, block_h_out=256, dz_chunk_bytes=chunk
-        )
+        return LossKernelConfig(block_t=64, block_v=128, block_h=128, num_warps=4, num_stages=1, block_h_out=256)
     # CUDA: chosen with the sm_80/sm_90 compile checks (tests/test_compile_loss.py): no spills, 1 CTA of 8 warps
-    # per SM; block_h_out is the N tile of the gradient matmuls (and the slab of the no-scratch backward).
+    # per SM; block_h_out is the N tile of the gradient matmuls.
     if dtype == torch.float32:  # 3xTF32 dots need about twice the registers of bf16 ones
-        return LossKernelConfig(
-            block_t=32, block_v=64, block_h=32, num_warps=8, num_stages=2, block_h_out=64, dz_chunk_bytes=chunk
-        )
-    return LossKernelConfig(
-        block_t=64, block_v=64, block_h=64, num_warps=8, num_stages=2, block_h_out=256, dz_chunk_bytes=chunk
-    )
+        return LossKernelConfig(block_t=32, block_v=64, block_h=32, num_warps=8, num_stages=2, block_h_out=64)
+    return LossKernelConfig(block_t=64, block_v=64, block_h=64, num_warps=8, num_stages=2, block_h_out=256)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,119 +233,6 @@ def _logprobs_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])  # token counts change every step: one binary for all
-def _logprobs_bwd_dhidden_kernel(
-    hidden_ptr,
-    weight_ptr,
-    bias_ptr,
-    targets_ptr,
-    lse_ptr,
-    grad_ptr,
-    dhidden_ptr,
-    T,
-    V,
-    H,
-    stride_ht,
-    stride_wv,
-    stride_dht,
-    inv_temperature,
-    HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_H_OUT: tl.constexpr,
-):
-    """dhidden[t, slab] = grad[t] / temperature * sum_v q[t, v] * weight[v, slab], q = onehot - softmax."""
-    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-    o0 = tl.program_id(1) * BLOCK_H_OUT
-    rt = tl.arange(0, BLOCK_T)
-    rv = tl.arange(0, BLOCK_V)
-    ro = tl.arange(0, BLOCK_H_OUT)
-    mask_t = rt < T - t0
-    mask_o = ro < H - o0
-    tgt = tl.load(targets_ptr + t0 + rt, mask=mask_t, other=0)  # [BT]
-    lse = tl.load(lse_ptr + t0 + rt, mask=mask_t, other=float("inf"))  # [BT]; p = 0 past T
-    g = tl.load(grad_ptr + t0 + rt, mask=mask_t, other=0.0)  # [BT]
-    x_ptr = hidden_ptr + t0 * stride_ht
-    acc = tl.zeros((BLOCK_T, BLOCK_H_OUT), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        w_ptr = weight_ptr + tl.cast(v0, tl.int64) * stride_wv  # V * H passes 2^31 for large models
-        q = _dlogit_tile(
-            x_ptr, w_ptr, bias_ptr + v0, T - t0, V - v0, tgt - v0, lse, H, stride_ht, stride_wv,
-            inv_temperature, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
-        )  # fmt: skip
-        w_mask = (rv < V - v0)[:, None] & mask_o[None, :]
-        w = tl.load(w_ptr + o0 + rv[:, None] * stride_wv + ro[None, :], mask=w_mask, other=0.0)  # [BV, BO]
-        acc = _dot(q.to(w.dtype), w, acc, DOT_PRECISION, UPCAST_DOT)
-    dh = acc * (g * inv_temperature)[:, None]  # [BT, BO]
-    out = dhidden_ptr + t0 * stride_dht + o0 + rt[:, None] * stride_dht + ro[None, :]
-    tl.store(out, dh.to(dhidden_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_o[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])  # token counts change every step: one binary for all
-def _logprobs_bwd_dweight_kernel(
-    hidden_ptr,
-    weight_ptr,
-    bias_ptr,
-    targets_ptr,
-    lse_ptr,
-    grad_ptr,
-    dweight_ptr,
-    dbias_ptr,
-    T,
-    V,
-    H,
-    stride_ht,
-    stride_wv,
-    stride_dwv,
-    inv_temperature,
-    HAS_BIAS: tl.constexpr,
-    COMPUTE_DW: tl.constexpr,
-    COMPUTE_DB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_H_OUT: tl.constexpr,
-):
-    """dweight[v, slab] = sum_t dz[t, v] * hidden[t, slab]; dbias[v] = sum_t dz[t, v] (stored by slab 0)."""
-    v0 = tl.program_id(0).to(tl.int64) * BLOCK_V
-    o0 = tl.program_id(1) * BLOCK_H_OUT
-    rt = tl.arange(0, BLOCK_T)
-    rv = tl.arange(0, BLOCK_V)
-    ro = tl.arange(0, BLOCK_H_OUT)
-    mask_v = rv < V - v0
-    mask_o = ro < H - o0
-    w_ptr = weight_ptr + v0 * stride_wv
-    acc = tl.zeros((BLOCK_V, BLOCK_H_OUT), dtype=tl.float32)
-    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        mask_t = rt < T - t0
-        tgt = tl.load(targets_ptr + t0 + rt, mask=mask_t, other=0)  # [BT]
-        lse = tl.load(lse_ptr + t0 + rt, mask=mask_t, other=float("inf"))  # [BT]; p = 0 past T
-        g = tl.load(grad_ptr + t0 + rt, mask=mask_t, other=0.0)  # [BT]
-        x_ptr = hidden_ptr + tl.cast(t0, tl.int64) * stride_ht
-        q = _dlogit_tile(
-            x_ptr, w_ptr, bias_ptr + v0, T - t0, V - v0, tgt - v0, lse, H, stride_ht, stride_wv,
-            inv_temperature, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
-        )  # fmt: skip
-        dz = q * (g * inv_temperature)[:, None]  # [BT, BV]
-        if COMPUTE_DW:
-            x_mask = mask_t[:, None] & mask_o[None, :]
-            x = tl.load(x_ptr + o0 + rt[:, None] * stride_ht + ro[None, :], mask=x_mask, other=0.0)  # [BT, BO]
-            acc = _dot(tl.trans(dz.to(x.dtype)), x, acc, DOT_PRECISION, UPCAST_DOT)
-        if COMPUTE_DB:
-            db += tl.sum(dz, axis=0)
-    if COMPUTE_DW:
-        out = dweight_ptr + v0 * stride_dwv + o0 + rv[:, None] * stride_dwv + ro[None, :]
-        tl.store(out, acc.to(dweight_ptr.dtype.element_ty), mask=mask_v[:, None] & mask_o[None, :])
-    if COMPUTE_DB:
-        tl.store(dbias_ptr + v0 + rv, db.to(dbias_ptr.dtype.element_ty), mask=mask_v & (o0 == 0))
-
-
-@triton.jit(do_not_specialize=["T"])  # token counts change every step: one binary for all
 def _logprobs_bwd_dz_kernel(
     hidden_ptr,
     weight_ptr,
@@ -482,22 +352,6 @@ def _constexprs(hidden: torch.Tensor, bias: torch.Tensor | None, cfg: LossKernel
     )
 
 
-def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
-        raise ValueError(f"weight must be [V, H] with V >= 1 and H={hidden.shape[1]}, got {tuple(weight.shape)}")
-    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden and weight must share one dtype among {_DTYPES}, got {hidden.dtype}, {weight.dtype}")
-    if targets.shape != (hidden.shape[0],) or targets.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"targets must be int64 [T={hidden.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
-        raise ValueError(f"bias must be {hidden.dtype} [V={weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}")
-    devices = {t.device for t in (hidden, weight, targets) + ((bias,) if bias is not None else ())}
-    if len(devices) != 1:
-        raise ValueError(f"hidden, weight, targets and bias must be on one device, got {sorted(map(str, devices))}")
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a unit stride along its last dim (the kernels take row strides only)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -511,15 +365,12 @@ def logprobs_fwd(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
-    config: LossKernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-token ``(logp, lse, entropy)`` in fp32 ``[T]`` of ``z = (hidden @ weight^T + bias) / temperature``.
 
-    ``logp[t] = z[t, targets[t]] - lse[t]``; ``entropy`` is None unless ``compute_entropy``. Targets must lie
-    in ``[0, V)`` (not checked here: that needs a device sync).
+    ``hidden [T, H]``, ``weight [V, H]`` (hidden's dtype), ``targets [T]`` int in ``[0, V)``, ``bias [V]``.
+    ``logp[t] = z[t, targets[t]] - lse[t]``; ``entropy`` is None unless ``compute_entropy``.
     """
-    _check(hidden, weight, targets, bias)
-    check_float("temperature", temperature, low=0.0, low_open=True)
     T, H = hidden.shape
     V = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -528,7 +379,7 @@ def logprobs_fwd(
     entropy = torch.empty(T, **f32) if compute_entropy else None  # [T]
     if T == 0:
         return logp, lse, entropy
-    cfg = config or default_config(H, V, hidden.dtype, hidden.device)
+    cfg = default_config(H, V, hidden.dtype, hidden.device)
     hidden, weight, targets = _rows(hidden), _rows(weight), targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
     _logprobs_fwd_kernel[(triton.cdiv(T, cfg.block_t),)](
@@ -563,25 +414,16 @@ def logprobs_bwd(
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
-    config: LossKernelConfig | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``sum_t grad_logp[t] * logp[t]`` w.r.t. hidden, weight and bias (None where not needed).
 
     ``lse`` is the forward's fp32 ``[T]`` LSE; ``grad_logp`` fp32 ``[T]``. With
     ``dz[t, v] = grad_logp[t] * (onehot(targets[t])_v - softmax(z[t])_v) / temperature``:
     ``dhidden = dz @ weight`` ``[T, H]``, ``dweight = dz^T @ hidden`` ``[V, H]``, ``dbias = dz.sum(0)`` ``[V]``,
-    each in its input's dtype.
+    each in its input's dtype. ``needs_bias_grad`` only with a bias.
     """
-    _check(hidden, weight, targets, bias)
     T, H = hidden.shape
     V = weight.shape[0]
-    check_float("temperature", temperature, low=0.0, low_open=True)
-    if lse.shape != (T,) or grad_logp.shape != (T,):
-        raise ValueError(f"lse and grad_logp must be [T={T}], got {tuple(lse.shape)} and {tuple(grad_logp.shape)}")
-    if lse.device != hidden.device or grad_logp.device != hidden.device:
-        raise ValueError(f"lse and grad_logp must be on {hidden.device}, got {lse.device} and {grad_logp.device}")
-    if needs_bias_grad and bias is None:
-        raise ValueError("needs_bias_grad=True but bias is None")
     dhidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs_hidden_grad else None  # [T, H]
     dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if needs_weight_grad else None  # [V, H]
     dbias = torch.empty_like(bias) if needs_bias_grad else None  # [V]
@@ -590,58 +432,12 @@ def logprobs_bwd(
             if grad is not None:
                 grad.zero_()
         return dhidden, dweight, dbias
-    cfg = config or default_config(H, V, hidden.dtype, hidden.device)
+    cfg = default_config(H, V, hidden.dtype, hidden.device)
     hidden, weight, targets = _rows(hidden), _rows(weight), targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
     lse = lse.to(torch.float32).contiguous()  # [T]
     grad_logp = grad_logp.to(torch.float32).contiguous()  # [T]
-    inv_temperature = 1.0 / temperature
-    if cfg.dz_chunk_bytes:
-        _bwd_chunked(hidden, weight, targets, bias, lse, grad_logp, inv_temperature, cfg, dhidden, dweight, dbias)
-        return dhidden, dweight, dbias
-    slab = cfg.block_h_out
-    common = dict(BLOCK_H_OUT=slab, **_constexprs(hidden, bias, cfg))
-    bias_arg = bias if bias is not None else weight
-    if dhidden is not None and H > 0:
-        _logprobs_bwd_dhidden_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(H, slab))](
-            hidden,
-            weight,
-            bias_arg,
-            targets,
-            lse,
-            grad_logp,
-            dhidden,
-            T,
-            V,
-            H,
-            hidden.stride(0),
-            weight.stride(0),
-            dhidden.stride(0),
-            inv_temperature,
-            **common,
-        )
-    if dweight is not None or dbias is not None:
-        grid = (triton.cdiv(V, cfg.block_v), max(triton.cdiv(H, slab), 1) if dweight is not None else 1)
-        _logprobs_bwd_dweight_kernel[grid](
-            hidden,
-            weight,
-            bias_arg,
-            targets,
-            lse,
-            grad_logp,
-            dweight if dweight is not None else weight,
-            dbias if dbias is not None else lse,
-            T,
-            V,
-            H,
-            hidden.stride(0),
-            weight.stride(0),
-            weight.shape[1] if dweight is None else dweight.stride(0),
-            inv_temperature,
-            COMPUTE_DW=dweight is not None,
-            COMPUTE_DB=dbias is not None,
-            **common,
-        )
+    _bwd_chunked(hidden, weight, targets, bias, lse, grad_logp, 1.0 / temperature, cfg, dhidden, dweight, dbias)
     return dhidden, dweight, dbias
 
 

@@ -1,59 +1,125 @@
-"""Group-normalised advantages and completion selection: public functionals.
-
-The Triton kernels live in :mod:`cppo_kernels._advantages_triton`; the PyTorch path is
-:mod:`cppo_kernels.reference`. :mod:`cppo_kernels._dispatch` picks one per call.
+"""Group-normalised advantages and completion selection: the public functions, which validate their input once
+(one host sync) and hand it to a backend (``_advantages_triton``: Triton kernels; ``_advantages_torch``: PyTorch),
+picked per call by :func:`cppo_kernels._dispatch.backend_module`. The backends do not validate again.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import reference
-from ._dispatch import use_triton
+from ._dispatch import backend_module
+from .config import METRICS, SCALES, SCOPES, check_choice, check_float, check_int
 
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
 
 
-def _backend(x):
-    """The Triton launchers for tensors the dispatcher sends there, else the reference (which also rejects
-    non-tensors). Imported lazily: triton is not installed everywhere."""
-    if isinstance(x, torch.Tensor) and use_triton(x):
-        from . import _advantages_triton
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
 
-        return _advantages_triton
-    return reference
+
+def _check_grouped_vector(name: str, x, group_size: int) -> None:
+    """A 1-D finite floating tensor laid out group after group (the finiteness check is the one host sync)."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [num_groups * group_size], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+    check_int("group_size", group_size, low=1)
+    if x.numel() % group_size != 0:
+        raise ValueError(f"{name} has {x.numel()} elements, not divisible by group_size={group_size}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must be finite (found NaN or inf)")
+
+
+def _check_advantage_options(scale: str, unbiased: bool, eps: float) -> None:
+    check_choice("scale", scale, SCALES)
+    if not isinstance(unbiased, bool):
+        raise ValueError(f"unbiased must be a bool, got {type(unbiased).__name__}")
+    check_float("eps", eps, low=0.0)
+
+
+def _check_selection_options(group_size: int, keep: int, scope: str, metric: str, generator) -> None:
+    check_int("keep", keep, low=0, high=group_size)
+    check_choice("scope", scope, SCOPES)
+    check_choice("metric", metric, METRICS)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _draws(x: Tensor, metric: str, generator: torch.Generator | None) -> Tensor | None:
+    """fp32 ``[N]`` uniform scores for ``metric="random"`` (drawn here, after validation, so both backends consume
+    the generator alike), else None."""
+    if metric != "random":
+        return None
+    return torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
-) -> torch.Tensor:
-    """Group-normalised advantages, fp32 ``[N]`` (``N = num_groups * group_size``, group after group).
+    rewards: Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
+) -> Tensor:
+    """Group-normalised advantages ``A_i = (r_i - mean_g) / (std + eps)``.
 
-    A_i = (r_i - mean_g) / (std + eps). ``scale``: ``"group"`` (each group's std), ``"batch"``
-    (one std over the batch, group means still per group), ``"none"`` (only subtract the group
-    mean: Dr. GRPO). ``unbiased=True`` applies Bessel's correction (TRL and the CPPO code).
-    A group whose rewards are all equal gets exactly 0.
+    Args:
+        rewards: ``[N]`` floating, finite, laid out group after group (``N = num_groups * group_size``).
+        group_size: completions per question ``G`` (>= 1, divides ``N``).
+        scale: ``"group"`` (each group's std), ``"batch"`` (one std over all ``N`` rewards, group means still per
+            group) or ``"none"`` (only subtract the group mean: Dr. GRPO).
+        unbiased: Bessel's correction in the std (TRL and the CPPO code); a std over one value is 0.
+        eps: added to the std (>= 0).
+
+    Returns:
+        fp32 ``[N]``. A group whose rewards are all equal gets exactly 0 (never NaN, also with ``eps=0``).
     """
-    return _backend(rewards).group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
+    _check_grouped_vector("rewards", rewards, group_size)
+    _check_advantage_options(scale, unbiased, eps)
+    backend = backend_module("advantages", rewards)
+    return backend.group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
 
 
 def select_completions(
-    advantages: torch.Tensor,
+    advantages: Tensor,
     group_size: int,
     keep: int,
     *,
     scope: str = "group",
     metric: str = "smallest",
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Ascending int64 indices of the retained completions (see :func:`cppo_kernels.reference.select_completions`)."""
-    return _backend(advantages).select_completions(
-        advantages, group_size, keep, scope=scope, metric=metric, generator=generator
-    )
+) -> Tensor:
+    """Indices of the completions kept by CPPO's pruning.
+
+    Each completion gets a score and the highest scores are kept, ties going to the lower index: ``|A|`` (in fp32)
+    for ``metric="smallest"`` (prune the smallest |A|: CPPO's default), ``-|A|`` for ``"largest"``, a uniform
+    draw from ``generator`` for ``"random"``.
+
+    Args:
+        advantages: ``[N]`` floating, finite, laid out group after group.
+        group_size: completions per question ``G`` (>= 1, divides ``N``).
+        keep: completions kept per question, ``0 <= keep <= G``.
+        scope: ``"group"`` keeps exactly ``keep`` per group; ``"batch"`` keeps ``keep * num_groups`` pooled over
+            the whole batch (the official Open-R1 code).
+        metric: ``"smallest"``, ``"largest"`` or ``"random"``.
+        generator: the generator of the ``"random"`` draws (``N`` fp32 draws on the advantages' device).
+
+    Returns:
+        int64 ``[keep * num_groups]``, ascending.
+    """
+    _check_grouped_vector("advantages", advantages, group_size)
+    _check_selection_options(group_size, keep, scope, metric, generator)
+    backend = backend_module("advantages", advantages)
+    draws = _draws(advantages, metric, generator)  # [N] or None
+    return backend.select_completions(advantages, group_size, keep, scope=scope, metric=metric, draws=draws)
 
 
 def cppo_select(
-    rewards: torch.Tensor,
+    rewards: Tensor,
     group_size: int,
     keep: int,
     *,
@@ -63,14 +129,27 @@ def cppo_select(
     scope: str = "group",
     metric: str = "smallest",
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages [N] fp32, kept indices)``: ``group_advantages`` then ``select_completions``, fused.
+) -> tuple[Tensor, Tensor]:
+    """:func:`group_advantages` then :func:`select_completions` on those advantages, fused.
 
-    On the Triton path this is one kernel launch (advantages, rank selection and compaction),
-    plus a batch-std launch for ``scale="batch"`` with ``scope="group"``, plus ``torch.rand``
-    for ``metric="random"``. Validation (incl. a finiteness check) runs before any launch.
+    On the Triton path this is one kernel launch (advantages, rank selection and compaction), plus a batch-std
+    launch for ``scale="batch"`` with ``scope="group"``, plus ``torch.rand`` for ``metric="random"``.
+
+    Args:
+        rewards: ``[N]`` floating, finite, laid out group after group.
+        group_size, keep: as in :func:`select_completions`.
+        scale, unbiased, eps: as in :func:`group_advantages`.
+        scope, metric, generator: as in :func:`select_completions`.
+
+    Returns:
+        ``(advantages, kept)``: fp32 ``[N]`` advantages of all completions (index them with ``kept``) and the
+        ascending int64 ``[keep * num_groups]`` indices of the kept completions.
     """
-    return _backend(rewards).cppo_select(
+    _check_grouped_vector("rewards", rewards, group_size)
+    _check_advantage_options(scale, unbiased, eps)
+    _check_selection_options(group_size, keep, scope, metric, generator)
+    backend = backend_module("advantages", rewards)
+    return backend.cppo_select(
         rewards,
         group_size,
         keep,
@@ -79,5 +158,5 @@ def cppo_select(
         eps=eps,
         scope=scope,
         metric=metric,
-        generator=generator,
+        draws=_draws(rewards, metric, generator),
     )

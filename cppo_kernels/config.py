@@ -47,15 +47,28 @@ def check_float(name: str, value, *, low: float | None = None, low_open: bool = 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING = ("token", "sequence")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-#: TRL's ``loss_type`` names and the aggregation each one means.
-TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Options of :func:`cppo_kernels.fused_cppo_loss` (see its docstring for the semantics).
+    """Options of :func:`cppo_kernels.fused_cppo_loss` and :func:`cppo_kernels.cppo_loss_from_logits`, validated
+    on construction. Every field is a runtime value for the kernels: changing one never recompiles.
 
-    Every field is a runtime value for the kernels: changing one never recompiles.
+    Args:
+        temperature: divides the logits (> 0).
+        epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (>= 0;
+            ``epsilon_high`` defaults to ``epsilon_low``).
+        dual_clip: the constant ``c > 1`` of dual-clip PPO: a token with ``A < 0`` loses at most ``-c A``.
+        beta: weight (>= 0) of the KL penalty to the reference log-probs (``> 0`` needs them).
+        kl_estimator: ``"k1"`` (``logp - ref``), ``"k2"`` (``(logp - ref)^2 / 2``) or ``"k3"``
+            (``exp(ref - logp) - (ref - logp) - 1``).
+        importance_sampling: ``"token"`` (a ratio per token) or ``"sequence"`` (every token of a sequence uses the
+            exponentiated mean log-ratio of the sequence: GSPO).
+        loss_agg: ``"token-mean"`` (DAPO / CPPO: sum over all tokens / T), ``"seq-mean-token-mean"`` (GRPO: mean
+            over sequences of each one's token mean) or ``"seq-mean-token-sum-norm"`` (Dr. GRPO: sum over all
+            tokens / (S * max_completion_length)). TRL's ``loss_type`` grpo / dapo / dr_grpo.
+        max_completion_length: the normaliser of ``"seq-mean-token-sum-norm"`` (an int >= 1, required there).
+        compute_entropy: also report the mean entropy of the token distributions as a metric.
     """
 
     temperature: float = 1.0

@@ -1,27 +1,53 @@
-"""Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight.
+"""Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight: the public layer.
 
-Layers (CONVENTIONS section 2): the backends (``_loss_triton``: Triton kernels; ``_loss_torch``: chunked
-PyTorch) compute per-token log-probs without materialising ``[T, V]`` logits; :class:`_FusedLogProbs`
-is the autograd Function over them; the public functions below validate, pack the padded layout and
-apply the cheap O(T) policy loss (:func:`cppo_kernels.reference.policy_loss`, elementwise) on top.
+The public functions validate their input once (shape and dtype checks on the host, value checks read back with one
+host sync), convert the padded layout to the packed one, run the per-token log-probs through :class:`_FusedLogProbs`
+(the autograd Function over a backend: ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither
+validates again nor materialises ``[T, V]`` logits) and apply the O(T) policy math of :mod:`cppo_kernels._policy`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from . import reference
-from ._dispatch import use_triton
+from ._dispatch import backend_module
+from ._policy import policy_loss
 from .config import LossConfig
 
-__all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits"]
+__all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss"]
 
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(LossConfig))
+_DEFAULTS = LossConfig()
+
+
+def _loss_config(config: LossConfig | None, options: dict[str, Any]) -> LossConfig:
+    """The :class:`LossConfig` of a call: ``config`` when given, else one built from the keyword ``options``.
+
+    ``options`` maps LossConfig field names to the keywords passed (a caller's ``locals()`` may be given: other
+    names are ignored). With ``config``, a keyword that differs from its LossConfig default is an error: it
+    would be silently overridden otherwise.
+    """
+    options = {name: options[name] for name in _OPTIONS if name in options}
+    if config is None:
+        return LossConfig(**options)
+    if not isinstance(config, LossConfig):
+        raise ValueError(f"config must be a LossConfig or None, got {type(config).__name__}")
+    for name, value in options.items():
+        if value != getattr(_DEFAULTS, name):
+            raise ValueError(f"{name}={value!r} conflicts with config=: pass {name} inside the LossConfig")
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,11 +137,64 @@ def _check_targets(targets, lead: tuple[int, ...], device: torch.device, what: s
     return targets
 
 
+class _Layout(NamedTuple):
+    """Where the tokens are: the leading shape of the per-token inputs and the packed sequence offsets."""
+
+    lead: tuple[int, ...]  # (T,) packed, (B, L) padded
+    what: str  # the name of `lead` in error messages
+    cu_seqlens: Tensor  # [S+1] int64
+    flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
+
+
+def _packed_from_padded(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Maps a padded ``mask [B, L]`` to (flat indices of its valid positions ``[T]``, ``cu_seqlens [B+1]``)."""
+    flat = mask.reshape(-1).nonzero().squeeze(-1)  # [T]
+    lengths = mask.to(torch.int64).sum(dim=1)  # [B]
+    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)  # [B+1]
+    cu[1:] = lengths.cumsum(0)
+    return flat, cu
+
+
+def _layout(xname: str, x: Tensor, cu_seqlens, mask, checks: _Checks) -> _Layout:
+    """Validates ``cu_seqlens`` (packed: ``x [T, D]``) or ``mask`` (padded: ``x [B, L, D]``), exactly one given."""
+    if (cu_seqlens is None) == (mask is None):
+        raise ValueError("pass exactly one of cu_seqlens (packed layout) or mask (padded layout)")
+    dname = "H" if xname == "hidden" else "V"
+    if cu_seqlens is not None:
+        if x.dim() != 2:
+            raise ValueError(f"{xname} must be 2-D [T, {dname}] with cu_seqlens, got shape {list(x.shape)}")
+        num_tokens = x.shape[0]
+        cu = _tensor("cu_seqlens", cu_seqlens, device=x.device)
+        if not _is_int(cu) or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {cu.dtype} {list(cu.shape)}")
+        cu = cu.to(torch.int64)
+        checks.add(cu[0] != 0, lambda: f"cu_seqlens must start at 0, got {int(cu[0])}")
+        checks.add((cu[1:] < cu[:-1]).any(), lambda: "cu_seqlens must be non-decreasing")
+        checks.add(
+            cu[-1] != num_tokens,
+            lambda: f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}",
+        )
+        return _Layout((num_tokens,), "[T]", cu, None)
+    if x.dim() != 3:
+        raise ValueError(f"{xname} must be 3-D [B, L, {dname}] with mask, got shape {list(x.shape)}")
+    lead = tuple(x.shape[:2])
+    mask = _tensor("mask", mask, device=x.device)
+    if mask.dtype != torch.bool and not _is_int(mask):
+        raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
+    _shape("mask", mask, lead, "[B, L]")
+    if mask.dtype != torch.bool:
+        if mask.numel():
+            checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must hold only 0 and 1")
+        mask = mask.bool()
+    flat, cu = _packed_from_padded(mask)
+    return _Layout(lead, "[B, L]", cu, flat)
+
+
 class _Packed(NamedTuple):
     """The inputs in the packed layout: rows ``x`` and their per-token / per-sequence tensors."""
 
     x: Tensor  # [T, D] ([B*L, D] with gather_rows=False)
-    targets: Tensor  # [T]
+    targets: Tensor  # [T] ([B*L] with gather_rows=False)
     advantages: Tensor  # [S]
     cu_seqlens: Tensor  # [S+1] int64
     old_logprobs: Tensor | None  # [T]
@@ -128,94 +207,69 @@ def _pack(
     x,
     targets,
     advantages,
-    *,
     cu_seqlens,
     mask,
     old_logprobs,
     ref_logprobs,
-    checks: _Checks,
-    gather_rows: bool = True,
-) -> _Packed:
+    cfg: LossConfig,
+    *,
+    gather_rows: bool,
+) -> tuple[_Packed, _Checks]:
     """Validates the layout arguments and converts the padded layout to the packed one.
 
-    Shapes and dtypes are checked here; value checks are added to ``checks`` (the caller raises them).
-    With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (flattened to ``[B*L, D]``).
+    Shapes and dtypes are checked here; value checks go into the returned :class:`_Checks` (the caller adds its
+    own and raises them). With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (``[B*L, D]``).
     """
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when beta > 0")
+    checks = _Checks()
     x = _tensor(xname, x)
-    device = x.device
     if not x.is_floating_point():
         raise ValueError(f"{xname} must have a floating dtype, got {x.dtype}")
-    if (cu_seqlens is None) == (mask is None):
-        raise ValueError("pass exactly one of cu_seqlens (packed layout) or mask (padded layout)")
-    dname = "H" if xname == "hidden" else "V"
-    if cu_seqlens is not None:
-        if x.dim() != 2:
-            raise ValueError(f"{xname} must be 2-D [T, {dname}] with cu_seqlens, got shape {list(x.shape)}")
-        num_tokens = x.shape[0]
-        lead, what = (num_tokens,), "[T]"
-        cu = _tensor("cu_seqlens", cu_seqlens, device=device)
-        if not _is_int(cu) or cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {cu.dtype} {list(cu.shape)}")
-        cu = cu.to(torch.int64)
-        checks.add(cu[0] != 0, lambda: f"cu_seqlens must start at 0, got {int(cu[0])}")
-        checks.add((cu[1:] < cu[:-1]).any(), lambda: "cu_seqlens must be non-decreasing")
-        checks.add(
-            cu[-1] != num_tokens,
-            lambda: f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}",
-        )
-        flat = None
-    else:
-        if x.dim() != 3:
-            raise ValueError(f"{xname} must be 3-D [B, L, {dname}] with mask, got shape {list(x.shape)}")
-        lead, what = tuple(x.shape[:2]), "[B, L]"
-        mask = _tensor("mask", mask, device=device)
-        if mask.dtype != torch.bool and not _is_int(mask):
-            raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
-        _shape("mask", mask, lead, what)
-        if mask.dtype != torch.bool:
-            if mask.numel():
-                checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must hold only 0 and 1")
-            mask = mask.bool()
-        flat, cu = reference.packed_from_padded(mask)
-    targets = _check_targets(targets, lead, device, what)
-    num_seqs = cu.numel() - 1
-    advantages = _tensor("advantages", advantages, device=device)
+    layout = _layout(xname, x, cu_seqlens, mask, checks)
+    targets = _check_targets(targets, layout.lead, x.device, layout.what)
+    advantages = _tensor("advantages", advantages, device=x.device)
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must have a floating dtype, got {advantages.dtype}")
-    _shape("advantages", advantages, (num_seqs,), "[S]" if flat is None else "[B]")
+    num_seqs = layout.cu_seqlens.numel() - 1
+    _shape("advantages", advantages, (num_seqs,), "[S]" if layout.flat is None else "[B]")
     checks.finite("advantages", advantages)
     logprobs = {}
     for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if lp is not None:
-            lp = _tensor(name, lp, device=device)
+            lp = _tensor(name, lp, device=x.device)
             if not lp.is_floating_point():
                 raise ValueError(f"{name} must have a floating dtype, got {lp.dtype}")
-            _shape(name, lp, lead, what)
-            if flat is not None:
-                lp = lp.reshape(-1)[flat]
+            _shape(name, lp, layout.lead, layout.what)
+            if layout.flat is not None:
+                lp = lp.reshape(-1)[layout.flat]
             checks.finite(name, lp)
         logprobs[name] = lp
-    if flat is not None:
+    if layout.flat is not None:
         targets = targets.reshape(-1)
         x = x.reshape(-1, x.shape[-1])
         if gather_rows:
-            x, targets = x[flat], targets[flat]
-    return _Packed(x, targets, advantages, cu, logprobs["old_logprobs"], logprobs["ref_logprobs"], flat)
+            x, targets = x[layout.flat], targets[layout.flat]
+    packed = _Packed(x, targets, advantages, layout.cu_seqlens, *logprobs.values(), layout.flat)
+    return packed, checks
+
+
+def _policy_loss(p: _Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
+    """:func:`cppo_kernels._policy.policy_loss` on the packed per-token log-probs."""
+    return policy_loss(
+        logp,
+        p.advantages,
+        p.cu_seqlens,
+        old_logprobs=p.old_logprobs,
+        ref_logprobs=p.ref_logprobs,
+        entropy=entropy,
+        config=cfg,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Autograd Function over the backends
 # --------------------------------------------------------------------------------------------
-
-
-def _backend(hidden: Tensor) -> ModuleType:
-    if use_triton(hidden):
-        from . import _loss_triton
-
-        return _loss_triton
-    from . import _loss_torch
-
-    return _loss_torch
 
 
 class _FusedLogProbs(torch.autograd.Function):
@@ -255,7 +309,7 @@ class _FusedLogProbs(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------
-# Public functionals
+# Public functions
 # --------------------------------------------------------------------------------------------
 
 
@@ -270,6 +324,7 @@ def fused_cppo_loss(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
+    config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
@@ -283,50 +338,42 @@ def fused_cppo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
-    Layouts (exactly one of ``cu_seqlens`` / ``mask``):
+    Per token t of sequence s: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio
+    ``r = exp(logp - old)`` (``old = logp.detach()`` without ``old_logprobs``);
+    ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
+    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs``; aggregated by ``loss_agg``.
+    Deterministic, and a token's log-prob does not depend on the other tokens of the batch.
 
-    - packed: ``hidden [T, H]``, ``targets [T]``, ``cu_seqlens [S+1]`` int offsets, ``advantages [S]``,
-      ``old_logprobs`` / ``ref_logprobs [T]``;
-    - padded (TRL, Liger): ``hidden [B, L, H]``, ``targets [B, L]``, ``mask [B, L]`` bool/int,
-      ``advantages [B]``, log-probs ``[B, L]``; only positions where ``mask`` is set count.
+    Layouts (exactly one of ``cu_seqlens`` / ``mask``): packed ``[T, ...]`` or padded ``[B, L, ...]`` (TRL,
+    Liger-Kernel), where only positions with ``mask`` set count (padding content is never read into the loss).
 
-    ``weight [V, H]`` (hidden's dtype), ``bias [V]`` optional; row t of hidden predicts ``targets[t]``.
-    Per token: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio ``r = exp(logp - old)``
-    (``old = logp.detach()`` when ``old_logprobs`` is None; ``importance_sampling="sequence"`` uses the
-    exponentiated mean log-ratio of the sequence, GSPO); ``pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)``,
-    capped at ``-dual_clip * A`` where ``A < 0``; plus ``beta *`` the k1/k2/k3 KL to ``ref_logprobs``
-    (required when ``beta > 0``). Aggregation ``loss_agg``: ``token-mean`` (DAPO / CPPO),
-    ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, needs ``max_completion_length``).
+    Args:
+        hidden: ``[T, H]`` (packed) or ``[B, L, H]`` (padded), fp32 / bf16 / fp16, finite; row t predicts
+            ``targets[t]``.
+        weight: ``[V, H]`` LM-head weight, hidden's dtype.
+        targets: ``[T]`` or ``[B, L]`` integer token ids in ``[0, V)``.
+        advantages: ``[S]`` (packed) or ``[B]`` (padded), one per sequence, finite.
+        cu_seqlens: ``[S+1]`` integer offsets of the packed sequences (0, non-decreasing, ending at T).
+        mask: ``[B, L]`` bool or 0/1 integer: the positions that count (padded layout).
+        old_logprobs: ``[T]`` or ``[B, L]`` log-probs of the policy that sampled (finite where counted).
+        ref_logprobs: ``[T]`` or ``[B, L]`` log-probs of the reference model (required when ``beta > 0``).
+        bias: ``[V]`` LM-head bias, weight's dtype.
+        config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
+            its default (else ``ValueError``).
+        temperature, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, importance_sampling, loss_agg,
+            max_completion_length, compute_entropy: the loss options, each documented in :class:`LossConfig`.
 
-    Returns ``(loss, metrics)``: an fp32 scalar with gradients to hidden, weight and bias, and detached fp32
-    scalars ``kl, clip_fraction_low, clip_fraction_high, ratio_mean, ratio_min, ratio_max, num_tokens``
-    (+ ``entropy`` with ``compute_entropy=True``), as defined by :func:`cppo_kernels.reference.policy_loss`.
+    Returns:
+        ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
+        dtypes), and detached fp32 scalars: ``kl`` (mean over tokens, 0 without ``ref_logprobs``),
+        ``clip_fraction_low`` / ``clip_fraction_high`` (fraction of tokens whose ratio is clipped below with
+        ``A < 0`` / above with ``A > 0``), ``ratio_mean``, ``ratio_min``, ``ratio_max`` (1 without tokens),
+        ``num_tokens``, and ``entropy`` (mean) with ``compute_entropy``. Empty sequences and empty batches give
+        0, never NaN.
     """
-    cfg = LossConfig(
-        temperature=temperature,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        dual_clip=dual_clip,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        importance_sampling=importance_sampling,
-        loss_agg=loss_agg,
-        max_completion_length=max_completion_length,
-        compute_entropy=compute_entropy,
-    )
-    if cfg.beta > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta > 0")
-    checks = _Checks()
-    p = _pack(
-        "hidden",
-        hidden,
-        targets,
-        advantages,
-        cu_seqlens=cu_seqlens,
-        mask=mask,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        checks=checks,
+    cfg = _loss_config(config, locals())
+    p, checks = _pack(
+        "hidden", hidden, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, cfg, gather_rows=True
     )
     _check_head(p.x, weight, bias)
     checks.in_range(p.targets, weight.shape[0])
@@ -340,7 +387,7 @@ def fused_cppo_loss(
         p.targets.to(torch.int64).contiguous(),
         cfg.temperature,
         cfg.compute_entropy,
-        _backend(h),
+        backend_module("loss", h),
     )
     return _policy_loss(p, logp, entropy, cfg)
 
@@ -357,8 +404,17 @@ def fused_logprobs(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs (and entropies) without autograd: the old-policy and reference passes.
 
-    ``hidden [T, H]`` or ``[B, L, H]``, ``targets`` of the leading shape, ``weight [V, H]``, ``bias [V]``.
-    Returns fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``.
+    Args:
+        hidden: ``[T, H]`` or ``[B, L, H]``, fp32 / bf16 / fp16, finite.
+        weight: ``[V, H]`` LM-head weight, hidden's dtype.
+        targets: integer token ids in ``[0, V)`` of hidden's leading shape (``[T]`` or ``[B, L]``).
+        bias: ``[V]`` LM-head bias, weight's dtype.
+        temperature: divides the logits (> 0).
+        compute_entropy: also return each token distribution's entropy.
+
+    Returns:
+        fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
+        and a token's values do not depend on the other tokens of the batch.
     """
     hidden = _tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
@@ -372,7 +428,7 @@ def fused_logprobs(
     checks.finite("hidden", hidden)
     checks.raise_first()
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
-    logp, _, entropy = _backend(h).logprobs_fwd(
+    logp, _, entropy = backend_module("loss", h).logprobs_fwd(
         h,
         weight.contiguous(),
         targets.reshape(-1).to(torch.int64).contiguous(),
@@ -393,6 +449,7 @@ def cppo_loss_from_logits(
     mask: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
@@ -404,37 +461,21 @@ def cppo_loss_from_logits(
     max_completion_length: int | None = None,
     compute_entropy: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`fused_cppo_loss` for callers that already hold the logits (``[T, V]`` or ``[B, L, V]``).
+    """:func:`fused_cppo_loss` for callers that already hold the logits: same layouts, options and results.
 
-    Same layouts, options and results; ``temperature`` divides the logits; differentiable w.r.t. logits.
     Computes in fp32 (one fp32 ``[T, V]`` copy when the logits are bf16/fp16 or temperature != 1).
+
+    Args:
+        logits: ``[T, V]`` (packed) or ``[B, L, V]`` (padded), floating, finite where counted.
+        targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs: as in :func:`fused_cppo_loss`.
+        config, temperature, ..., compute_entropy: the options, as in :func:`fused_cppo_loss`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`fused_cppo_loss`, the loss with gradients to ``logits``.
     """
-    cfg = LossConfig(
-        temperature=temperature,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        dual_clip=dual_clip,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        importance_sampling=importance_sampling,
-        loss_agg=loss_agg,
-        max_completion_length=max_completion_length,
-        compute_entropy=compute_entropy,
-    )
-    if cfg.beta > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta > 0")
-    checks = _Checks()
-    p = _pack(
-        "logits",
-        logits,
-        targets,
-        advantages,
-        cu_seqlens=cu_seqlens,
-        mask=mask,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        checks=checks,
-        gather_rows=False,
+    cfg = _loss_config(config, locals())
+    p, checks = _pack(
+        "logits", logits, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, cfg, gather_rows=False
     )
     vocab = p.x.shape[-1]
     if vocab == 0:
@@ -459,14 +500,51 @@ def cppo_loss_from_logits(
     return _policy_loss(p, logp, entropy, cfg)
 
 
-def _policy_loss(p: _Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
-    """:func:`cppo_kernels.reference.policy_loss` on the packed per-token log-probs."""
-    return reference.policy_loss(
-        logp,
-        p.advantages,
-        p.cu_seqlens,
-        old_logprobs=p.old_logprobs,
-        ref_logprobs=p.ref_logprobs,
-        entropy=entropy,
-        config=cfg,
-    )
+class FusedCPPOLoss(nn.Module):
+    """:func:`fused_cppo_loss` as a module that holds the options (the Liger-Kernel habit).
+
+    Args:
+        config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
+            (a keyword that differs from its default next to ``config`` is a ``ValueError``).
+        **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
+
+    ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
+    ref_logprobs=None, bias=None)`` takes the tensors of :func:`fused_cppo_loss` (same shapes and layouts) and
+    returns its ``(loss, metrics)``.
+    """
+
+    def __init__(self, config: LossConfig | None = None, **options: Any) -> None:
+        super().__init__()
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown}: the options are {list(_OPTIONS)}")
+        self.config = _loss_config(config, options)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        advantages: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        mask: Tensor | None = None,
+        old_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        bias: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return fused_cppo_loss(
+            hidden,
+            weight,
+            targets,
+            advantages,
+            cu_seqlens=cu_seqlens,
+            mask=mask,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            bias=bias,
+            config=self.config,
+        )
+
+    def extra_repr(self) -> str:
+        return repr(self.config)

@@ -229,6 +229,21 @@ def test_edge_shapes(backend, g, q, keep, scope):
         assert torch.equal(idx, want_idx) and idx.numel() == keep * q
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_exact_ties_across_groups_go_to_the_lower_index(backend, scale):
+    """Advantages equal in exact arithmetic are one fp32 value, so a tie across groups goes to the lower index.
+
+    Regression: the Triton kernels computed fp32 rewards in fp32, where ``1 - fl(1/3)`` is an ulp below ``fl(2/3)``:
+    the 1/3 of index 13 (``[0, 1, 1]``) lost its tie with the -1/3 of index 15 (``[0, 0, 1]``), so 15 was kept.
+    """
+    rewards = torch.tensor([0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.float32)  # G = 3
+    adv, idx = cppo_select(rewards, 3, 2, scale=scale, scope="batch")
+    want_adv, want_idx = reference.cppo_select(rewards.double(), 3, 2, scale=scale, scope="batch")
+    assert torch.equal(adv, want_adv)
+    assert torch.equal(idx, want_idx) and 13 in idx and 15 not in idx
+    assert torch.equal(group_advantages(rewards, 3, scale=scale), want_adv)
+
+
 def test_empty_batch(backend):
     adv, idx = cppo_select(torch.empty(0), 4, 2)
     assert adv.shape == (0,) and adv.dtype == torch.float32 and idx.shape == (0,) and idx.dtype == torch.long

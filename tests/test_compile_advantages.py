@@ -2,28 +2,28 @@
 
 import pytest
 import triton.language as tl
+from aot import SHARED_MEMORY_LIMIT, compile_many, job
 
 from cppo_kernels import _advantages_triton as K
-from cppo_kernels._aot import SHARED_MEMORY_LIMIT, compile_many, job
 
 POINTER = {tl.float32: "*fp32", tl.float64: "*fp64", tl.bfloat16: "*bf16"}
 SCALARS = {"eps": "fp32", "ddof": "i32"}
 
 
-def _fused_args(group_size, mode, scale, metric, dtype):
-    """(config, compute dtype, constexprs both kernels share)."""
+def _fused_args(group_size, mode, scale, metric):
+    """(config, constexprs both kernels share)."""
     cfg = K.group_config(group_size)
-    compute = tl.float64 if dtype == tl.float64 else tl.float32
-    constexprs = {"COMPUTE": compute, "SCALE": K.SCALE_CODE[scale], "MODE": mode, "METRIC": K.METRIC_CODE[metric]}
-    return cfg, compute, {**constexprs, "BLOCK_Q": cfg.block_q, "BLOCK_G": cfg.block_g}
+    codes = {"SCALE": K.SCALE_CODE[scale], "MODE": mode, "METRIC": K.METRIC_CODE[metric]}
+    constexprs = {name: code.value for name, code in codes.items()}  # as the launchers pass them
+    return cfg, {**constexprs, "BLOCK_Q": cfg.block_q, "BLOCK_G": cfg.block_g}
 
 
 def group_kernel(group_size, mode, scale, metric, dtype):
-    cfg, compute, constexprs = _fused_args(group_size, mode, scale, metric, dtype)
+    cfg, constexprs = _fused_args(group_size, mode, scale, metric)
     signature = {
         "x_ptr": POINTER[dtype],
         "rand_ptr": "*fp32",
-        "std_ptr": POINTER[compute],
+        "std_ptr": "*fp64" if scale == "batch" else "*fp32",  # the fp64 batch std, else an unread placeholder
         "adv_ptr": "*fp32",
         "idx_ptr": "*i64",
         "num_groups": "i32",
@@ -35,7 +35,7 @@ def group_kernel(group_size, mode, scale, metric, dtype):
 
 
 def batch_kernel(group_size, mode, scale, metric, dtype):
-    cfg, _, constexprs = _fused_args(group_size, mode, scale, metric, dtype)
+    cfg, constexprs = _fused_args(group_size, mode, scale, metric)
     signature = {
         "x_ptr": POINTER[dtype],
         "src_ptr": "*fp32" if metric == "random" or mode == K.MODE_FUSED else POINTER[dtype],
@@ -52,9 +52,8 @@ def batch_kernel(group_size, mode, scale, metric, dtype):
 
 def batch_std_kernel(group_size, dtype):
     cfg = K.group_config(group_size)
-    compute = tl.float64 if dtype == tl.float64 else tl.float32
-    signature = {"x_ptr": POINTER[dtype], "std_ptr": POINTER[compute], "n": "i32", "ddof": "i32"}
-    return K._batch_std_kernel, signature, {"COMPUTE": compute, "BLOCK": cfg.block}, cfg.num_warps
+    signature = {"x_ptr": POINTER[dtype], "std_ptr": "*fp64", "n": "i32", "ddof": "i32"}
+    return K._batch_std_kernel, signature, {"BLOCK": cfg.block}, cfg.num_warps
 
 
 CONFIGS = {

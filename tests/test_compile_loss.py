@@ -4,7 +4,7 @@ Compiled as the JIT specialises a real launch: pointers 16-byte aligned, and H, 
 divisible by 16 (true for every model below; T is never specialised). Without these attributes Triton cannot
 turn the masked loads into cp.async, so neither the pipelining nor the register use would be a real launch's.
 
-cppo_kernels._aot compiles them in one interpreter-free child process. H is a runtime argument, so H values with
+tests/aot.py compiles them in one interpreter-free child process. H is a runtime argument, so H values with
 the same config share one binary (compiled once).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from aot import SHARED_MEMORY_LIMIT, CompiledKernel, compile_many, job
 
 from cppo_kernels import _loss_triton as K
-from cppo_kernels._aot import SHARED_MEMORY_LIMIT, CompiledKernel, compile_many, job
 
 VOCAB = 151_936  # Qwen2.5
 ARCHS = (80, 90)
@@ -25,8 +25,6 @@ KERNELS = {
     "bwd_dz": "_logprobs_bwd_dz_kernel",
     "matmul_dhidden": "_matmul_dhidden_kernel",  # dhidden = dz @ W
     "matmul_dweight": "_matmul_dweight_kernel",  # dweight (fp32) += dz^T @ X
-    "slab_dhidden": "_logprobs_bwd_dhidden_kernel",  # the no-scratch backward (dz_chunk_bytes=0)
-    "slab_dweight": "_logprobs_bwd_dweight_kernel",
 }
 #: Unit strides of the two matmul launches: the JIT turns an int argument equal to 1 into a constant.
 UNIT_STRIDES = {"matmul_dhidden": ("stride_ak", "stride_bn"), "matmul_dweight": ("stride_am", "stride_bn")}
@@ -45,10 +43,6 @@ def _spec(kernel: str, hidden_size: int, dtype: str):
         constexprs = {**flags, "HAS_BIAS": True, "BLOCK_T": cfg.block_t, "BLOCK_V": cfg.block_v, "BLOCK_H": cfg.block_h}
     if kernel == "fwd":
         constexprs["COMPUTE_ENTROPY"] = True
-    if kernel.startswith("slab"):
-        constexprs["BLOCK_H_OUT"] = cfg.block_h_out
-    if kernel == "slab_dweight":
-        constexprs.update(COMPUTE_DW=True, COMPUTE_DB=True)
     # the token dimension (T, or the chunk length: M of dhidden = dz @ W, K of dz^T @ X) is not divisible
     tokens = {"matmul_dhidden": "M", "matmul_dweight": "K"}.get(kernel, "T")
     fp32 = {"logp_ptr", "lse_ptr", "entropy_ptr", "grad_ptr"} | ({"c_ptr"} if kernel == "matmul_dweight" else set())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cppo_kernels import use_backend
-from cppo_kernels._dispatch import requested_backend, use_triton
+from cppo_kernels._dispatch import backend_module, requested_backend, use_triton
 
 
 def test_env_then_context_then_argument(monkeypatch):
@@ -46,3 +46,12 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         use_triton(torch.zeros(1))
+
+
+def test_backend_module_follows_the_choice():
+    x = torch.zeros(1)
+    for op in ("advantages", "loss"):
+        with use_backend("torch"):
+            assert backend_module(op, x).__name__ == f"cppo_kernels._{op}_torch"
+        with use_backend("triton"):  # the tests run with TRITON_INTERPRET=1
+            assert backend_module(op, x).__name__ == f"cppo_kernels._{op}_triton"

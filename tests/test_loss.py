@@ -7,7 +7,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cppo_kernels import LossConfig, _loss_torch, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, reference
+from cppo_kernels import (
+    FusedCPPOLoss,
+    LossConfig,
+    _loss_torch,
+    cppo_loss_from_logits,
+    fused_cppo_loss,
+    fused_logprobs,
+    reference,
+)
 
 #: Tolerances per input dtype: (loss and metrics, gradients of the torch backend and of
 #: cppo_loss_from_logits, gradients of the Triton backend). Gradients are compared as
@@ -39,7 +47,9 @@ def _settings(**kwargs) -> settings:
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Small blocks, so the small test shapes cross the torch backend's token and vocab block boundaries."""
-    monkeypatch.setattr(_loss_torch, "_DEFAULT", _loss_torch.ChunkConfig(tokens=8, bwd_tokens=16, vocab=64))
+    monkeypatch.setattr(_loss_torch, "FWD_TOKENS", 8)
+    monkeypatch.setattr(_loss_torch, "BWD_TOKENS", 16)
+    monkeypatch.setattr(_loss_torch, "BWD_VOCAB", 64)
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, atol: float = 1e-7) -> None:
@@ -398,12 +408,101 @@ def test_default_chunk_is_fixed(monkeypatch):
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
     hidden, weight, _, targets, _, _ = _problem(5, [300], 32, 64, torch.float32, logit_scale=3.0, bias=False)
     logp = fused_logprobs(hidden, weight, targets)
-    chunk = _loss_torch.ChunkConfig().tokens
+    chunk = _loss_torch.FWD_TOKENS
     assert chunk < 300
     tail = fused_logprobs(hidden[chunk:], weight, targets[chunk:])
     assert torch.equal(tail, logp[chunk:])
     one = fused_logprobs(hidden[-1:], weight, targets[-1:])
     assert torch.equal(one, logp[-1:])
+
+
+# --------------------------------------------------------------------------------------------
+# Options as a LossConfig: config= and FusedCPPOLoss
+# --------------------------------------------------------------------------------------------
+
+#: Every option away from its default.
+OPTIONS = dict(
+    temperature=0.8, epsilon_low=0.1, epsilon_high=0.28, dual_clip=3.0, beta=0.04, kl_estimator="k2",
+    importance_sampling="sequence", loss_agg="seq-mean-token-sum-norm", max_completion_length=9, compute_entropy=True,
+)  # fmt: skip
+
+
+def _run(loss_fn, inputs: list[torch.Tensor], *args, **kwargs):
+    """(loss, metrics, gradients w.r.t. ``inputs`` of 0.7 * loss) of ``loss_fn(*args, **kwargs)``."""
+    loss, metrics = loss_fn(*args, **kwargs)
+    return loss, metrics, _grads(loss, inputs, 0.7)
+
+
+def _assert_same(got, want) -> None:
+    """Bit-identical losses, metrics and gradients."""
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][k], want[1][k]) for k in got[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True))
+
+
+def _loss_inputs(seed: int = 7):
+    """Packed inputs of fused_cppo_loss with old and reference log-probs near the current ones."""
+    hidden, weight, bias, targets, adv, g = _problem(seed, [5, 0, 4], 16, 40, torch.float32, logit_scale=3.0, bias=True)
+    with torch.no_grad():
+        logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
+    old, ref = ((logp + 0.3 * torch.randn(9, generator=g, dtype=torch.float64)).float() for _ in range(2))
+    params = [hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()]
+    tensors = dict(cu_seqlens=_cu([5, 0, 4]), old_logprobs=old, ref_logprobs=ref, bias=bias)
+    return params, (hidden, weight, targets, adv), tensors
+
+
+def test_config_equals_keywords(backend):
+    params, args, tensors = _loss_inputs()
+    want = _run(fused_cppo_loss, params, *args, **tensors, **OPTIONS)
+    _assert_same(_run(fused_cppo_loss, params, *args, **tensors, config=LossConfig(**OPTIONS)), want)
+    # a keyword left at its default does not override the config
+    _assert_same(_run(fused_cppo_loss, params, *args, **tensors, config=LossConfig(**OPTIONS), beta=0.0), want)
+
+    logits = (args[0].detach() @ args[1].detach().t()).requires_grad_()  # [T, V]
+    packed = dict(
+        cu_seqlens=tensors["cu_seqlens"], old_logprobs=tensors["old_logprobs"], ref_logprobs=tensors["ref_logprobs"]
+    )
+    want = _run(cppo_loss_from_logits, [logits], logits, args[2], args[3], **packed, **OPTIONS)
+    got = _run(cppo_loss_from_logits, [logits], logits, args[2], args[3], **packed, config=LossConfig(**OPTIONS))
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("fn", [fused_cppo_loss, cppo_loss_from_logits])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_config_with_a_conflicting_keyword_raises(fn, option):
+    params, (hidden, weight, targets, adv), tensors = _loss_inputs()
+    x = (hidden, weight) if fn is fused_cppo_loss else (hidden.detach() @ weight.detach().t(),)
+    if fn is cppo_loss_from_logits:
+        del tensors["bias"]
+    config = LossConfig(**OPTIONS)
+    with pytest.raises(ValueError, match=f"{option}=.*conflicts with config="):
+        fn(*x, targets, adv, **tensors, config=config, **{option: OPTIONS[option]})
+    with pytest.raises(ValueError, match="config must be a LossConfig"):
+        fn(*x, targets, adv, **tensors, config=dict(OPTIONS))
+
+
+def test_module_matches_the_function(backend):
+    params, args, tensors = _loss_inputs()
+    want = _run(fused_cppo_loss, params, *args, **tensors, **OPTIONS)
+    for module in (FusedCPPOLoss(**OPTIONS), FusedCPPOLoss(LossConfig(**OPTIONS))):
+        assert module.config == LossConfig(**OPTIONS) and not list(module.parameters())
+        _assert_same(_run(module, params, *args, **tensors), want)
+    padded = FusedCPPOLoss(beta=0.0)
+    h, w, t, adv = args
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    hp = torch.zeros(3, 5, 16).masked_scatter(mask[..., None].expand(3, 5, 16), h.detach()).requires_grad_()
+    tp = torch.zeros(3, 5, dtype=torch.long).masked_scatter(mask, t)
+    got = _run(padded, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"])
+    _assert_same(got, _run(fused_cppo_loss, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"]))
+
+
+def test_module_bad_options():
+    with pytest.raises(ValueError, match="unknown option"):
+        FusedCPPOLoss(betta=0.1)
+    with pytest.raises(ValueError, match="beta=0.1 conflicts with config="):
+        FusedCPPOLoss(LossConfig(beta=0.04), beta=0.1)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        FusedCPPOLoss(kl_estimator="k4")
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,6 +541,7 @@ BAD = {
     "weight H": (dict(weight=torch.randn(30, 15)), "weight"),
     "weight 1-D": (dict(weight=torch.randn(30)), "weight"),
     "weight not tensor": (dict(weight=[[1.0]]), "weight"),
+    "weight empty vocabulary": (dict(weight=torch.randn(0, 16), bias=torch.randn(0)), "weight"),
     "bias shape": (dict(bias=torch.randn(29)), "bias"),
     "bias dtype": (dict(bias=torch.randn(30, dtype=torch.float16)), "bias"),
     "targets float": (dict(targets=torch.zeros(7)), "targets"),
@@ -470,6 +570,7 @@ BAD = {
     "dr grpo without length": (dict(loss_agg="seq-mean-token-sum-norm"), "max_completion_length"),
     "max_completion_length": (dict(max_completion_length=0), "max_completion_length"),
     "temperature": (dict(temperature=0.0), "temperature"),
+    "temperature nan": (dict(temperature=float("nan")), "temperature"),
     "epsilon_low": (dict(epsilon_low=-0.1), "epsilon_low"),
     "epsilon_high": (dict(epsilon_high=float("nan")), "epsilon_high"),
     "dual_clip": (dict(dual_clip=1.0), "dual_clip"),

@@ -1,7 +1,7 @@
-"""Ahead-of-time compilation of Triton kernels for NVIDIA targets, on a machine without a GPU.
+"""Test helper: ahead-of-time compilation of Triton kernels for NVIDIA targets, on a machine without a GPU.
 
-Used by the compile-check tests: every kernel must compile for sm_80 and sm_90, fit the arch's
-shared memory and not spill registers to local memory.
+Used by the compile-check tests (``from aot import ...``: pytest puts ``tests/`` on ``sys.path``): every kernel must
+compile for sm_80 and sm_90, fit the arch's shared memory and not spill registers to local memory.
 
 The compiles always run in one child process with ``TRITON_INTERPRET=0``: once the interpreter has run a
 kernel that calls a ``@triton.jit`` helper, it leaves ``triton.language`` patched for the rest of the
@@ -102,8 +102,9 @@ def compile_many(jobs: Iterable[Job], *, timeout: float = 900) -> list[CompiledK
         src, dst = os.path.join(tmp, "jobs.pkl"), os.path.join(tmp, "results.pkl")
         with open(src, "wb") as f:
             pickle.dump(unique, f)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's parent
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        here = os.path.dirname(os.path.abspath(__file__))  # tests/: this module
+        root = os.path.dirname(here)  # the repository: cppo_kernels
+        path = os.pathsep.join(p for p in (here, root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
         cmd = [sys.executable, "-m", __name__, src, dst]
         child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -173,7 +174,7 @@ def _main(src: str, dst: str) -> None:
         pickle.dump(results, f)
 
 
-if __name__ == "__main__":  # the child: run the package's module, so results unpickle as its classes
-    from cppo_kernels._aot import _main as main
+if __name__ == "__main__":  # the child: run the importable module, so results unpickle as its classes
+    from aot import _main as main
 
     main(*sys.argv[1:])

@@ -1,0 +1,79 @@
+"""PyTorch backend of the advantages and the completion selection: the CPU path and the fallback without Triton.
+
+Same interface as ``_advantages_triton``; the inputs are already validated by :mod:`cppo_kernels.advantages`.
+Statistics in float64, advantages returned fp32; selection by a stable sort of the fp32 scores.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "select_completions", "cppo_select"]
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> Tensor:
+    """fp32 ``[N]`` advantages of ``rewards [N]`` (see :func:`cppo_kernels.group_advantages`)."""
+    r = rewards.detach().to(torch.float64).reshape(-1, group_size)  # [Q, G]
+    centered = r - r.mean(dim=1, keepdim=True)  # [Q, G]
+    constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)  # [Q, 1]
+    if scale == "group":
+        adv = centered / (_std(r, unbiased=unbiased) + eps)  # std [Q, 1]
+    elif scale == "batch":
+        adv = centered / (_std(r.reshape(1, -1), unbiased=unbiased) + eps)  # std [1, 1]
+    else:
+        adv = centered
+    adv = torch.where(constant, torch.zeros_like(adv), adv)  # exact 0, also when eps=0 makes it 0/0
+    return adv.reshape(-1).to(torch.float32)
+
+
+def _std(x: Tensor, *, unbiased: bool) -> Tensor:
+    """Std of each row of ``x [R, n]`` as ``[R, 1]``; 0 over fewer than two values (one with ``unbiased=False``)."""
+    n = x.shape[1]
+    denom = n - 1 if unbiased else n
+    if denom <= 0:
+        return x.new_zeros(x.shape[0], 1)
+    ss = ((x - x.mean(dim=1, keepdim=True)) ** 2).sum(dim=1, keepdim=True)  # [R, 1]
+    return (ss / denom).sqrt()
+
+
+def select_completions(
+    advantages: Tensor, group_size: int, keep: int, *, scope: str, metric: str, draws: Tensor | None
+) -> Tensor:
+    """Ascending int64 indices of the kept completions (see :func:`cppo_kernels.select_completions`).
+
+    ``draws``: fp32 ``[N]`` uniform scores for ``metric="random"`` (drawn by the public layer), else None.
+    """
+    device = advantages.device
+    num_groups = advantages.numel() // group_size
+    if keep == 0 or num_groups == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    if metric == "random":
+        score = draws  # [N]
+    else:
+        mag = advantages.detach().abs().to(torch.float32)  # [N]
+        score = mag if metric == "smallest" else -mag
+    if scope == "group":
+        order = torch.sort(-score.reshape(num_groups, group_size), dim=1, stable=True).indices  # [Q, G]
+        offsets = torch.arange(num_groups, device=device).unsqueeze(1) * group_size  # [Q, 1]
+        kept = (order[:, :keep] + offsets).reshape(-1)  # [Q * keep]
+    else:
+        kept = torch.sort(-score, stable=True).indices[: keep * num_groups]  # [keep * Q]
+    return torch.sort(kept).values.to(torch.long)
+
+
+def cppo_select(
+    rewards: Tensor,
+    group_size: int,
+    keep: int,
+    *,
+    scale: str,
+    unbiased: bool,
+    eps: float,
+    scope: str,
+    metric: str,
+    draws: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`group_advantages` then :func:`select_completions` on those advantages."""
+    adv = group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)  # [N]
+    return adv, select_completions(adv, group_size, keep, scope=scope, metric=metric, draws=draws)
