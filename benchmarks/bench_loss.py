@@ -40,9 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from cppo_kernels import fused_cppo_loss, fused_logprobs
-from cppo_kernels._policy import policy_loss
-from cppo_kernels.config import LossConfig
+from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
@@ -98,12 +96,10 @@ class CudaMemory:
 
 
 def naive_loss(hidden, weight, targets, advantages, cu_seqlens, old, ref):
-    """Reference-style: materialise fp32 logits, log_softmax, gather, then the elementwise policy loss."""
+    """Materialise fp32 logits, then :func:`cppo_kernels.cppo_loss_from_logits` (logsumexp, gather, policy loss)."""
     logits = (hidden @ weight.t()).float()  # [T, V]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [T]
-    del logits
-    loss, _ = policy_loss(
-        logp, advantages, cu_seqlens, old_logprobs=old, ref_logprobs=ref, entropy=None, config=LossConfig(**OPTIONS)
+    loss, _ = cppo_loss_from_logits(
+        logits, targets, advantages, cu_seqlens=cu_seqlens, old_logprobs=old, ref_logprobs=ref, **OPTIONS
     )
     return loss
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import os
 import time
@@ -276,7 +275,6 @@ class Trainer:
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
         hidden = self.policy(b.input_ids, b.position_ids, b.predict_index)  # [T, H]
         weight, bias = lm_head(self.model)  # after the forward: FSDP2 has unsharded it
-        options = dataclasses.asdict(self.loss_config)  # the keyword options of fused_cppo_loss
         return fused_cppo_loss(
             hidden,
             weight,
@@ -286,7 +284,7 @@ class Trainer:
             old_logprobs=old,
             ref_logprobs=ref,
             bias=bias,
-            **options,
+            config=self.loss_config,
         )
 
     def _optimizer_step(self) -> torch.Tensor:
