@@ -37,6 +37,18 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 REDUCTIONS = ("sum", "mean", "min", "max")
 
 
+def setting(default, help: str, *, factory=None):
+    """A :class:`TrainConfig` field with its one-line meaning (``cppo train --help`` lists them all)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def setting_help() -> dict[str, str]:
+    """Each setting's one-line meaning, in declaration order."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a CPPO run. ``validate()`` (run on construction) rejects bad values naming the setting.
@@ -47,57 +59,73 @@ class TrainConfig:
     """
 
     # model
-    model: str = "tiny-qwen2"
-    model_config: dict | None = None
-    dtype: str = "float32"
-    device: str = "auto"
+    model: str = setting("tiny-qwen2", "tiny-qwen2 (built in code), a local folder, a hub name or a .gguf file")
+    model_config: dict | None = setting(None, "overrides of the tiny model's config (tiny-* models only)")
+    dtype: str = setting("float32", "dtype of the model weights: float32, bfloat16 or float16")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available)")
     # data
-    dataset: str = "arith"
-    dataset_path: str | None = None
-    system_prompt: str | None = None  # None: the paper's prompt asking for <think>/<answer> tags
-    max_prompt_length: int = 512
-    max_completion_length: int = 1024
+    dataset: str = setting(
+        "arith", "arith, gsm8k, math, math500 (evaluation only), a .jsonl file or a hub dataset name"
+    )
+    dataset_path: str | None = setting(
+        None, "a .jsonl file or a folder of train.jsonl / test.jsonl for gsm8k / math / math500"
+    )
+    system_prompt: str | None = setting(
+        None, "replaces the default system prompt (null: the paper's <think>/<answer> prompt)"
+    )
+    max_prompt_length: int = setting(512, "prompts keep their last N tokens")
+    max_completion_length: int = setting(1024, "new tokens per completion at most")
     # sampling
-    group_size: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    group_size: int = setting(16, "completions sampled per question (G)")
+    temperature: float = setting(1.0, "sampling temperature; also divides the logits in the loss")
+    top_p: float = setting(1.0, "nucleus sampling threshold in (0, 1]")
     # pruning and allocation
-    pruning_rate: float = 0.0
-    selection_scope: str = "group"
-    selection_metric: str = "smallest"
-    allocation: bool = True
-    questions_per_step: int = 1
-    micro_batch_tokens: int = 4096
+    pruning_rate: float = setting(
+        0.0, "fraction P of completions pruned (smallest |advantage|) before the training passes, in [0, 1)"
+    )
+    selection_scope: str = setting(
+        "group", "group: keep per question; batch: pooled over the rank's step; global: pooled over all ranks"
+    )
+    selection_metric: str = setting("smallest", "smallest: prune the smallest |A| (CPPO); largest; random")
+    allocation: bool = setting(
+        True, "draw 1/(1-P) times more questions per step, so a step trains as many completions as GRPO"
+    )
+    questions_per_step: int = setting(1, "questions a GRPO step draws (over all processes)")
+    micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
     # loss
-    mu: int = 2
-    beta: float = 0.04
-    kl_estimator: str = "k3"
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    loss_agg: str = "token-mean"
+    mu: int = setting(2, "policy updates per rollout (old log-probs taken once before the first)")
+    beta: float = setting(0.04, "weight of the KL penalty to the frozen initial model (0: no reference model)")
+    kl_estimator: str = setting("k3", "k1, k2 or k3")
+    epsilon_low: float = setting(0.2, "lower clip range of the importance ratio: clip(r, 1 - epsilon_low, ...)")
+    epsilon_high: float | None = setting(None, "upper clip range (null: epsilon_low)")
+    loss_agg: str = setting(
+        "token-mean", "token-mean (DAPO / CPPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO)"
+    )
     # optimiser
-    lr: float = 1e-6
-    lr_schedule: str = "cosine"
-    warmup_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    lr: float = setting(1e-6, "peak learning rate of AdamW")
+    lr_schedule: str = setting("cosine", "cosine, linear or constant, after a linear warm-up")
+    warmup_ratio: float = setting(0.1, "fraction of the optimizer steps spent warming up, in [0, 1)")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    max_grad_norm: float = setting(1.0, "gradient norm clipping threshold")
     # length of the run
-    num_steps: int | None = None
-    num_epochs: int = 1
-    max_questions: int | None = None
+    num_steps: int | None = setting(None, "training steps (null: num_epochs over the dataset)")
+    num_epochs: int = setting(1, "epochs over the training questions when num_steps is null")
+    max_questions: int | None = setting(None, "use only the first N training questions (null: all)")
     # rewards and back-ends
-    rewards: list[str] = field(default_factory=lambda: ["format", "accuracy"])
-    rollout_backend: str = "auto"
-    kernel_backend: str = "auto"
+    rewards: list[str] = setting(
+        None, "reward functions summed into the reward, e.g. format,accuracy", factory=lambda: ["format", "accuracy"]
+    )
+    rollout_backend: str = setting("auto", "auto, hf (transformers generate) or vllm")
+    kernel_backend: str = setting("auto", "auto, triton or torch: the cppo_kernels path")
     # bookkeeping
-    seed: int = 0
-    parallelism: str = "ddp"
-    output_dir: str = "runs/cppo"
-    save_every: int = 0
-    log_every: int = 1
-    eval_every: int = 0
-    eval_limit: int | None = None
-    preset: str | None = None
+    seed: int = setting(0, "seed of the question order, the sampling and a tiny model's initialisation")
+    parallelism: str = setting("ddp", "ddp or fsdp2 under torchrun")
+    output_dir: str = setting("runs/cppo", "folder of metrics.jsonl, metrics.png and checkpoint-NNNNNN/")
+    save_every: int = setting(0, "save a checkpoint every N steps (0: only at the end)")
+    log_every: int = setting(1, "append metrics to metrics.jsonl every N steps")
+    eval_every: int = setting(0, "evaluate on the test split every N steps (0: never)")
+    eval_limit: int | None = setting(None, "evaluate on the first N test problems (null: all)")
+    preset: str | None = setting(None, "the preset this config came from (set by load_config)")
 
     def __post_init__(self) -> None:
         self.validate()
