@@ -19,7 +19,7 @@ from cppo_kernels.config import METRICS, check_choice
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 #: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
-#: ``dtype`` of the model weights.
+#: ``dtype``: the compute dtype (master weights and optimizer state are always float32).
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``device``: these, or ``"cuda:N"`` (:func:`cppo.models.resolve_device` resolves ``"auto"``).
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,15 +53,20 @@ def setting_help() -> dict[str, str]:
 class TrainConfig:
     """Every setting of a CPPO run. ``validate()`` (run on construction) rejects bad values naming the setting.
 
-    Pruning: each question keeps ``round(group_size * (1 - pruning_rate))`` completions. With ``allocation`` a step
-    draws ``ceil(questions_per_step / (1 - pruning_rate))`` questions (rounded up, so a step never trains fewer
-    completions than GRPO would), else ``questions_per_step``.
+    Pruning uses the official count: of a pool of N completions, ``int(N * pruning_rate)`` (Python's float product,
+    truncated) with the smallest |advantage| are pruned and the rest kept. The pool is the rank's whole step with
+    ``selection_scope: batch`` (the official Open-R1 code), each question's G completions with ``group``, and the
+    step over all ranks with ``global``. With ``allocation`` a step draws ``ceil(questions_per_step / (1 -
+    pruning_rate))`` questions (rounded up, so a step never trains fewer completions than GRPO would), else
+    ``questions_per_step``.
     """
 
     # model
     model: str = setting("tiny-qwen2", "tiny-qwen2 (built in code), a local folder, a hub name or a .gguf file")
     model_config: dict | None = setting(None, "overrides of the tiny model's config (tiny-* models only)")
-    dtype: str = setting("float32", "dtype of the model weights: float32, bfloat16 or float16")
+    dtype: str = setting(
+        "float32", "compute dtype of forward, backward and rollouts (float32, bfloat16, float16); weights stay fp32"
+    )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available)")
     # data
     dataset: str = setting(
@@ -84,7 +89,7 @@ class TrainConfig:
         0.0, "fraction P of completions pruned (smallest |advantage|) before the training passes, in [0, 1)"
     )
     selection_scope: str = setting(
-        "group", "group: keep per question; batch: pooled over the rank's step; global: pooled over all ranks"
+        "batch", "batch: prune int(N * P) of the rank's step (official); group: per question; global: all ranks"
     )
     selection_metric: str = setting("smallest", "smallest: prune the smallest |A| (CPPO); largest; random")
     allocation: bool = setting(
@@ -92,6 +97,7 @@ class TrainConfig:
     )
     questions_per_step: int = setting(1, "questions a GRPO step draws (over all processes)")
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
+    gradient_checkpointing: bool = setting(False, "recompute each decoder layer's activations in backward")
     # loss
     mu: int = setting(2, "policy updates per rollout (old log-probs taken once before the first)")
     beta: float = setting(0.04, "weight of the KL penalty to the frozen initial model (0: no reference model)")
@@ -115,6 +121,9 @@ class TrainConfig:
     rewards: list[str] = setting(
         None, "reward functions summed into the reward, e.g. format,accuracy", factory=lambda: ["format", "accuracy"]
     )
+    reward_timeout: float = setting(
+        0.5, "seconds math-verify may spend on one MATH completion (a worker process is killed past it; scores 0)"
+    )
     rollout_backend: str = setting("auto", "auto, hf (transformers generate) or vllm")
     kernel_backend: str = setting("auto", "auto, triton or torch: the cppo_kernels path")
     # bookkeeping
@@ -123,17 +132,34 @@ class TrainConfig:
     output_dir: str = setting("runs/cppo", "folder of metrics.jsonl, metrics.png and checkpoint-NNNNNN/")
     save_every: int = setting(0, "save a checkpoint every N steps (0: only at the end)")
     log_every: int = setting(1, "append metrics to metrics.jsonl every N steps")
-    eval_every: int = setting(0, "evaluate on the test split every N steps (0: never)")
+    eval_every: int = setting(0, "evaluate on the test split every N steps and after the last (0: never)")
     eval_limit: int | None = setting(None, "evaluate on the first N test problems (null: all)")
     preset: str | None = setting(None, "the preset this config came from (set by load_config)")
 
     def __post_init__(self) -> None:
         self.validate()
 
+    def kept_count(self, num_completions: int) -> int:
+        """Completions kept of a pool of ``num_completions``: the official ``N - int(N * P)``."""
+        return num_completions - int(num_completions * self.pruning_rate)
+
     @property
     def keep(self) -> int:
-        """Completions kept per question: ``round(G * (1 - P))``."""
-        return int(round(self.group_size * (1.0 - self.pruning_rate)))
+        """Completions kept per question with ``selection_scope: group``: ``G - int(G * P)``."""
+        return self.kept_count(self.group_size)
+
+    @property
+    def completions_per_step(self) -> int:
+        """Completions a step generates (over all processes): ``questions_drawn * G``."""
+        return self.questions_drawn * self.group_size
+
+    @property
+    def kept_per_step(self) -> int:
+        """Completions a step trains in one process (``batch`` and ``global`` pool the whole step; under torchrun
+        ``batch`` pools each rank's share, which can keep a few more when the shares' counts truncate)."""
+        if self.selection_scope == "group":
+            return self.keep * self.questions_drawn
+        return self.kept_count(self.completions_per_step)
 
     @property
     def questions_drawn(self) -> int:
@@ -171,11 +197,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
         if not 0.0 <= self.pruning_rate < 1.0:
             raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
-        if self.keep < 1:
+        if self.selection_scope == "global" and self.kept_per_step % self.questions_drawn:
             raise ValueError(
-                f"pruning_rate={self.pruning_rate} with group_size={self.group_size} keeps "
-                f"round({self.group_size} * (1 - {self.pruning_rate})) = {self.keep} completions per question; "
-                "keep must be >= 1"
+                f"selection_scope='global' keeps the same number per question drawn, but pruning_rate="
+                f"{self.pruning_rate} keeps {self.kept_per_step} of {self.completions_per_step} completions, not a "
+                f"multiple of the {self.questions_drawn} questions: use selection_scope=batch or another rate"
             )
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
@@ -200,6 +226,9 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.rewards:
             raise ValueError("rewards must name at least one reward function")
+        from .math_grading import check_timeout
+
+        check_timeout(self.reward_timeout)
         check_model_and_data(
             model=self.model,
             model_config=self.model_config,

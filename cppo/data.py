@@ -1,7 +1,7 @@
-"""Datasets (GSM8K, MATH, a seeded arithmetic task), the reasoning prompt, and the seeded question sampler.
+"""Datasets (GSM8K, MATH, a seeded arithmetic task) and the seeded question sampler (prompts: :mod:`cppo.prompts`).
 
 A problem is a dict ``{"question": str, "answer": str, "kind": "gsm8k" | "math" | "arith"}``; ``kind`` picks
-the accuracy reward and the prompt.
+the accuracy reward and the prompt. MATH problems also carry ``solution``, the text math-verify parses the gold from.
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ import random
 
 import torch
 
-SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
-    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
-    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
-)
-MATH_SUFFIX = " Put the final answer inside \\boxed{} within the answer tags."
+from .prompts import build_prompt  # noqa: F401  (re-exported: the prompt lives in cppo.prompts)
+
 HUB_NAMES = {
     "gsm8k": ("openai/gsm8k", "main"),
     "math": ("DigitalLearningGmbH/MATH-lighteval", None),  # the MATH training set (7,500 problems)
@@ -39,7 +34,10 @@ def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 20) -> list
 
 
 def _gsm8k_gold(answer: str) -> str:
-    return answer.split("####")[-1].strip().replace(",", "")
+    """The official gold (``rewards_gsm.extract_answer_from_dataset``): the text after the first ``####``, stripped,
+    commas removed; an answer without ``####`` is kept whole (stripped, commas removed)."""
+    parts = answer.split("####")
+    return (parts[1] if len(parts) > 1 else answer).strip().replace(",", "")
 
 
 def normalise_row(row: dict, *, source: str) -> dict:
@@ -52,12 +50,15 @@ def normalise_row(row: dict, *, source: str) -> dict:
             answer = last_boxed(row.get("solution", ""))
         if answer is None:
             raise ValueError(f"{source}: a MATH row needs an 'answer' or a 'solution' with \\boxed{{}}")
-        return {"question": row["problem"], "answer": str(answer), "kind": "math"}
+        # the official MATH reward and evaluation parse the gold from the full solution (math-verify, first match)
+        solution = row.get("solution") or f"${answer}$"
+        return {"question": row["problem"], "answer": str(answer), "kind": "math", "solution": str(solution)}
     if "question" in row and "answer" in row:
         answer = str(row["answer"])
         kind = row.get("kind") or ("gsm8k" if "####" in answer or _is_number(answer) else "math")
         gold = _gsm8k_gold(answer) if kind == "gsm8k" else answer
-        return {"question": row["question"], "answer": gold, "kind": kind}
+        problem = {"question": row["question"], "answer": gold, "kind": kind}
+        return problem | ({"solution": str(row.get("solution") or f"${answer}$")} if kind == "math" else {})
     raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
 
 
@@ -128,17 +129,6 @@ def _load_hub(dataset: str, split: str) -> list[dict]:
         split = "test"
     rows = datasets.load_dataset(name, config, split=split)
     return [normalise_row(dict(r), source=name) for r in rows]
-
-
-def build_prompt(tokenizer, problem: dict, *, system_prompt: str | None = None) -> str:
-    """The chat prompt (system prompt, by default :data:`SYSTEM_PROMPT`, then the question) as text."""
-    system = (SYSTEM_PROMPT if system_prompt is None else system_prompt) + (
-        MATH_SUFFIX if problem["kind"] == "math" else ""
-    )
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": problem["question"]}]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{system}\n\nUser: {problem['question']}\nAssistant:"
 
 
 class QuestionSampler:

@@ -1,38 +1,75 @@
-"""Evaluation: greedy accuracy and format rate of one decoded completion per test problem, in one process or with
-the problems split over the ranks of a torchrun job (``cppo eval`` and :meth:`cppo.Trainer.evaluate`)."""
+"""Evaluation under the official CPPO protocol (``cppo eval`` and :meth:`cppo.Trainer.evaluate`), in one process or
+with the problems split over the ranks of a torchrun job.
+
+Per problem kind (see :func:`cppo.rewards.eval_correct`): GSM8K is right when the tagged answer, or else the whole
+text, matches the gold (exact, single number, then last number: ``GRPOTrainer.evaluate`` in ``grpo_trainer_gsm.py``);
+MATH-style sets (MATH-500, AIME, AMC) are checked by math-verify against the gold parsed from the full solution
+(``grpo_trainer_math.py``). The official runs decode MATH-500 and GSM8K greedily (1,024 new tokens) and AMC23 /
+AIME24 with 4 samples at temperature 0.6, top_p 0.95 and 3,072 new tokens, averaging the accuracy over samples.
+"""
 
 from __future__ import annotations
 
-from .data import build_prompt
 from .distributed import DistInfo, question_slice, reduce_metrics
-from .rewards import FORMAT_RE, is_correct
+from .prompts import build_prompt
+from .rewards import eval_correct, has_official_format
 from .rollout import HFRollout
 
 
 def evaluate_model(
-    rollout: HFRollout, tokenizer, problems: list[dict], *, system_prompt: str | None = None, batch_size: int = 32
+    rollout: HFRollout,
+    tokenizer,
+    problems: list[dict],
+    *,
+    system_prompt: str | None = None,
+    batch_size: int = 32,
+    num_samples: int = 1,
+    greedy: bool = True,
+    progress: bool = False,
 ) -> dict:
-    """Greedy decoding of one completion per problem, ``batch_size`` prompts at a time.
+    """Decodes ``num_samples`` completions per problem (greedy, or sampled with the rollout's temperature and
+    top_p), ``batch_size`` prompts at a time, and grades each one.
 
     Returns:
-        ``{"accuracy": correct / total, "correct", "total", "format_rate"}`` (format: the ``<think>/<answer>`` tags).
+        ``{"accuracy": correct / total, "correct", "total" (completions graded), "problems", "format_rate"}``; the
+        format rate is the share of completions the official format reward accepts.
     """
+    from tqdm.auto import tqdm
+
     correct = formatted = 0
+    bar = tqdm(total=len(problems), desc="eval", disable=not progress, dynamic_ncols=True)
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        out = rollout.generate([build_prompt(tokenizer, p, system_prompt=system_prompt) for p in chunk], 1, greedy=True)
-        for p, text in zip(chunk, out.texts):
-            correct += is_correct(p["kind"], text, p["answer"])
-            formatted += bool(FORMAT_RE.match(text))
-    n = len(problems)
-    return {"accuracy": correct / n, "correct": correct, "total": n, "format_rate": formatted / n}
+        prompts = [build_prompt(tokenizer, p, system_prompt=system_prompt) for p in chunk]
+        texts = rollout.generate(prompts, num_samples, greedy=greedy).texts  # problem after problem
+        rows = [p for p in chunk for _ in range(num_samples)]
+        correct += sum(
+            eval_correct(
+                texts,
+                answer=[p["answer"] for p in rows],
+                kind=[p["kind"] for p in rows],
+                solution=[p.get("solution") for p in rows],
+            )
+        )
+        formatted += sum(has_official_format(t) for t in texts)
+        bar.update(len(chunk))
+        bar.set_postfix(acc=f"{correct / ((i + len(chunk)) * num_samples):.3f}")
+    bar.close()
+    total = len(problems) * num_samples
+    return {
+        "accuracy": correct / total,
+        "correct": correct,
+        "total": total,
+        "problems": len(problems),
+        "format_rate": formatted / total,
+    }
 
 
 def evaluate_split(
     rollout: HFRollout, tokenizer, problems: list[dict], *, info: DistInfo, system_prompt: str | None = None
 ) -> dict:
-    """:func:`evaluate_model` over all ranks: each decodes its contiguous block of ``problems`` and the counts are
-    summed (every rank gets the result). A single process evaluates them all."""
+    """:func:`evaluate_model` (greedy, one completion each) over all ranks: each decodes its contiguous block of
+    ``problems`` and the counts are summed (every rank gets the result). A single process evaluates them all."""
     if not info.distributed:
         return evaluate_model(rollout, tokenizer, problems, system_prompt=system_prompt)
     mine = problems[question_slice(len(problems), info=info)]
@@ -46,13 +83,14 @@ def evaluate_split(
         "accuracy": out["correct"] / n,
         "correct": int(out["correct"]),
         "total": n,
+        "problems": n,
         "format_rate": out["formatted"] / n,
     }
 
 
 def greedy_rollout(rollout) -> HFRollout:
     """The rollout evaluation decodes with: the training ``rollout`` when it runs transformers ``generate``, else an
-    :class:`HFRollout` on the same model, tokenizer and lengths (e.g. beside a vLLM engine)."""
+    :class:`HFRollout` on the same model, tokenizer, lengths and compute dtype (e.g. beside a vLLM engine)."""
     if isinstance(rollout, HFRollout):
         return rollout
     return HFRollout(
@@ -60,4 +98,5 @@ def greedy_rollout(rollout) -> HFRollout:
         rollout.tokenizer,
         max_prompt_length=rollout.max_prompt_length,
         max_completion_length=rollout.max_completion_length,
+        compute_dtype=getattr(rollout, "compute_dtype", None),
     )

@@ -8,6 +8,7 @@ embedding Parameter, so gradients through the fused loss reach it once, as in th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import string
@@ -64,6 +65,14 @@ def attn_implementation(device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype | None):
+    """The context that computes in ``dtype`` from fp32 master weights: ``torch.autocast`` on ``device``'s type, or a
+    null context for ``None`` / float32."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def resolve_device(device: str, *, local_rank: int | None = None) -> torch.device:
@@ -142,6 +151,16 @@ def load_model_and_tokenizer(
     tokenizer.padding_side = "left"
     lm_head(model)  # rejects a model without an LM head before any work
     return model.to(device), tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant, as the official runs'
+    ``gradient_checkpointing_kwargs``); only while training: ``generate`` runs the model in eval mode."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5 (the old name warns)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def lm_head(model) -> tuple[torch.nn.Parameter, torch.Tensor | None]:

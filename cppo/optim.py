@@ -3,26 +3,30 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import TrainConfig
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters (after wrapping: FSDP2 replaces them with sharded ones)."""
+    """AdamW over ``model``'s parameters (fp32 masters; after wrapping: FSDP2 replaces them with sharded ones), with
+    torch's defaults betas (0.9, 0.999) and eps 1e-8, as the Hugging Face Trainer's ``adamw_torch``."""
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, total: int):
-    """``config.lr_schedule`` over ``total`` optimizer steps, after a linear warm-up of
-    ``round(warmup_ratio * total)`` steps."""
+    """``config.lr_schedule`` over ``total`` optimizer steps, after a linear warm-up of ``ceil(total *
+    warmup_ratio)`` steps (the Hugging Face Trainer's count, which the official runs use; the float product
+    included: 30 * 0.1 = 3.0000000000000004 warms up for 4 steps)."""
     from transformers import (
         get_constant_schedule_with_warmup,
         get_cosine_schedule_with_warmup,
         get_linear_schedule_with_warmup,
     )
 
-    warmup = int(round(config.warmup_ratio * total))
+    warmup = math.ceil(total * config.warmup_ratio)
     if config.lr_schedule == "cosine":
         return get_cosine_schedule_with_warmup(optimizer, warmup, total)
     if config.lr_schedule == "linear":

@@ -20,6 +20,7 @@ from .distributed import DistInfo, require_group
 __all__ = [
     "ForwardModule",
     "wrap_model",
+    "mixed_precision",
     "unwrap_model",
     "is_fsdp2",
     "root_unsharded",
@@ -58,6 +59,7 @@ def wrap_model(
     info: DistInfo,
     forward: Callable[..., torch.Tensor] | None = None,
     frozen: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The module to call for the forward: ``model`` (``forward=None``) or ``ForwardModule(model, forward)``,
     wrapped for ``parallelism``.
@@ -67,6 +69,8 @@ def wrap_model(
     - ``"fsdp2"``: ``fully_shard`` on each block (see :func:`_fsdp_blocks`) and on the root, with the root kept
       unsharded after forward so that parameters used outside forward (the LM head of a fused loss, read *after*
       the forward) are whole tensors. Parameters are sharded in place: use :func:`unwrap_model` for the model.
+      With a ``compute_dtype`` other than float32 (see :func:`mixed_precision`) the shards stay in their own dtype
+      (fp32 masters) while the gathered parameters are cast to ``compute_dtype`` and gradients reduced in fp32.
 
     In a single process every parallelism returns the unwrapped module (nothing to synchronise). A ``frozen`` model
     (e.g. the reference model) has no gradients to synchronise: only FSDP2 wraps it, to shard it.
@@ -89,12 +93,23 @@ def wrap_model(
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:  # torch < 2.6
         raise ValueError("parallelism='fsdp2' needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from e
+    policy = mixed_precision(compute_dtype)
     for block in _fsdp_blocks(model):
-        fully_shard(block)
-    root = fully_shard(module, reshard_after_forward=False)
+        fully_shard(block, mp_policy=policy)
+    root = fully_shard(module, reshard_after_forward=False, mp_policy=policy)
     # make `module` the root now: a first forward through a block (e.g. in generate) would otherwise claim it
     root._get_fsdp_state()._lazy_init()
     return root
+
+
+def mixed_precision(compute_dtype: torch.dtype | None):
+    """FSDP2's ``MixedPrecisionPolicy`` for ``compute_dtype``: parameters gathered in it, gradients reduced in fp32
+    (the default policy, which computes in the parameters' own dtype, for None / float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:

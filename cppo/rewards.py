@@ -1,16 +1,24 @@
-"""Reward functions ``(prompts, completions, **row) -> list[float]``.
+"""Reward functions ``(prompts, completions, **row) -> list[float]`` and the correctness checks of the metrics and the
+evaluation.
 
-``row`` holds the problem's columns as lists aligned with ``completions`` (``answer``, ``kind``, ...). Built in:
+``row`` holds the problem's columns as lists aligned with ``completions``: ``answer`` (the gold answer), ``kind``
+("gsm8k", "math", "arith") and ``solution`` (MATH: the text math-verify parses the gold from; else None).
 
-- ``format``: 1.0 when the completion is exactly ``<think>...</think>`` then ``<answer>...</answer>``
-  (whitespace allowed between and around), else 0;
-- ``accuracy``: by problem kind: GSM8K on the paper's scale (2.0 when the text of the last ``<answer>``, commas
-  removed, equals the gold string; 1.5 when it holds exactly one number equal to the gold number; else 0),
-  MATH through ``math-verify`` (2.0 when the answer is equivalent, else 0), arithmetic 0/1;
-- ``accuracy01``: 1.0 for a correct answer (any kind), else 0;
-- ``tag_count``: 0.25 for each of the four tags present once (a dense format signal for small models);
-- ``digits``: the fraction of the completion's characters that are digits (a dense signal that even a randomly
-  initialised tiny model can climb: the smoke runs use it).
+``format`` and ``accuracy`` are the official CPPO rewards (lzhxmu/CPPO ``src/open_r1/rewards_gsm.py`` and
+``rewards_math.py``), reproduced to the letter, quirks included, but in linear time (the official regular expressions
+backtrack quadratically on long adversarial text) and never raising on odd text:
+
+- ``format``: 1.0 iff ``re.match(r"^<think>.*?</think>\\n<answer>.*?</answer>$", text, re.DOTALL | re.MULTILINE)``;
+- ``accuracy``: GSM8K 2.0 when the text after the last ``<answer>`` up to the next ``</answer>`` (stripped, commas
+  removed, "..." counting as none) equals the gold string, 1.5 when it and the gold each hold exactly one number
+  (``-?\\d*\\.?\\d+``) and these are equal as floats, else 0; MATH: math-verify over the whole completion against
+  the gold parsed from the full solution, x2 (1.0 when the gold does not parse), graded in a worker process with a
+  hard deadline (:mod:`cppo.math_grading`: a time-out scores 0); arithmetic (not in the official code): 1.0 / 0.
+
+Also built in (not in the official recipes): ``accuracy01`` (1.0 for a correct answer), ``tag_count`` (0.25 for each
+of the four tags present exactly once: a dense format signal for small models; Open-R1's function of that name
+counts the tags with their newlines), ``digits`` (the fraction of characters that are digits: a signal even a
+randomly initialised tiny model can climb).
 """
 
 from __future__ import annotations
@@ -18,21 +26,121 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from . import math_grading
+
 RewardFn = Callable[..., list[float]]
 
-FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+_THINK, _SEPARATOR, _OPEN, _CLOSE = "<think>", "</think>\n<answer>", "<answer>", "</answer>"
+_CLOSE_AT_LINE_END = re.compile(r"</answer>(?=\n|\Z)")  # what "</answer>$" matches under re.MULTILINE
+_SINGLE_NUMBER = re.compile(r"-?\d*\.?\d+")  # rewards_gsm.extract_single_number
+_LAST_NUMBER = re.compile(r"\d+\.?\d*")  # the numbers r".*?(\d+\.?\d*)" finds (rewards_gsm.extract_last_number)
+_ARITH_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def extract_answer(completion: str) -> str | None:
-    """The stripped text inside the last ``<answer>...</answer>``, or None."""
-    found = ANSWER_RE.findall(completion)
-    return found[-1].strip() if found else None
+# --------------------------------------------------------------------------------------------
+# The official parsing, in linear time
+# --------------------------------------------------------------------------------------------
+
+
+def has_official_format(text: str) -> bool:
+    """Whether ``re.match(r"^<think>.*?</think>\\n<answer>.*?</answer>$", text, re.DOTALL | re.MULTILINE)`` matches:
+    ``text`` starts with ``<think>``, a ``</think>\\n<answer>`` follows, and after it some ``</answer>`` ends a line
+    (a newline or the end of the text follows it). The earliest separator leaves the most room, so it is the only
+    one to try: linear time."""
+    if not text.startswith(_THINK):
+        return False
+    separator = text.find(_SEPARATOR, len(_THINK))
+    return separator >= 0 and _CLOSE_AT_LINE_END.search(text, separator + len(_SEPARATOR)) is not None
+
+
+def extract_answer(text: str) -> str | None:
+    """``rewards_gsm.extract_answer_from_model_output``: the text after the last ``<answer>`` up to the next
+    ``</answer>``, stripped, commas removed; None without a closed last ``<answer>`` or when it is "..."."""
+    start = text.rfind(_OPEN)
+    if start < 0:
+        return None
+    end = text.find(_CLOSE, start + len(_OPEN))
+    if end < 0:
+        return None
+    answer = text[start + len(_OPEN) : end].strip().replace(",", "")
+    return None if answer == "..." else answer
+
+
+def single_number(text: str) -> float | None:
+    """``rewards_gsm.extract_single_number``: the float of the only match of ``-?\\d*\\.?\\d+``, else None."""
+    matches = []
+    for m in _SINGLE_NUMBER.finditer(text):
+        matches.append(m.group())
+        if len(matches) > 1:
+            return None
+    return float(matches[0]) if matches else None
+
+
+def last_number(text: str) -> float | None:
+    """``rewards_gsm.extract_last_number``: ``$``, ``%`` and ``,`` removed, the float of the last match of
+    ``\\d+\\.?\\d*`` (no minus sign), else None. ``re.findall(r".*?(\\d+\\.?\\d*)", text)`` captures exactly the
+    matches of ``\\d+\\.?\\d*`` (the lazy prefix only skips to the next digit), without its quadratic backtracking."""
+    text = text.replace("$", "").replace("%", "").replace(",", "")
+    last = None
+    for last in _LAST_NUMBER.finditer(text):  # noqa: B007
+        pass
+    return None if last is None else float(last.group())
+
+
+def gsm8k_score(completion: str, gold: str) -> float:
+    """The official GSM8K accuracy reward of one completion (``rewards_gsm.accuracy_reward``): 2.0 when the extracted
+    answer equals ``gold`` exactly, 1.5 when both hold a single number and these are equal floats, else 0."""
+    answer = extract_answer(completion)
+    if answer == gold:
+        return 2.0
+    got, want = single_number(str(answer)), single_number(str(gold))
+    return 1.5 if got is not None and want is not None and got == want else 0.0
+
+
+def _eval_match(predicted: str, gold: str) -> bool:
+    """One matching pass of the official GSM8K evaluation: exact string, else a single number equal to
+    ``float(gold)``, else equal last numbers (as :func:`last_number` reads them: signs dropped)."""
+    if predicted == gold:
+        return True
+    got = single_number(predicted)
+    try:
+        if got is not None and got == float(gold):
+            return True
+    except ValueError:  # the official loop raises here (and loses its batch); a non-numeric gold just fails
+        pass
+    got, want = last_number(predicted), last_number(gold)
+    return got is not None and want is not None and got == want
+
+
+def gsm8k_eval_correct(completion: str, gold: str) -> bool:
+    """The official GSM8K test check (``GRPOTrainer.evaluate`` in ``grpo_trainer_gsm.py``): the tagged answer
+    (:func:`extract_answer`) when there is one, else the whole text, through :func:`_eval_match`. (The official loop
+    matches the whole text first and lets the tagged answer override it: the same verdict.)"""
+    answer = extract_answer(completion)
+    return _eval_match(completion if answer is None else answer, gold)
+
+
+def arith_correct(completion: str, gold: str) -> bool:
+    """The tagged answer holds one number equal to the gold integer (else the completion's last number does)."""
+    answer = extract_answer(completion)
+    if answer is not None:
+        numbers = _ARITH_NUMBER.findall(answer)
+        return len(numbers) == 1 and _same_number(numbers[0], gold)
+    last = None
+    for last in _ARITH_NUMBER.finditer(completion):  # noqa: B007
+        pass
+    return last is not None and _same_number(last.group(), gold)
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return False
 
 
 def last_boxed(text: str) -> str | None:
-    r"""The content of the last ``\boxed{...}`` (balanced braces), or None."""
+    r"""The content of the last ``\boxed{...}`` (balanced braces), or None (used to read a MATH row's answer)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -44,83 +152,82 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _same_number(a: str, b: str) -> bool:
-    try:
-        return abs(float(a) - float(b)) < 1e-6
-    except ValueError:
-        return False
+# --------------------------------------------------------------------------------------------
+# Batched scoring and correctness (MATH completions go to math-verify in one request)
+# --------------------------------------------------------------------------------------------
 
 
-def gsm8k_score(completion: str, gold: str) -> float:
-    """2.0 exact string match of the extracted answer, 1.5 when it holds exactly one number equal to gold, else 0."""
-    answer = extract_answer(completion)
-    if answer is None:
-        return 0.0
-    answer = answer.replace(",", "").strip()
-    gold = gold.replace(",", "").strip()
-    if answer == gold:
-        return 2.0
-    numbers = NUMBER_RE.findall(answer)
-    return 1.5 if len(numbers) == 1 and _same_number(numbers[0], gold) else 0.0
+def _solutions(answer: list[str], solution: list | None) -> list[str]:
+    """Each problem's math-verify gold text: its solution, else its answer in ``$...$``."""
+    solution = solution if solution is not None else [None] * len(answer)
+    return [s if s is not None else f"${a}$" for a, s in zip(answer, solution, strict=True)]
 
 
-def math_correct(completion: str, gold: str) -> bool:
-    """math-verify equivalence of the answer (boxed inside the answer tags, or the answer text) with the gold."""
-    from math_verify import parse, verify
-
-    answer = extract_answer(completion)
-    if answer is None:
-        return False
-    boxed = last_boxed(answer)
-    target = parse(f"${gold}$")
-    candidate = parse(f"$\\boxed{{{boxed}}}$" if boxed is not None else f"${answer}$")
-    return bool(candidate) and bool(target) and bool(verify(target, candidate))
+def _math_scores(mode: str, completions: list[str], kind: list[str], answer: list[str], solution) -> dict[int, float]:
+    """math-verify verdicts of the MATH completions, by index (one worker request)."""
+    index = [i for i, k in enumerate(kind) if k == "math"]
+    if not index:
+        return {}
+    golds = _solutions(answer, solution)
+    scores = math_grading.verifier().scores(mode, [completions[i] for i in index], [golds[i] for i in index])
+    return dict(zip(index, scores))
 
 
-def arith_correct(completion: str, gold: str) -> bool:
-    """The answer tag's text (else the completion's last number) equals the gold integer."""
-    answer = extract_answer(completion)
-    if answer is not None:
-        numbers = NUMBER_RE.findall(answer)
-        return len(numbers) == 1 and _same_number(numbers[0], gold)
-    numbers = NUMBER_RE.findall(completion)
-    return bool(numbers) and _same_number(numbers[-1], gold)
+def _check_kinds(kind: list[str]) -> None:
+    unknown = sorted(set(kind) - {"gsm8k", "math", "arith"})
+    if unknown:
+        raise ValueError(f"unknown problem kind {unknown[0]!r}; kinds: arith, gsm8k, math")
 
 
-def is_correct(kind: str, completion: str, gold: str) -> bool:
-    """Whether a completion answers a problem of ``kind`` correctly (the accuracy used by eval and metrics)."""
-    if kind == "gsm8k":
-        return gsm8k_score(completion, gold) > 0
-    if kind == "math":
-        return math_correct(completion, gold)
-    if kind == "arith":
-        return arith_correct(completion, gold)
-    raise ValueError(f"unknown problem kind {kind!r}")
+def accuracy_reward(
+    prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], solution=None, **row
+) -> list[float]:
+    """The ``accuracy`` reward (see the module docstring)."""
+    _check_kinds(kind)
+    math = _math_scores("reward", completions, kind, answer, solution)
+    out = []
+    for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True)):
+        if k == "gsm8k":
+            out.append(gsm8k_score(c, gold))
+        else:
+            out.append(math[i] if k == "math" else float(arith_correct(c, gold)))
+    return out
+
+
+def training_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None) -> list[bool]:
+    """Whether each completion is correct, for the training metric: GSM8K a positive official reward, MATH
+    math-verify's verdict (the reward's, memoised: math-verify is not run again), arithmetic :func:`arith_correct`."""
+    _check_kinds(kind)
+    math = _math_scores("reward", completions, kind, answer, solution)
+    return [
+        gsm8k_score(c, gold) > 0 if k == "gsm8k" else math[i] == 2.0 if k == "math" else arith_correct(c, gold)
+        for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True))
+    ]
+
+
+def eval_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None) -> list[bool]:
+    """Whether each completion is correct under the official evaluation: GSM8K :func:`gsm8k_eval_correct`, MATH
+    math-verify with the gold first (``verify(gold, answer)``; an unparseable gold is wrong), arithmetic
+    :func:`arith_correct`."""
+    _check_kinds(kind)
+    math = _math_scores("eval", completions, kind, answer, solution)
+    return [
+        gsm8k_eval_correct(c, gold) if k == "gsm8k" else math[i] == 1.0 if k == "math" else arith_correct(c, gold)
+        for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True))
+    ]
 
 
 def format_reward(prompts: list[str], completions: list[str], **row) -> list[float]:
-    return [1.0 if FORMAT_RE.match(c) else 0.0 for c in completions]
+    return [float(has_official_format(c)) for c in completions]
+
+
+def accuracy01_reward(prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], **row):
+    return [float(ok) for ok in training_correct(completions, answer=answer, kind=kind, solution=row.get("solution"))]
 
 
 def tag_count_reward(prompts: list[str], completions: list[str], **row) -> list[float]:
     tags = ("<think>", "</think>", "<answer>", "</answer>")
     return [sum(0.25 for t in tags if c.count(t) == 1) for c in completions]
-
-
-def accuracy_reward(prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], **row):
-    scores = []
-    for c, gold, k in zip(completions, answer, kind, strict=True):
-        if k == "gsm8k":
-            scores.append(gsm8k_score(c, gold))
-        elif k == "math":
-            scores.append(2.0 if math_correct(c, gold) else 0.0)
-        else:
-            scores.append(1.0 if is_correct(k, c, gold) else 0.0)
-    return scores
-
-
-def accuracy01_reward(prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], **row):
-    return [1.0 if is_correct(k, c, gold) else 0.0 for c, gold, k in zip(completions, answer, kind, strict=True)]
 
 
 def digits_reward(prompts: list[str], completions: list[str], **row) -> list[float]:

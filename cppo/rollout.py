@@ -2,7 +2,8 @@
 
 ``HFRollout`` runs ``transformers`` ``generate`` (CPU and GPU, batched, left-padded). ``VLLMRollout`` runs a
 colocated vLLM engine on the GPU and reloads the policy's weights after each optimizer step; vLLM is imported
-only when that backend is asked for.
+only when that backend is asked for. Both generate in the run's compute dtype (``compute_dtype``): the fp32 master
+weights are cast under ``torch.autocast`` (transformers) or sent to the engine in that dtype (vLLM).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+
+from .models import autocast
 
 
 @dataclass
@@ -65,8 +68,10 @@ class HFRollout:
         temperature: float = 1.0,
         top_p: float = 1.0,
         synced_gpus: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.compute_dtype = compute_dtype  # None: the weights' own dtype
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.temperature, self.top_p = temperature, top_p
         self.synced_gpus = synced_gpus  # FSDP2: keep stepping until every rank is done (its blocks gather in step)
@@ -103,12 +108,13 @@ class HFRollout:
         )
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=gen,
-            synced_gpus=self.synced_gpus,
-        )  # [N, Lp + Lc]
+        with autocast(device, self.compute_dtype):
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=gen,
+                synced_gpus=self.synced_gpus,
+            )  # [N, Lp + Lc]
         self.model.train(was_training)
         completions = [cut_after_eos(row, self.eos_ids, self.max_completion_length) for row in out[:, width:].tolist()]
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -132,6 +138,7 @@ class VLLMRollout:
         temperature: float = 1.0,
         top_p: float = 1.0,
         gpu_memory_utilization: float = 0.3,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         try:
             import vllm
@@ -143,9 +150,10 @@ class VLLMRollout:
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.temperature, self.top_p = temperature, top_p
         self.eos_ids = _eos_ids(tokenizer, model)
+        self.compute_dtype = compute_dtype or model.dtype  # the engine's weights: the compute dtype
         self.llm = vllm.LLM(
             model=model_name,
-            dtype=str(model.dtype).removeprefix("torch."),
+            dtype=str(self.compute_dtype).removeprefix("torch."),
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_prompt_length + max_completion_length,
             enable_prefix_caching=True,
@@ -171,7 +179,7 @@ class VLLMRollout:
 
     def sync_weights(self) -> None:
         engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        engine_model.load_weights(self.model.state_dict().items())
+        engine_model.load_weights((k, v.to(self.compute_dtype)) for k, v in self.model.state_dict().items())
         self.llm.reset_prefix_cache()
 
 

@@ -8,6 +8,10 @@ Under torchrun (see :mod:`cppo.distributed`) each rank rolls out its share of th
 per group, per rank ("batch") or over all ranks ("global"), the survivors are balanced across ranks by token count,
 the loss is normalised by the global token / sequence counts and the gradients are synchronised by DDP or FSDP2
 (:mod:`cppo.parallel`), so an update equals the single-process update of the concatenated batch.
+
+Precision: parameters and AdamW state are fp32 whatever ``dtype`` says; ``dtype`` is the compute dtype of the
+forward and backward passes (``torch.autocast``; under FSDP2 a mixed-precision policy with fp32 gradient reduction)
+and of the rollouts. The frozen reference model is stored in the compute dtype.
 """
 
 from __future__ import annotations
@@ -22,14 +26,22 @@ import torch
 
 from cppo_kernels import cppo_select, fused_cppo_loss, fused_logprobs, group_advantages, use_backend
 
-from . import checkpoint, distributed, metrics, parallel
+from . import checkpoint, distributed, math_grading, metrics, parallel
 from .config import TrainConfig
-from .data import QuestionSampler, build_prompt, load_problems
+from .data import QuestionSampler, load_problems
 from .evaluate import evaluate_model, evaluate_split, greedy_rollout
-from .models import completion_hidden, lm_head, load_model_and_tokenizer, resolve_device
+from .models import (
+    autocast,
+    completion_hidden,
+    enable_gradient_checkpointing,
+    lm_head,
+    load_model_and_tokenizer,
+    resolve_device,
+)
 from .optim import make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all
-from .rewards import get_rewards, is_correct, score_all
+from .prompts import build_prompt
+from .rewards import get_rewards, score_all, training_correct
 from .rollout import HFRollout, Rollout, make_rollout
 
 
@@ -66,6 +78,7 @@ class Trainer:
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
         )
         self.reward_fns = get_rewards(config.rewards)
+        math_grading.verifier(timeout=config.reward_timeout)
         self.sampler = QuestionSampler(len(self.problems), seed=config.seed, rank=self.rank, world_size=self.world_size)
         self.num_steps = config.num_steps or max(1, config.num_epochs * len(self.problems) // config.questions_drawn)
         self._build_models()
@@ -77,16 +90,26 @@ class Trainer:
         self.step = 0
 
     def _build_models(self) -> None:
-        """The policy, the frozen reference (only with ``beta > 0``) and the modules the packed forward runs through:
-        DDP / FSDP2 wrappers under torchrun, plain otherwise."""
+        """The policy (fp32 master weights), the frozen reference in the compute dtype (only with ``beta > 0``) and
+        the modules the packed forward runs through: DDP / FSDP2 wrappers under torchrun, plain otherwise."""
         cfg = self.config
+        self.compute_dtype = getattr(torch, cfg.dtype)
         self.model, self.tokenizer = load_model_and_tokenizer(
-            cfg.model, model_config=cfg.model_config, dtype=cfg.dtype, device=self.device, seed=cfg.seed
+            cfg.model, model_config=cfg.model_config, dtype="float32", device=self.device, seed=cfg.seed
         )
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        self.model.config.use_cache = False  # the packed forward never caches; generate asks for its cache itself
         self.model.train()
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.beta > 0 else None
+        self.ref_model = None
+        if cfg.beta > 0:
+            self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         wrap = functools.partial(
-            parallel.wrap_model, parallelism=cfg.parallelism, info=self.info, forward=completion_hidden
+            parallel.wrap_model,
+            parallelism=cfg.parallelism,
+            info=self.info,
+            forward=completion_hidden,
+            compute_dtype=self.compute_dtype,
         )
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
@@ -102,6 +125,7 @@ class Trainer:
             max_completion_length=cfg.max_completion_length,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
+            compute_dtype=self._autocast_dtype,
         )
         if self._sharded:
             if not isinstance(rollout, HFRollout):
@@ -112,6 +136,12 @@ class Trainer:
     @property
     def _sharded(self) -> bool:
         return self.info.distributed and self.config.parallelism == "fsdp2"
+
+    @property
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward passes autocast to: the compute dtype, except under FSDP2, whose mixed-precision
+        policy already gathers the parameters in it."""
+        return None if self._sharded else self.compute_dtype
 
     # ------------------------------------------------------------------------------------------------------
     # One step
@@ -171,10 +201,10 @@ class Trainer:
     def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):
         """``(rewards [Q * G] fp32: the sum of the reward functions, their scores by name, correct per completion)``."""
         G = self.config.group_size
-        rows = {key: [p[key] for p in problems for _ in range(G)] for key in ("answer", "kind")}
+        rows = {key: [p.get(key) for p in problems for _ in range(G)] for key in ("answer", "kind", "solution")}
         scores = score_all(self.reward_fns, [p for p in prompts for _ in range(G)], rollout.texts, **rows)
         rewards = torch.tensor([sum(s) for s in zip(*scores.values())], dtype=torch.float32)  # [Q * G]
-        correct = [is_correct(k, c, a) for k, c, a in zip(rows["kind"], rollout.texts, rows["answer"])]
+        correct = training_correct(rollout.texts, **rows)  # MATH: the reward's math-verify verdicts, memoised
         return rewards, scores, correct
 
     def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout) -> tuple[list[PackedBatch], int]:
@@ -189,7 +219,9 @@ class Trainer:
         return pack_all(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
 
     def _select(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advantages over each full group, then this rank's retained completions (ascending local indices)."""
+        """Advantages over each full group, then this rank's retained completions (ascending local indices): the
+        official count (see :class:`TrainConfig`) of the rank's step (``batch``), of each question (``group``) or
+        of the step over all ranks (``global``)."""
         cfg = self.config
         if cfg.selection_scope == "global" and self.info.distributed:
             # every rank selects over the gathered batch: random scores must be drawn alike on all ranks
@@ -198,16 +230,17 @@ class Trainer:
             kept = distributed.select_across_ranks(
                 advantages,
                 cfg.group_size,
-                cfg.keep,
+                cfg.kept_per_step // cfg.questions_drawn,  # a whole number: TrainConfig.validate checks it
                 scope="global",
                 metric=cfg.selection_metric,
                 generator=gen,
                 info=self.info,
             )
             return advantages, kept
-        scope = "batch" if cfg.selection_scope == "global" else cfg.selection_scope
         gen = torch.Generator().manual_seed(self._step_seed())
-        return cppo_select(rewards, cfg.group_size, cfg.keep, scope=scope, metric=cfg.selection_metric, generator=gen)
+        if cfg.selection_scope == "group":
+            return cppo_select(rewards, cfg.group_size, cfg.keep, metric=cfg.selection_metric, generator=gen)
+        return pooled_select(rewards, cfg.group_size, cfg.kept_count(rewards.numel()), cfg.selection_metric, gen)
 
     def _fillers(self, batches: list[PackedBatch]) -> list[PackedBatch]:
         """Weight-0 repeats of a micro-batch so that every rank runs as many passes (DDP syncs in the last one, FSDP2
@@ -221,10 +254,19 @@ class Trainer:
         """Per-token log-probs ``[T]`` (fp32) of each micro-batch's completion tokens under ``policy``."""
         out = []
         for b in batches:
-            hidden = policy(b.input_ids, b.position_ids, b.predict_index)  # [T, H]
-            weight, bias = lm_head(parallel.unwrap_model(policy))  # after the forward: FSDP2 has unsharded it
+            hidden, weight, bias = self._hidden_and_head(policy, b)
             out.append(fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=self.loss_config.temperature))
         return out
+
+    def _hidden_and_head(self, policy, b: PackedBatch):
+        """``(hidden [T, H], LM-head weight [V, H], bias [V] or None)`` of micro-batch ``b`` under ``policy``, all in
+        the compute dtype: the forward runs under autocast (the fp32 master weights cast on the fly, gradients
+        flowing back to them through the casts)."""
+        with autocast(self.device, self._autocast_dtype):
+            hidden = policy(b.input_ids, b.position_ids, b.predict_index)  # [T, H]
+        weight, bias = lm_head(parallel.unwrap_model(policy))  # after the forward: FSDP2 has unsharded it
+        dtype = self.compute_dtype
+        return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
     def _loss_weights(self, batches: list[PackedBatch], *, num_passes: int) -> tuple[list[float], list[float]]:
         """Per pass, its share of the step's loss (0 for a filler, which only keeps the ranks in step), and per
@@ -273,8 +315,7 @@ class Trainer:
                 into += part * part.new_tensor([weights[k] / self.config.mu, shares[k], shares[k], shares[k]])
 
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
-        hidden = self.policy(b.input_ids, b.position_ids, b.predict_index)  # [T, H]
-        weight, bias = lm_head(self.model)  # after the forward: FSDP2 has unsharded it
+        hidden, weight, bias = self._hidden_and_head(self.policy, b)
         return fused_cppo_loss(
             hidden,
             weight,
@@ -341,10 +382,11 @@ class Trainer:
         bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
         while self.step < self.num_steps:
             record = self.train_step()
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
+            evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
+            if evaluated:  # as the official runs: every eval_every steps and once more at the end
                 record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
             history.append(record)
-            if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == self.num_steps):
+            if self.rank == 0 and (evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps):
                 metrics.append_jsonl(log_path, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}")
@@ -361,9 +403,9 @@ class Trainer:
         return os.path.join(self.config.output_dir, f"checkpoint-{self.step:06d}")
 
     def evaluate(self, limit: int | None = None) -> dict:
-        """Greedy accuracy on the dataset's test split (``limit`` problems at most; see :mod:`cppo.evaluate`). Under
-        DDP the ranks split the problems and sum their counts; under FSDP2 every rank decodes all of them (the shards
-        gather in step)."""
+        """Greedy accuracy on the dataset's test split (``limit`` problems at most) under the official protocol of
+        its kind (see :mod:`cppo.evaluate`), ``max_completion_length`` new tokens. Under DDP the ranks split the
+        problems and sum their counts; under FSDP2 every rank decodes all of them (the shards gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
         rollout = greedy_rollout(self.rollout)
@@ -395,3 +437,27 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         self.rollout.sync_weights()
+
+
+def pooled_select(
+    rewards: torch.Tensor, group_size: int, kept: int, metric: str, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages over each full group, then the ``kept`` completions of the whole batch with the highest score
+    (``|A|`` for ``metric="smallest"``: the official "prune the ``N - kept`` smallest |A|"), ties to the lower index.
+
+    ``cppo_select(scope="batch")`` keeps a multiple of the number of groups and does all of it in one launch: it
+    is used when ``kept`` is one; otherwise the selection runs here on the kernel's advantages, with the same
+    scores and tie rule. Returns fp32 ``[N]`` advantages and ascending int64 ``[kept]`` indices.
+    """
+    num_groups = rewards.numel() // group_size
+    if kept % num_groups == 0:
+        keep = kept // num_groups
+        return cppo_select(rewards, group_size, keep, scope="batch", metric=metric, generator=generator)
+    advantages = group_advantages(rewards, group_size)  # [N]
+    if metric == "random":  # the draws cppo_select would make: one fp32 uniform per completion
+        score = torch.rand(advantages.shape, generator=generator, device=advantages.device, dtype=torch.float32)
+    else:
+        magnitude = advantages.abs().to(torch.float32)  # [N]
+        score = magnitude if metric == "smallest" else -magnitude
+    order = torch.sort(-score, stable=True).indices[:kept]  # [kept] highest score first, ties to the lower index
+    return advantages, torch.sort(order).values.to(torch.long)

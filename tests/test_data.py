@@ -6,6 +6,7 @@ import pytest
 
 from cppo.data import QuestionSampler, arithmetic_problems, build_prompt, load_problems, normalise_row
 from cppo.models import tiny_tokenizer
+from cppo.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 
 
 def test_arithmetic_is_seeded_and_correct():
@@ -25,8 +26,15 @@ def test_gsm8k_and_math_rows(tmp_path):
         "kind": "gsm8k",
     }
     row = normalise_row({"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}"}, source="x")
-    assert row["answer"] == "\\frac{1}{2}"
-    assert normalise_row({"problem": "p", "answer": "5"}, source="x")["kind"] == "math"
+    assert row["answer"] == "\\frac{1}{2}" and row["solution"] == "so \\boxed{\\frac{1}{2}}"  # math-verify's gold
+    assert normalise_row({"problem": "p", "answer": "5"}, source="x") == {
+        "question": "p",
+        "answer": "5",
+        "kind": "math",
+        "solution": "$5$",
+    }
+    # the official gold: the text between the first and the second "####"
+    assert normalise_row({"question": "q", "answer": "a #### 1 #### 2"}, source="x")["answer"] == "1"
     with pytest.raises(ValueError, match="rows need"):
         normalise_row({"text": "x"}, source="file.jsonl")
     path = tmp_path / "d.jsonl"
@@ -50,13 +58,15 @@ def test_math500_is_not_a_training_set(tmp_path):
         load_problems("math500", split="train", dataset_path=str(tmp_path))
 
 
-def test_prompt_asks_for_tags():
+def test_prompt_is_the_official_chat():
     tok = tiny_tokenizer(300)
     text = build_prompt(tok, {"question": "What is 1 + 2?", "answer": "3", "kind": "arith"})
-    assert "<think>" in text and "<answer>" in text and "What is 1 + 2?" in text
-    assert text.endswith("<|im_start|>assistant\n")
-    math = build_prompt(tok, {"question": "q", "answer": "1", "kind": "math"}, system_prompt="S.")
-    assert "\\boxed{}" in math and "S." in math
+    turns = f"system\n{GSM8K_SYSTEM_PROMPT}", "user\nWhat is 1 + 2?"
+    assert text == "".join(f"<|im_start|>{t}<|im_end|>\n" for t in turns) + "<|im_start|>assistant\n"
+    math = build_prompt(tok, {"question": "q", "answer": "1", "kind": "math"})
+    assert MATH_SYSTEM_PROMPT in math and GSM8K_SYSTEM_PROMPT not in math
+    own = build_prompt(tok, {"question": "q", "answer": "1", "kind": "math"}, system_prompt="S.")
+    assert own.startswith("<|im_start|>system\nS.<|im_end|>")  # system_prompt replaces it whole
     assert tok.decode(tok(text)["input_ids"]) == text  # character-level round trip
 
 

@@ -1,17 +1,20 @@
-"""Reward functions: format, GSM8K accuracy on the paper's scale, MATH through math-verify, arithmetic."""
+"""Reward functions: the official format and accuracy (GSM8K 2.0 / 1.5 / 0, MATH via math-verify x2), arithmetic,
+the small-model signals, and the reward registry. (tests/test_fidelity_rewards.py compares them with the official
+code on large corpora.)"""
 
 import pytest
 
 from cppo.rewards import (
     REWARDS,
+    eval_correct,
     extract_answer,
     format_reward,
     get_rewards,
     gsm8k_score,
-    is_correct,
     last_boxed,
     register_reward,
     score_all,
+    training_correct,
 )
 
 
@@ -19,12 +22,13 @@ from cppo.rewards import (
     "text, want",
     [
         ("<think>a</think>\n<answer>3</answer>", 1.0),
-        ("<think>\nmulti\nline\n</think><answer>3</answer>", 1.0),
-        ("  <think>a</think> <answer>3</answer>\n", 1.0),
+        ("<think>\nmulti\nline\n</think>\n<answer>\n3\n</answer>", 1.0),
+        ("<think>a</think>\n<answer>3</answer>\nafter, on the next line", 1.0),  # re.MULTILINE's $
+        ("<think>a</think><answer>3</answer>", 0.0),  # the official layout needs the newline
+        ("  <think>a</think>\n<answer>3</answer>", 0.0),
         ("<answer>3</answer>", 0.0),
         ("<think>a</think>", 0.0),
-        ("so <think>a</think><answer>3</answer>", 0.0),
-        ("<think>a</think><answer>3</answer> trailing", 0.0),
+        ("<think>a</think>\n<answer>3</answer> trailing", 0.0),
         ("<answer>3</answer><think>a</think>", 0.0),
     ],
 )
@@ -44,27 +48,32 @@ def test_format_reward(text, want):
         ("the answer is 72", "72", 0.0),
         ("<answer>5</answer> then <answer>72</answer>", "72", 2.0),
         ("<answer>-3</answer>", "-3", 2.0),
+        ("<answer>72.0000001</answer>", "72", 0.0),  # floats compared exactly
     ],
 )
 def test_gsm8k_scale(text, gold, want):
+    row = dict(answer=[gold], kind=["gsm8k"], solution=[None])
     assert gsm8k_score(text, gold) == want
-    assert REWARDS["accuracy"]([""], [text], answer=[gold], kind=["gsm8k"]) == [want]
-    assert REWARDS["accuracy01"]([""], [text], answer=[gold], kind=["gsm8k"]) == [float(want > 0)]
+    assert REWARDS["accuracy"]([""], [text], **row) == [want]
+    assert REWARDS["accuracy01"]([""], [text], **row) == [float(want > 0)]
 
 
 @pytest.mark.parametrize(
-    "text, gold, want",
+    "text, solution, want",
     [
-        ("<answer>\\boxed{\\frac{1}{2}}</answer>", "\\frac{1}{2}", True),
-        ("<answer>\\boxed{0.5}</answer>", "\\frac12", True),
-        ("<answer>The answer is \\boxed{3\\sqrt{2}}.</answer>", "3\\sqrt{2}", True),
-        ("<answer>\\boxed{3}</answer>", "4", False),
-        ("\\boxed{4}", "4", False),  # no answer tags
+        ("<answer>\\boxed{\\frac{1}{2}}</answer>", "so $\\boxed{\\frac{1}{2}}$", 2.0),
+        ("<answer>\\boxed{0.5}</answer>", "$\\boxed{\\frac12}$", 2.0),
+        ("<answer>The answer is \\boxed{3\\sqrt{2}}.</answer>", "$\\boxed{3\\sqrt{2}}$", 2.0),
+        ("<answer>\\boxed{3}</answer>", "$\\boxed{4}$", 0.0),
+        ("\\boxed{4}", "$\\boxed{4}$", 2.0),  # math-verify reads the whole completion, tags or not
+        ("<answer>4</answer>", "$\\boxed{4}$", 0.0),  # an unboxed answer is not extracted
     ],
 )
-def test_math_verify(text, gold, want):
-    assert is_correct("math", text, gold) is want
-    assert REWARDS["accuracy"]([""], [text], answer=[gold], kind=["math"]) == [2.0 if want else 0.0]
+def test_math_verify(text, solution, want):
+    row = dict(answer=["x"], kind=["math"], solution=[solution])
+    assert REWARDS["accuracy"]([""], [text], **row) == [want]
+    assert training_correct([text], **row) == [want == 2.0]
+    assert eval_correct([text], **row) == [want == 2.0]
 
 
 @pytest.mark.parametrize(
@@ -72,21 +81,25 @@ def test_math_verify(text, gold, want):
     [("<answer>42</answer>", True), ("<answer>41</answer>", False), ("so 6 * 7 = 42", True), ("42 or 41", False)],
 )
 def test_arith(text, want):
-    assert is_correct("arith", text, "42") is want
+    row = dict(answer=["42"], kind=["arith"])
+    assert training_correct([text], **row) == eval_correct([text], **row) == [want]
 
 
 def test_helpers():
     assert extract_answer("<answer> a </answer><answer>b</answer>") == "b"
+    assert extract_answer("<answer>1,000</answer> and <answer>2") is None  # the last <answer> is not closed
     assert extract_answer("none") is None
     assert last_boxed("x \\boxed{a{b}c} y \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{open") is None
+    with pytest.raises(ValueError, match="kind 'chess'"):
+        training_correct(["x"], answer=["1"], kind=["chess"])
 
 
 def test_pluggable_rewards_and_bad_names():
     register_reward("length_test", lambda prompts, completions, **row: [len(c) for c in completions])
     fns = get_rewards(["length_test", "format"])
-    assert score_all(fns, ["p", "p"], ["ab", "<think>x</think><answer>1</answer>"]) == {
-        "length_test": [2.0, 34.0],
+    assert score_all(fns, ["p", "p"], ["ab", "<think>x</think>\n<answer>1</answer>"]) == {
+        "length_test": [2.0, 35.0],
         "format": [0.0, 1.0],
     }
     with pytest.raises(ValueError, match="unknown reward 'nope'"):

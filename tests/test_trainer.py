@@ -178,8 +178,8 @@ def test_pruned_completions_never_reach_the_model(tmp_path):
     rollout = seen[0]
     assert len(rollout.completion_ids) == 4 * 4
     rewards = torch.tensor(digits_reward([], rollout.texts))
-    _, kept = reference.cppo_select(rewards, cfg.group_size, cfg.keep)
-    assert metrics["completions_kept"] == len(kept) == 8
+    _, kept = reference.cppo_select(rewards, cfg.group_size, cfg.keep, scope="batch")  # 8 of 16, pooled
+    assert metrics["completions_kept"] == len(kept) == cfg.kept_per_step == 8
     per_pass = sum(len(rollout.prompt_ids[i]) + len(rollout.completion_ids[i]) - 1 for i in kept.tolist())
     everything = sum(len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
     passes = 1 + 1 + cfg.mu  # old, reference, mu policy passes

@@ -1,0 +1,85 @@
+"""math-verify in a worker process: a hard deadline per completion, one math-verify call per completion (the metric
+reuses the reward's verdict), recovery from a dead worker, and no exception on odd text."""
+
+import os
+import time
+
+import pytest
+
+import cppo._math_verify_worker as worker
+from cppo import math_grading
+from cppo.math_grading import MathVerifier
+from cppo.rewards import accuracy_reward, eval_correct, training_correct
+
+BOMBS = ["\\boxed{9^{9^{9^{9}}}}", "$\\boxed{9^{9^{9^{9}}}}$ and $\\boxed{9^{9^{9^{9}}}}$"]
+
+
+@pytest.fixture(scope="module")
+def fast():
+    v = MathVerifier(timeout=0.25)
+    yield v
+    v.close()
+
+
+def test_bombs_and_a_megabyte_get_a_verdict_within_the_deadline(fast):
+    """The official code spends 5 s per math-verify call on these (twice: reward and metric); here each completion
+    is cut off at the deadline and scores 0, as a math-verify time-out does in the official code."""
+    texts = [*BOMBS, "\\frac{" * 200_000, "<answer>\\boxed{2}</answer>"]
+    scores = fast.scores("reward", texts, ["$\\boxed{2}$"] * len(texts))
+    assert scores == [0.0, 0.0, 0.0, 2.0]
+    assert fast.timeouts >= 2  # the bombs overran; the last completion was graded by a fresh child
+    assert fast.scores("eval", ["\\boxed{9^{9^{9^{9}}}}"], ["$2$"]) == [0.0]
+
+
+def test_a_dead_worker_is_replaced(fast):
+    fast.scores("reward", ["\\boxed{1}"], ["$1$"])
+    fast._proc.kill()
+    fast._proc.wait()
+    assert fast.scores("reward", ["\\boxed{3}"], ["$3$"]) == [2.0]
+
+
+class StubGrader:
+    """Grades "sleep" by hanging, "exit" by killing its process, "raise" by raising, anything else as 1.0."""
+
+    def grade(self, mode, completion, solution):
+        if completion == "sleep":
+            time.sleep(30)
+        if completion == "exit":
+            os._exit(3)
+        if completion == "raise":
+            raise RecursionError
+        return 1.0
+
+
+def test_grade_batch_survives_hangs_crashes_and_errors():
+    items = [["reward", c, "g"] for c in ("ok", "sleep", "ok", "exit", "raise", "ok")]
+    assert worker.grade_batch(StubGrader(), items, 0.2) == [1.0, None, 1.0, None, None, 1.0]
+
+
+def test_the_accuracy_metric_reuses_the_rewards_verdicts(monkeypatch):
+    v = math_grading.verifier()
+    asked = []
+    real = v._ask
+    monkeypatch.setattr(v, "_ask", lambda items: asked.append(len(items)) or real(items))
+    texts = [f"so \\boxed{{{i}}} for case {time.time()}" for i in (1, 0, 2, 8)]  # new texts: not cached yet
+    row = dict(answer=["1", "0", "2", "7"], kind=["math", "math", "gsm8k", "math"], solution=["$1$", "$1$", None, None])
+    assert accuracy_reward([""] * 4, texts, **row) == [2.0, 0.0, 0.0, 0.0]
+    assert training_correct(texts, **row) == [True, False, False, False]
+    assert asked == [3]  # the three MATH completions, graded once
+    assert eval_correct(texts, **row) == [True, False, False, False]  # the evaluation's check is its own call
+    assert asked == [3, 3]
+
+
+def test_odd_text_never_raises():
+    odd = ["", "\x00", "\ud800\udfff\ud800", "}" * 1000, "\\boxed{", "$$", "\\" * 10_000, "\U0001f600" * 100]
+    n = len(odd)
+    row = dict(answer=["1"] * n, kind=["math"] * n, solution=["$1$"] * n)
+    assert set(accuracy_reward([""] * n, odd, **row)) <= {0.0, 2.0}
+    row = dict(answer=["1"] * n, kind=["gsm8k"] * n, solution=[None] * n)
+    assert set(accuracy_reward([""] * n, odd, **row)) <= {0.0, 1.5, 2.0}
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1", True])
+def test_bad_timeouts_are_refused(bad):
+    with pytest.raises(ValueError, match="reward_timeout"):
+        MathVerifier(timeout=bad)
