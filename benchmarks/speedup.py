@@ -152,8 +152,9 @@ def _ratio(num: float, den: float) -> float | None:
 def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     """Result rows, one per rate, with speedups against the first run (which must be P = 0).
 
-    - ``keep``, ``questions_per_step``, ``steps``, ``questions``: the rate's ``TrainConfig.keep``,
-      ``questions_drawn``, ``num_steps`` and ``max_questions``; ``questions_seen``: what its steps reported;
+    - ``keep``, ``kept_per_step``, ``questions_per_step``, ``steps``, ``questions``: the rate's ``TrainConfig.keep``
+      (per question), ``kept_per_step`` (the step's official count), ``questions_drawn``, ``num_steps`` and
+      ``max_questions``; ``questions_seen``: what its steps reported;
     - ``train_seconds``: old/ref log-probs + policy forward/backward + optimizer;
     - ``speedup_train`` / ``speedup_total``: P = 0's train / total seconds over this rate's;
     - ``ideal_speedup_train``: 1 / (1 - P); ``fraction_of_ideal``: speedup_train / ideal;
@@ -179,7 +180,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
         ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
         amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
         rows.append({
-            "pruning_rate": p, "keep": c.keep, "group_size": c.group_size, "questions": c.max_questions,
+            "pruning_rate": p, "keep": c.keep, "kept_per_step": c.kept_per_step, "group_size": c.group_size,
+            "questions": c.max_questions,
             "questions_seen": sums["questions"], "questions_per_step": c.questions_drawn, "steps": c.num_steps,
             "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
             "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,

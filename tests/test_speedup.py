@@ -64,9 +64,9 @@ def test_presets_are_trainer_presets(speedup):
     assert args.config == "gsm8k-qwen2.5-1.5b"
     gsm8k = load_config(args.config, args.overrides)
     assert (gsm8k.model, gsm8k.dtype, gsm8k.group_size, gsm8k.questions_per_step) == (
-        "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", 16, 8
+        "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", 16, 1
     )  # fmt: skip
-    assert speedup.plan_schedule(gsm8k, speedup.DEFAULT_RATES)[0].max_questions == 128
+    assert speedup.plan_schedule(gsm8k, speedup.DEFAULT_RATES)[0].max_questions == 16
 
 
 TINY = (
@@ -130,7 +130,6 @@ def test_a_non_tiny_model_drops_the_presets_model_config(speedup):
         (["--questions", "0"], "--questions must be >= 1"),
         (["--pruning-rates", "0", "1"], r"--pruning-rates 1: pruning_rate must be in \[0, 1\)"),
         (["--pruning-rates", "0.5", "0.75"], "start with 0"),
-        (["--group-size", "8", "--questions", "32"], r"--pruning-rates 0.9375: .*keep must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--preset", "gsm8k", "--device", "cpu"], "needs a CUDA device"),
     ],
@@ -155,14 +154,19 @@ def test_argparse_errors_name_the_flag(speedup, capsys):
 
 
 def test_the_script_reports_a_bad_value_in_one_line(tmp_path):
-    # the README's SmolLM2 line fails this way: P = 0.9375 keeps round(8/16) = 0 of G = 8
-    argv = ["--group-size", "8", "--questions", "32", "--device", "cpu", "--out", str(tmp_path)]
+    argv = ["--pruning-rates", "0", "1", "--device", "cpu", "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.splitlines() == [
-        "speedup.py: error: --pruning-rates 0.9375: pruning_rate=0.9375 with group_size=8 keeps "
-        "round(8 * (1 - 0.9375)) = 0 completions per question; keep must be >= 1"
-    ]
+    assert done.stderr.splitlines() == ["speedup.py: error: --pruning-rates 1: pruning_rate must be in [0, 1), got 1.0"]
+
+
+def test_the_readme_smollm2_plan_keeps_the_official_count(speedup):
+    """The README's SmolLM2 line (G = 8, 32 questions): P = 0.9375 prunes int(128 * 0.9375) = 120 of a step's 128
+    completions and keeps 8 (the old round(G * (1 - P)) rule kept 0 per question and refused it)."""
+    base = speedup.base_config(speedup.parse_args(["--group-size", "8", "--device", "cpu"]))
+    plans = speedup.plan_schedule(base, speedup.DEFAULT_RATES, questions=32)
+    assert [p.kept_per_step for p in plans] == [8] * 5
+    assert [p.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,9 +284,10 @@ def test_build_rows_speedups(speedup):
     assert cppo["generation_share"] == pytest.approx(8.0 / 13.0)
     assert cppo["paper_speedup_gsm8k"] == 3.27
     assert other["paper_speedup_gsm8k"] is None and other["ideal_speedup_train"] == pytest.approx(5.0)
-    assert [r["keep"] for r in rows] == [16, 4, 3] and [r["steps"] for r in rows] == [16, 4, 4]
+    assert [r["keep"] for r in rows] == [16, 4, 4] and [r["steps"] for r in rows] == [16, 4, 4]
+    assert [r["kept_per_step"] for r in rows] == [16, 16, 13]  # 64 - int(64 * 0.8) = 13: pooled over the step
     assert [r["questions_per_step"] for r in rows] == [1, 4, 4] and {r["questions"] for r in rows} == {16}
-    assert [r["completions_kept"] for r in rows] == [256, 64, 48] and rows[2]["questions_seen"] == 16
+    assert [r["completions_kept"] for r in rows] == [256, 64, 64] and rows[2]["questions_seen"] == 16
 
 
 def test_build_rows_needs_the_baseline_first(speedup):
