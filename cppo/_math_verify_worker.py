@@ -1,9 +1,9 @@
 """The math-verify worker of :mod:`cppo.math_grading`, run as a script (``python _math_verify_worker.py IN_FD OUT_FD``)
 so that it imports math-verify and the standard library only, never torch or the ``cppo`` package.
 
-It warms math-verify up once, then serves batches: for each batch it forks a child that grades the items in order
-and streams one verdict per item back; an item that overruns its deadline (or kills the child) gets ``None`` and a
-fresh child (forked from the warm worker in milliseconds) carries on with the next item. math-verify's own timeouts
+It warms math-verify up once, then serves batches through a forked child that grades one item at a time and
+stays alive (its caches warm) from batch to batch; an item that overruns its deadline (or kills the child) gets
+``None``, the child is killed, and a fresh fork of the warm worker (milliseconds) carries on with the next item. math-verify's own timeouts
 (``signal.alarm``, whole seconds, main thread only) are switched off: the deadline here is the only one.
 
 The grading functions reproduce the official CPPO code (lzhxmu/CPPO, ``src/open_r1``) call for call:
@@ -20,6 +20,8 @@ import signal
 import sys
 import time
 import warnings
+
+GOLD_CACHE = 4096  # parsed golds a grading child keeps
 
 
 def _official_configs():
@@ -52,6 +54,8 @@ class Grader:
 
     def _gold(self, solution: str) -> list:
         if solution not in self.golds:
+            if len(self.golds) >= GOLD_CACHE:
+                self.golds.clear()
             self.golds[solution] = self.parse(
                 solution, extraction_mode="first_match", extraction_config=self.gold_config, parsing_timeout=None
             )
@@ -79,18 +83,81 @@ class Grader:
             return 0.0
 
 
-def _child(grader: Grader, items: list, out_fd: int) -> None:
-    """Grades ``items`` in order, writing one JSON line per verdict; never returns."""
+def _child(grader: Grader, in_fd: int, out_fd: int) -> None:
+    """Grades the items read from ``in_fd`` (one JSON line each), writing one JSON verdict line per item to
+    ``out_fd``, until the input closes; never returns."""
     try:
-        with os.fdopen(out_fd, "w", buffering=1) as out:
-            for mode, completion, solution in items:
+        with os.fdopen(in_fd, "r", encoding="utf-8") as items, os.fdopen(out_fd, "w", buffering=1) as out:
+            for line in items:
                 try:
-                    score = grader.grade(mode, completion, solution)
+                    score = grader.grade(*json.loads(line))
                 except BaseException:  # noqa: B036  a verdict for every item, whatever math-verify does
                     score = None
                 out.write(json.dumps(score) + "\n")
     finally:
         os._exit(0)
+
+
+class Children:
+    """One forked child at a time that grades items while it keeps within the deadline (its caches stay warm across
+    batches); a child that overruns an item, or dies on it, is killed and the next item goes to a fresh fork of the
+    (warm) worker."""
+
+    def __init__(self, grader: Grader) -> None:
+        self.grader = grader
+        self.pid: int | None = None
+        self.to_child = self.from_child = -1
+        self.buffer = bytearray()
+
+    def _start(self) -> None:
+        item_read, item_write = os.pipe()
+        verdict_read, verdict_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(item_write)
+            os.close(verdict_read)
+            _child(self.grader, item_read, verdict_write)
+        os.close(item_read)
+        os.close(verdict_write)
+        self.pid, self.to_child, self.from_child, self.buffer = pid, item_write, verdict_read, bytearray()
+
+    def stop(self) -> None:
+        """Kills the child (if any)."""
+        if self.pid is None:
+            return
+        os.close(self.to_child)
+        os.close(self.from_child)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+    def grade(self, item: list, timeout: float):
+        """The verdict of one ``[mode, completion, solution]`` item, or None when it took longer than ``timeout``
+        seconds or killed the child."""
+        if self.pid is None:
+            self._start()
+        try:
+            _write_all(self.to_child, (json.dumps(item) + "\n").encode())
+            line = _read_line(self.from_child, self.buffer, time.monotonic() + timeout)
+        except OSError:  # the child is gone (a broken pipe)
+            line = None
+        if line is None:
+            self.stop()
+            return None
+        return json.loads(line)
+
+    def batch(self, items: list, timeout: float) -> list:
+        """Verdicts of ``items`` in order (see :meth:`grade`)."""
+        return [self.grade(item, timeout) for item in items]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _read_line(fd: int, buffer: bytearray, deadline: float) -> bytes | None:
@@ -110,35 +177,6 @@ def _read_line(fd: int, buffer: bytearray, deadline: float) -> bytes | None:
     return line
 
 
-def grade_batch(grader: Grader, items: list, timeout: float) -> list:
-    """Verdicts of ``items`` (``[mode, completion, solution]``), each graded within ``timeout`` seconds by a forked
-    child; None for an item that overran or crashed its child."""
-    scores: list = []
-    while len(scores) < len(items):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            _child(grader, items[len(scores) :], write_fd)
-        os.close(write_fd)
-        buffer = bytearray()
-        try:
-            while len(scores) < len(items):
-                line = _read_line(read_fd, buffer, time.monotonic() + timeout)
-                if line is None:  # overran or died: the item gets no verdict, a new child takes the next one
-                    scores.append(None)
-                    break
-                scores.append(json.loads(line))
-        finally:
-            os.close(read_fd)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-    return scores
-
-
 def main(argv: list[str]) -> int:
     """Serves batches from the parent until it closes the pipe: each request is one JSON line
     ``{"items": [[mode, completion, solution], ...], "timeout": seconds}``, each reply one JSON list of verdicts.
@@ -149,11 +187,13 @@ def main(argv: list[str]) -> int:
     grader = Grader()
     grader.grade("reward", "$\\boxed{\\frac{1}{2}}$", "$\\frac{1}{2}$")  # loads the LaTeX grammar
     grader.golds.clear()
+    children = Children(grader)
     with os.fdopen(in_fd, "r", encoding="utf-8") as requests, os.fdopen(out_fd, "w", buffering=1) as replies:
         replies.write(json.dumps("ready") + "\n")
         for line in requests:
             request = json.loads(line)
-            replies.write(json.dumps(grade_batch(grader, request["items"], float(request["timeout"]))) + "\n")
+            replies.write(json.dumps(children.batch(request["items"], float(request["timeout"]))) + "\n")
+    children.stop()
     return 0
 
 

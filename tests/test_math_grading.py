@@ -51,9 +51,15 @@ class StubGrader:
         return 1.0
 
 
-def test_grade_batch_survives_hangs_crashes_and_errors():
+def test_children_survive_hangs_crashes_and_errors():
     items = [["reward", c, "g"] for c in ("ok", "sleep", "ok", "exit", "raise", "ok")]
-    assert worker.grade_batch(StubGrader(), items, 0.2) == [1.0, None, 1.0, None, None, 1.0]
+    children = worker.Children(StubGrader())
+    try:
+        assert children.batch(items, 0.2) == [1.0, None, 1.0, None, None, 1.0]
+        first = children.pid
+        assert children.batch(items[:1], 0.2) == [1.0] and children.pid == first  # the child lives on
+    finally:
+        children.stop()
 
 
 def test_the_accuracy_metric_reuses_the_rewards_verdicts(monkeypatch):
@@ -83,3 +89,14 @@ def test_odd_text_never_raises():
 def test_bad_timeouts_are_refused(bad):
     with pytest.raises(ValueError, match="reward_timeout"):
         MathVerifier(timeout=bad)
+
+
+def test_grading_works_off_the_main_thread(fast):
+    """math-verify's own timeouts (signal.alarm) refuse to run off the main thread; the worker does not care."""
+    import threading
+
+    out = []
+    thread = threading.Thread(target=lambda: out.extend(fast.scores("reward", ["\\boxed{5}"], ["$5$"])))
+    thread.start()
+    thread.join()
+    assert out == [2.0]
