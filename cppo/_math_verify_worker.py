@@ -3,8 +3,9 @@ so that it imports math-verify and the standard library only, never torch or the
 
 It warms math-verify up once, then serves batches through a forked child that grades one item at a time and
 stays alive (its caches warm) from batch to batch; an item that overruns its deadline (or kills the child) gets
-``None``, the child is killed, and a fresh fork of the warm worker (milliseconds) carries on with the next item. math-verify's own timeouts
-(``signal.alarm``, whole seconds, main thread only) are switched off: the deadline here is the only one.
+``None``, the child is killed, and a fresh fork of the warm worker (milliseconds) carries on with the next item.
+math-verify's own timeouts (``signal.alarm``, whole seconds, main thread only) are switched off: the deadline here
+is the only one.
 
 The grading functions reproduce the official CPPO code (lzhxmu/CPPO, ``src/open_r1``) call for call:
 ``reward`` is ``rewards_math.accuracy_reward`` for one completion, ``eval`` the MATH-500 / AIME check of
