@@ -99,7 +99,6 @@ class Trainer:
         )
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.model.config.use_cache = False  # the packed forward never caches; generate asks for its cache itself
         self.model.train()
         self.ref_model = None
         if cfg.beta > 0:
