@@ -29,6 +29,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -185,8 +186,9 @@ def remove_leftovers(output_dir: str) -> list[str]:
     return done
 
 
-def read_state(path: str) -> dict:
-    """The ``trainer_state.pt`` of checkpoint folder ``path``, read without running code (tensors memory-mapped).
+def read_state(path: str, *, mmap: bool = False) -> dict:
+    """The ``trainer_state.pt`` of checkpoint folder ``path``, read without running code. ``mmap``: tensors are
+    mapped from the file and read only when used (a cheap look at the state; never hold them while the file changes).
 
     Raises:
         UnsafeCheckpoint: the file holds objects other than tensors and plain data.
@@ -198,7 +200,9 @@ def read_state(path: str) -> dict:
     if os.path.getsize(file) == 0:
         raise CorruptCheckpoint(f"{file!r} is empty")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        # only a zip archive (what save writes) can be mapped; anything else is unpickled as it is, with the same
+        # allowlist, so that a crafted plain pickle is refused rather than called corrupt
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(file))
     except pickle.UnpicklingError as e:
         reason = next((line for line in str(e).splitlines() if "WeightsUnpickler error" in line), "").strip()
         raise UnsafeCheckpoint(
@@ -215,8 +219,8 @@ def read_state(path: str) -> dict:
 
 def verify(path: str) -> dict:
     """Reads what :func:`load` needs before it loads anything into a model: the trainer state (:func:`read_state`) and
-    the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state."""
-    state = read_state(path)
+    the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state (tensors mapped)."""
+    state = read_state(path, mmap=True)
     if os.path.isdir(os.path.join(path, SHARDS_DIR)):
         from .shard_io import read_metadata
 
@@ -243,17 +247,17 @@ def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer
         shards by another world size, or for another model shape; :class:`CorruptCheckpoint` /
         :class:`UnsafeCheckpoint` as :func:`read_state`.
     """
-    state = verify(path)
+    verify(path)  # every file is readable before anything changes
+    state = read_state(path)
     sharded = os.path.isdir(os.path.join(path, SHARDS_DIR))
     _check_format(path, sharded=sharded, written_by=int(state["world_size"]), module=module, info=info)
     if sharded:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from .shard_io import SafeLoadPlanner, SafeShardReader
+        from .shard_io import load_shards
 
         shards = _sharded_state(module, optimizer)
-        dcp.load(shards, storage_reader=SafeShardReader(os.path.join(path, SHARDS_DIR)), planner=SafeLoadPlanner())
+        load_shards(shards, os.path.join(path, SHARDS_DIR))
         set_state_dict(module, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
     else:
         load_weights(unwrap_model(module), os.path.join(path, MODEL_DIR))

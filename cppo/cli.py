@@ -208,11 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _train(args) if args.command == "train" else _eval(args)
     except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
-        print(f"cppo {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        _error(args.command, e)
         return 2
     except NonFiniteUpdates as e:
-        print(f"cppo {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        _error(args.command, e)
         return 1
+
+
+def _error(command: str, e: BaseException) -> None:
+    """Prints ``cppo COMMAND: error: ...`` as one line of its own (after closing a progress bar the error stopped)."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    print(f"cppo {command}: error: {_one_line(e)}", file=sys.stderr)
 
 
 def _one_line(e: BaseException) -> str:

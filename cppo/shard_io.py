@@ -1,6 +1,6 @@
 """Reading FSDP2 checkpoint shards (``torch.distributed.checkpoint``) without running code: DCP unpickles its
 ``.metadata`` with plain ``pickle`` and its non-tensor entries with ``torch.load(weights_only=False)``; the reader and
-planner here allow only the classes that metadata holds and plain data in the entries."""
+planner here allow only the classes that metadata holds and plain data in the entries (:func:`load_shards`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import pickle
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .checkpoint import CorruptCheckpoint, UnsafeCheckpoint, first_line
@@ -72,3 +74,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise UnsafeCheckpoint(f"shard entry {read_item.dest_index.fqn!r}: {first_line(e)}") from None
         value.seek(0)
         super().load_bytes(read_item, value)
+
+
+def load_shards(state: dict, folder: str) -> None:
+    """``dcp.load(state)`` from ``folder`` through :class:`SafeShardReader` and :class:`SafeLoadPlanner`, on every
+    rank. DCP gathers every rank's failure into a ``CheckpointException`` (a ``BaseException``): an unsafe entry
+    comes back as :class:`UnsafeCheckpoint`, anything else as :class:`CorruptCheckpoint` naming the folder."""
+    try:
+        dcp.load(state, storage_reader=SafeShardReader(folder), planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        errors = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+        unsafe = [err for err in errors if isinstance(err, UnsafeCheckpoint)]
+        if unsafe:
+            raise unsafe[0] from None
+        raise CorruptCheckpoint(f"{folder!r} cannot be read: {first_line(errors[0]) if errors else e}") from None
