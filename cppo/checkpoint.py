@@ -221,11 +221,16 @@ def verify(path: str) -> dict:
     """Reads what :func:`load` needs before it loads anything into a model: the trainer state (:func:`read_state`) and
     the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state (tensors mapped)."""
     state = read_state(path, mmap=True)
+    _verify_weights(path)
+    return state
+
+
+def _verify_weights(path: str) -> None:
     if os.path.isdir(os.path.join(path, SHARDS_DIR)):
         from .shard_io import read_metadata
 
         read_metadata(os.path.join(path, SHARDS_DIR))
-        return state
+        return
     from safetensors import SafetensorError, safe_open
 
     for f in _weight_files(os.path.join(path, MODEL_DIR)):
@@ -234,7 +239,6 @@ def verify(path: str) -> dict:
                 pass
         except (SafetensorError, OSError) as e:
             raise CorruptCheckpoint(f"{f!r} cannot be read ({first_line(e)})") from None
-    return state
 
 
 def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo) -> dict:
@@ -247,10 +251,10 @@ def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer
         shards by another world size, or for another model shape; :class:`CorruptCheckpoint` /
         :class:`UnsafeCheckpoint` as :func:`read_state`.
     """
-    verify(path)  # every file is readable before anything changes
     state = read_state(path)
     sharded = os.path.isdir(os.path.join(path, SHARDS_DIR))
     _check_format(path, sharded=sharded, written_by=int(state["world_size"]), module=module, info=info)
+    _verify_weights(path)  # every file is readable before anything changes
     if sharded:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -338,3 +342,9 @@ def checkpoints(output_dir: str) -> list[str]:
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := CHECKPOINT_RE.match(name))]
     return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def latest(output_dir: str) -> str | None:
+    """The checkpoint folder with the highest step in ``output_dir``, or None (see :func:`checkpoints`)."""
+    found = checkpoints(output_dir)
+    return found[0] if found else None
