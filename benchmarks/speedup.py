@@ -403,14 +403,12 @@ def dry_run(args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule:
     """Validates the whole plan without building a model: the trainer config of every rate (``plan_schedule``
     built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
     data (read when local; a hub dataset is not downloaded) and the ``--out`` folder. Prints and returns the plan."""
-    from cppo.data import load_problems
+    from cppo.data import count_local_problems
     from cppo.rundir import check_writable
 
     check_writable(str(args.out), create=False)
     base = plans[0]
-    problems = None
-    if base.dataset == "arith" or base.dataset.endswith(".jsonl") or base.dataset_path is not None:
-        problems = len(load_problems(base.dataset, split="train", dataset_path=base.dataset_path))
+    problems = count_local_problems(base.dataset, dataset_path=base.dataset_path)
     order = step_order(plans, interleave=schedule == "interleaved")
     plan = {
         "dry_run": "ok",

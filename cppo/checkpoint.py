@@ -174,7 +174,7 @@ def remove_leftovers(output_dir: str) -> list[str]:
     for name in sorted(os.listdir(output_dir)):
         full, target = os.path.join(output_dir, name), name.removeprefix(REPLACED_PREFIX)
         if TMP_RE.match(name):
-            shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+            remove(full)
         elif name != target and CHECKPOINT_RE.match(target):
             if os.path.exists(os.path.join(output_dir, target)):  # the re-save arrived
                 shutil.rmtree(full)
@@ -184,6 +184,14 @@ def remove_leftovers(output_dir: str) -> list[str]:
             continue
         done.append(name)
     return done
+
+
+def remove(path: str) -> None:
+    """Deletes a file, or a folder with everything in it."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def read_state(path: str, *, mmap: bool = False) -> dict:

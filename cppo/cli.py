@@ -109,7 +109,7 @@ def _dry_run(args, config: TrainConfig) -> int:
     """What ``cppo train`` checks before the model loads, writing nothing: output_dir, the training data (local data
     only: nothing is downloaded) and, with ``--resume``, the checkpoint and its settings. Prints the plan as JSON."""
     from . import rundir
-    from .data import load_problems
+    from .data import count_local_problems
     from .distributed import DistInfo
 
     rundir.check_writable(config.output_dir, create=False)
@@ -119,14 +119,9 @@ def _dry_run(args, config: TrainConfig) -> int:
     if args.resume:
         candidates = rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=DistInfo())
         resume_from = candidates[0]
-    local = config.dataset == "arith" or config.dataset.endswith(".jsonl") or config.dataset_path is not None
-    problems = None
-    if local:
-        problems = len(
-            load_problems(
-                config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
-            )
-        )
+    problems = count_local_problems(
+        config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
+    )
     steps = config.num_steps or (max(1, config.num_epochs * problems // config.questions_drawn) if problems else None)
     plan = {
         "dry_run": "ok",
@@ -181,9 +176,12 @@ def _eval(args) -> int:
     )
     device = resolve_device(args.device)
     problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
-    model, tokenizer = load_model_and_tokenizer(
-        model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
-    )
+    try:
+        model, tokenizer = load_model_and_tokenizer(
+            model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
+        )
+    except OSError as e:  # not a local folder, and the hub could not provide it
+        raise ValueError(f"--model {args.model!r}: {e}") from None
     rollout = HFRollout(
         model, tokenizer, max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length
     )

@@ -144,6 +144,16 @@ def load_problems(
     return problems[:max_questions] if max_questions else problems
 
 
+def count_local_problems(
+    dataset: str, *, dataset_path: str | None = None, max_questions: int | None = None
+) -> int | None:
+    """How many training problems ``dataset`` has when it is local (arith, a .jsonl file, or ``dataset_path``: read,
+    so a bad row is found), or None for a hub dataset (not downloaded). For dry runs."""
+    if not (dataset == "arith" or dataset.endswith(".jsonl") or dataset_path is not None):
+        return None
+    return len(load_problems(dataset, split="train", dataset_path=dataset_path, max_questions=max_questions))
+
+
 def _load_hub(dataset: str, split: str) -> list[dict]:
     try:
         import datasets

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import tempfile
 
 from . import checkpoint
@@ -81,8 +80,7 @@ def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -
     if info.is_main:
         if overwrite:
             for name in existing_run(output_dir):
-                path = os.path.join(output_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                checkpoint.remove(os.path.join(output_dir, name))
         for name in checkpoint.remove_leftovers(output_dir):
             logger.warning("%s: cleaned up %s, left by a save that was killed", output_dir, name)
     barrier(info)

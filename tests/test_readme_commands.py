@@ -118,16 +118,13 @@ def run(command: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_has_the_commands_this_test_knows():
-    """Every line has a rule (plan raises otherwise), and the cheap ones are the ones meant to run for real."""
-    lines = [shlex.join(argv) for block in BLOCKS for argv in block]
-    assert len(lines) >= 15, lines
+    """Every line has a rule (plan raises otherwise), and a train, a resume, an eval and a 2-process run are among
+    the lines that run for real."""
+    assert sum(len(block) for block in BLOCKS) >= 15
     real = [shlex.join(argv) for _, argv in commands("run")]
-    assert real == [
-        "cppo train --config tiny-cpu",
-        "cppo train --config tiny-cpu --resume --set num_steps=16",
-        "cppo eval --model runs/tiny-cpu/checkpoint-000008 --dataset arith --limit 50",
-        "torchrun --nproc-per-node 2 -m cppo train --config tiny-cpu",
-    ]
+    for start in ("cppo train --config tiny-cpu", "cppo train --config tiny-cpu --resume", "cppo eval --model runs/"):
+        assert any(line.startswith(start) for line in real), (start, real)
+    assert any(line.startswith("torchrun --nproc-per-node 2 -m cppo train --config tiny-cpu") for line in real), real
 
 
 @pytest.mark.slow
