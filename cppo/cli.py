@@ -200,9 +200,9 @@ def _eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Runs ``cppo train`` or ``cppo eval``; returns the exit code (2: a user error; 1: a run that diverged)."""
     args = _parser().parse_args(argv)
-    handler = logging.StreamHandler()
+    handler = logging.StreamHandler()  # the package's warnings (files skipped, cleaned up), as one line each
     handler.setFormatter(logging.Formatter(f"cppo {args.command}: warning: %(message)s"))
-    logging.getLogger("cppo").handlers[:] = [handler]  # the package's warnings (files skipped, cleaned up) only
+    logging.getLogger("cppo").addHandler(handler)
     try:
         return _train(args) if args.command == "train" else _eval(args)
     except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteUpdates as e:
         _error(args.command, e)
         return 1
+    finally:
+        logging.getLogger("cppo").removeHandler(handler)
 
 
 def _error(command: str, e: BaseException) -> None:
