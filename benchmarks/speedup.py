@@ -372,6 +372,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for speedup.json and .png")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--dry-run", action="store_true", help="validate the whole plan: no model built, nothing trained or written")
     args = ap.parse_args(argv)
     values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
     given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
@@ -384,17 +385,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def base_config(args: argparse.Namespace) -> TrainConfig:
-    """``load_config(args.config, args.overrides)`` with ``device`` resolved (and ../shared's GSM8K if present)."""
+def base_config(args: argparse.Namespace, *, need_cuda: bool = True) -> TrainConfig:
+    """``load_config(args.config, args.overrides)`` with ``device`` resolved (and ../shared's GSM8K if present).
+    ``need_cuda=False`` (``--dry-run``) leaves a CUDA device unresolved on a machine without one."""
     config = cppo.load_config(args.config, args.overrides)
+    if config.dataset == "gsm8k" and config.dataset_path is None and SHARED_GSM8K.is_dir():
+        config = dataclasses.replace(config, dataset_path=str(SHARED_GSM8K))
+    if not need_cuda and config.device.startswith("cuda") and not torch.cuda.is_available():
+        return config
     device = resolve_device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={config.device!r} but CUDA is not available")
     if args.preset == "gsm8k" and device.type != "cuda":
         raise ValueError("--preset gsm8k trains Qwen2.5-1.5B-Instruct and needs a CUDA device (--device cuda)")
-    if config.dataset == "gsm8k" and config.dataset_path is None and SHARED_GSM8K.is_dir():
-        config = dataclasses.replace(config, dataset_path=str(SHARED_GSM8K))
     return dataclasses.replace(config, device=str(device))
+
+
+def dry_run(args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule: str) -> dict[str, Any]:
+    """Validates the whole plan without building a model: the trainer config of every rate (``plan_schedule``
+    built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
+    data (read when local; a hub dataset is not downloaded) and the ``--out`` folder. Prints and returns the plan."""
+    from cppo.data import count_local_problems
+    from cppo.rundir import check_writable
+
+    check_writable(str(args.out), create=False)
+    base = plans[0]
+    problems = count_local_problems(base.dataset, dataset_path=base.dataset_path)
+    order = step_order(plans, interleave=schedule == "interleaved")
+    plan = {
+        "dry_run": "ok",
+        "config": args.config,
+        "model": base.model,
+        "dataset": base.dataset,
+        "train_problems": problems,  # None: a hub dataset, not downloaded here
+        "device": base.device,
+        "schedule": schedule,
+        "steps": len(order),
+        "rates": [
+            {"pruning_rate": c.pruning_rate, "keep": c.keep, "questions_per_step": c.questions_drawn,
+             "steps": c.num_steps, "questions": c.max_questions}
+            for c in plans
+        ],
+        "out": str(args.out),
+    }  # fmt: skip
+    print(json.dumps(plan, indent=1))
+    return plan
 
 
 def git_commit(repo: pathlib.Path = REPO) -> tuple[str, bool | None]:
@@ -444,16 +479,19 @@ def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/speedup.json``."""
+    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/speedup.json`` (with
+    ``--dry-run``: the validated plan, see :func:`dry_run`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    config = base_config(args)
+    config = base_config(args, need_cuda=not args.dry_run)
     on_cpu = config.device == "cpu"
     plans = plan_schedule(config, args.pruning_rates, questions=args.questions, least_times=2 if on_cpu else 1)
     threads = args.threads if args.threads is not None else (1 if on_cpu else None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     schedule = args.schedule or ("interleaved" if on_cpu else "sequential")
+    if args.dry_run:
+        return dry_run(args, plans, schedule=schedule)
     if config.kernel_backend == "triton" and on_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
     if threads is not None:
@@ -486,5 +524,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         sys.exit(f"speedup.py: error: {e}")

@@ -1,5 +1,5 @@
 """Checkpoints of a run: one :func:`save` / :func:`load` pair for every format (single process, DDP, FSDP2 shards),
-written atomically.
+written atomically and read without running code.
 
 Layout of ``output_dir/checkpoint-{step:06d}/``:
 
@@ -9,17 +9,27 @@ Layout of ``output_dir/checkpoint-{step:06d}/``:
 - FSDP2: ``dcp/`` (every rank's shards of the model and optimizer, through ``torch.distributed.checkpoint``) and
   ``trainer_state.pt`` (the same without the optimizer); it resumes at the world size that wrote it.
 
-The folder is written under a temporary name beside it and moved into place with ``os.replace`` once every rank
-has written, so a run killed mid-save leaves the previous checkpoint intact. Several nodes need a shared filesystem.
+Writing: the folder is written under ``.tmp-checkpoint-N`` beside it, every file and folder is fsynced, and it is
+moved into place with ``os.replace`` once every rank has written, so a run killed mid-save leaves the previous
+checkpoint intact. Re-saving a step first renames the old folder to ``.replaced-checkpoint-N``:
+:func:`remove_leftovers` puts it back if the new one never arrived, so a step's checkpoint always exists under one
+of the two names. Several nodes need a shared filesystem.
+
+Reading: ``trainer_state.pt`` holds only tensors and plain Python data (RNG states included) and is read with
+``torch.load(weights_only=True)``; weights are safetensors; FSDP2 shard metadata is unpickled with an allowlist. A
+file holding anything else is refused (:class:`UnsafeCheckpoint`); a missing, empty or truncated file is a
+:class:`CorruptCheckpoint`, which a resume skips for the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import pickle
 import random
 import re
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -28,13 +38,32 @@ from .distributed import DistInfo, barrier
 from .parallel import is_fsdp2, unwrap_model
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: A half-written folder (or metrics log) that a killed save leaves; see also :data:`REPLACED_PREFIX`.
+TMP_RE = re.compile(r"^\.tmp-(checkpoint-\d+|metrics\.jsonl)$")
+#: The old folder of a step being re-saved, until the new one is in place.
+REPLACED_PREFIX = ".replaced-"
 MODEL_DIR = "model"  # save_pretrained weights and tokenizer (single process, DDP)
 SHARDS_DIR = "dcp"  # torch.distributed.checkpoint shards of the model and optimizer (FSDP2)
 STATE_FILE = "trainer_state.pt"
+STATE_KEYS = ("step", "world_size", "scheduler", "rng")
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose files are missing, empty or truncated (e.g. a disk that filled up); a resume skips it."""
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file holding objects other than tensors and plain data: loading it could run code."""
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The torch, Python, NumPy (and CUDA) RNG states as tensors and plain Python data."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -42,8 +71,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -63,7 +94,8 @@ def save(
     Args:
         module: the model as :func:`cppo.parallel.wrap_model` returned it (FSDP2 modules are saved as shards).
         tokenizer: saved beside the full model.
-        state: the caller's plain dict (e.g. step, data position, config); :func:`load` returns it.
+        state: the caller's dict of tensors and plain data (e.g. step, data position, config); :func:`load`
+            returns it.
 
     Returns:
         The absolute path of the checkpoint folder.
@@ -94,21 +126,127 @@ def save(
         torch.save(full, os.path.join(tmp, STATE_FILE))
     barrier(info)
     if info.is_main:
+        fsync_tree(tmp)
         _move_into_place(tmp, path)
     barrier(info)
     return path
 
 
+def fsync_tree(folder: str) -> None:
+    """Flushes every file under ``folder``, and the folders themselves, to disk."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _move_into_place(tmp: str, path: str) -> None:
-    """Replaces ``path`` (if any) by ``tmp`` with renames only."""
+    """Replaces ``path`` (if any) by ``tmp`` with renames only; the old folder stays as ``.replaced-NAME`` until the
+    new one is in place (see :func:`remove_leftovers`)."""
+    parent = os.path.dirname(path)
     if not os.path.exists(path):
         os.replace(tmp, path)
+        _fsync(parent)
         return
-    old = f"{tmp}-old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(path, old)
+    replaced = os.path.join(parent, REPLACED_PREFIX + os.path.basename(path))
+    shutil.rmtree(replaced, ignore_errors=True)
+    os.replace(path, replaced)
     os.replace(tmp, path)
-    shutil.rmtree(old)
+    _fsync(parent)
+    shutil.rmtree(replaced)
+
+
+def remove_leftovers(output_dir: str) -> list[str]:
+    """Cleans up after saves that were killed: removes ``.tmp-checkpoint-N`` folders (and a half-written
+    ``.tmp-metrics.jsonl``), and puts a ``.replaced-checkpoint-N`` back in place when its re-save never arrived (else
+    removes it). Other files are left alone. Returns the names removed or restored."""
+    if not os.path.isdir(output_dir):
+        return []
+    done = []
+    for name in sorted(os.listdir(output_dir)):
+        full, target = os.path.join(output_dir, name), name.removeprefix(REPLACED_PREFIX)
+        if TMP_RE.match(name):
+            remove(full)
+        elif name != target and CHECKPOINT_RE.match(target):
+            if os.path.exists(os.path.join(output_dir, target)):  # the re-save arrived
+                shutil.rmtree(full)
+            else:  # it did not: the old folder goes back
+                os.replace(full, os.path.join(output_dir, target))
+        else:
+            continue
+        done.append(name)
+    return done
+
+
+def remove(path: str) -> None:
+    """Deletes a file, or a folder with everything in it."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def read_state(path: str, *, mmap: bool = False) -> dict:
+    """The ``trainer_state.pt`` of checkpoint folder ``path``, read without running code. ``mmap``: tensors are
+    mapped from the file and read only when used (a cheap look at the state; never hold them while the file changes).
+
+    Raises:
+        UnsafeCheckpoint: the file holds objects other than tensors and plain data.
+        CorruptCheckpoint: the file is missing, empty, truncated, or lacks the keys :func:`save` writes.
+    """
+    file = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(file):
+        raise CorruptCheckpoint(f"checkpoint {path!r} has no {STATE_FILE}")
+    if os.path.getsize(file) == 0:
+        raise CorruptCheckpoint(f"{file!r} is empty")
+    try:
+        # only a zip archive (what save writes) can be mapped; anything else is unpickled as it is, with the same
+        # allowlist, so that a crafted plain pickle is refused rather than called corrupt
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(file))
+    except pickle.UnpicklingError as e:
+        reason = next((line for line in str(e).splitlines() if "WeightsUnpickler error" in line), "").strip()
+        raise UnsafeCheckpoint(
+            f"{file!r} holds objects other than tensors and plain data; refused to load it, as that could run code"
+            + (f" ({reason})" if reason else "")
+        ) from None
+    except (EOFError, RuntimeError, OSError) as e:
+        raise CorruptCheckpoint(f"{file!r} cannot be read ({type(e).__name__}: {first_line(e)})") from None
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    if missing:
+        raise CorruptCheckpoint(f"{file!r} lacks {missing}: not a trainer state written by cppo")
+    return state
+
+
+def verify(path: str) -> dict:
+    """Reads what :func:`load` needs before it loads anything into a model: the trainer state (:func:`read_state`) and
+    the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state (tensors mapped)."""
+    state = read_state(path, mmap=True)
+    _verify_weights(path)
+    return state
+
+
+def _verify_weights(path: str) -> None:
+    if os.path.isdir(os.path.join(path, SHARDS_DIR)):
+        from .shard_io import read_metadata
+
+        read_metadata(os.path.join(path, SHARDS_DIR))
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for f in _weight_files(os.path.join(path, MODEL_DIR)):
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise CorruptCheckpoint(f"{f!r} cannot be read ({first_line(e)})") from None
 
 
 def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo) -> dict:
@@ -117,21 +255,21 @@ def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer
 
     Returns:
         The saved state: the caller's dict plus ``world_size`` (and the optimizer, scheduler and RNG states).
-        ``ValueError`` when ``path`` is not a checkpoint or was written by another parallelism (full weights for
-        FSDP2, shards for DDP) or, for shards, by another world size.
+        ``ValueError`` when ``path`` was written by another parallelism (full weights for FSDP2, shards for DDP), for
+        shards by another world size, or for another model shape; :class:`CorruptCheckpoint` /
+        :class:`UnsafeCheckpoint` as :func:`read_state`.
     """
-    file = os.path.join(path, STATE_FILE)
-    if not os.path.isfile(file):
-        raise ValueError(f"checkpoint {path!r} has no {STATE_FILE}")
-    state = torch.load(file, map_location="cpu", weights_only=False)
+    state = read_state(path)
     sharded = os.path.isdir(os.path.join(path, SHARDS_DIR))
     _check_format(path, sharded=sharded, written_by=int(state["world_size"]), module=module, info=info)
+    _verify_weights(path)  # every file is readable before anything changes
     if sharded:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from .shard_io import load_shards
+
         shards = _sharded_state(module, optimizer)
-        dcp.load(shards, checkpoint_id=os.path.join(path, SHARDS_DIR))
+        load_shards(shards, os.path.join(path, SHARDS_DIR))
         set_state_dict(module, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
     else:
         load_weights(unwrap_model(module), os.path.join(path, MODEL_DIR))
@@ -139,6 +277,10 @@ def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _check_format(path: str, *, sharded: bool, written_by: int, module: torch.nn.Module, info: DistInfo) -> None:
@@ -163,17 +305,29 @@ def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def load_weights(model: torch.nn.Module, folder: str) -> None:
-    """Loads ``save_pretrained`` safetensors into ``model`` in place; parameters tied to a loaded one may be absent."""
-    from safetensors.torch import load_file
-
+def _weight_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise ValueError(f"checkpoint {folder!r} has no .safetensors weights")
+        raise CorruptCheckpoint(f"checkpoint {folder!r} has no .safetensors weights")
+    return files
+
+
+def load_weights(model: torch.nn.Module, folder: str) -> None:
+    """Loads ``save_pretrained`` safetensors into ``model`` in place; parameters tied to a loaded one may be absent."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     loaded: set[str] = set()
-    for f in files:
-        part = load_file(f)
-        unexpected = model.load_state_dict(part, strict=False).unexpected_keys
+    for f in _weight_files(folder):
+        try:
+            part = load_file(f)
+        except (SafetensorError, OSError) as e:
+            raise CorruptCheckpoint(f"{f!r} cannot be read ({first_line(e)})") from None
+        try:
+            unexpected = model.load_state_dict(part, strict=False).unexpected_keys
+        except RuntimeError as e:  # a shape mismatch: another model
+            lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] or [first_line(e)]
+            raise ValueError(f"checkpoint {f!r} does not fit the model: {lines[0]}") from None
         if unexpected:
             raise ValueError(f"checkpoint {f!r} has weights the model lacks: {unexpected[:3]}")
         loaded.update(part)
@@ -190,9 +344,15 @@ def model_folder(path: str) -> str:
     return inner if os.path.isdir(inner) else path
 
 
-def latest(output_dir: str) -> str | None:
-    """The checkpoint folder with the highest step in ``output_dir``, or None."""
+def checkpoints(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders in ``output_dir``, highest step first."""
     if not os.path.isdir(output_dir):
-        return None
+        return []
     found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := CHECKPOINT_RE.match(name))]
-    return os.path.join(output_dir, max(found)[1]) if found else None
+    return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def latest(output_dir: str) -> str | None:
+    """The checkpoint folder with the highest step in ``output_dir``, or None (see :func:`checkpoints`)."""
+    found = checkpoints(output_dir)
+    return found[0] if found else None

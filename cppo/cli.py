@@ -1,5 +1,6 @@
-"""The command line: ``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume]`` and
-``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as JSON).
+"""The command line: ``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume | --overwrite]
+[--dry-run]`` and ``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as
+JSON). A user error is one line ``cppo <command>: error: ...`` and exit code 2, found before the model loads.
 
 Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (and torchrun's ``--nnodes``,
 ``--node-rank``, ``--rdzv-endpoint`` across nodes); ``parallelism`` (ddp | fsdp2) picks how the model is replicated.
@@ -8,17 +9,53 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
+
+import yaml
+
+from .config import TrainConfig, setting_help
+from .optim import NonFiniteUpdates
+
+
+def settings_epilog() -> str:
+    """Every setting of ``--set`` with its default and one-line meaning (``cppo train --help``)."""
+    defaults = TrainConfig.__dataclass_fields__
+    lines = ["settings (--set name=value: a YAML value, a list as a,b, null for none; a preset may set others):"]
+    for name, meaning in setting_help().items():
+        f = defaults[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  {name} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}")
+        lines.append(f"      {meaning}")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cppo", description="CPPO training with fused kernels")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train with a preset or a YAML config")
+    train = sub.add_parser(
+        "train",
+        help="train with a preset or a YAML config",
+        epilog=settings_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("--config", required=True, help="a preset name (tiny-cpu, ...) or a YAML file")
-    train.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    train.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="see below"
+    )
+    run = train.add_mutually_exclusive_group()
+    run.add_argument("--resume", action="store_true", help="continue from the newest readable checkpoint in output_dir")
+    run.add_argument("--overwrite", action="store_true", help="delete the run already in output_dir and start again")
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though settings that change the run differ from the checkpoint's",
+    )
+    train.add_argument(
+        "--dry-run", action="store_true", help="check config, output_dir, data and resume; load no model, write nothing"
+    )
     ev = sub.add_parser(
         "eval",
         help="accuracy of a model on a dataset's test split (the official CPPO protocol)",
@@ -42,23 +79,31 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="float32")
     ev.add_argument("--seed", type=int, default=0, help="seed of the tiny model's initialisation and of sampling")
     ev.add_argument("--output", default=None, help="also write the result as JSON to this file")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def _train(args) -> int:
-    from . import checkpoint, distributed
+    from . import distributed, rundir
     from .config import load_config
     from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
+    if args.allow_config_change and not args.resume:
+        raise ValueError("--allow-config-change only applies with --resume")
+    if args.dry_run:
+        return _dry_run(args, config)
     info = distributed.init_distributed(device=config.device)  # torchrun's process group, or one process
     try:
+        rundir.prepare(config.output_dir, resume=args.resume, overwrite=args.overwrite, info=info)
+        candidates = (
+            rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=info)
+            if args.resume
+            else []
+        )
         trainer = Trainer(config, info=info)
-        if args.resume:
-            path = checkpoint.latest(config.output_dir)
-            if path is None:
-                raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
-            trainer.load_checkpoint(path)
+        if candidates:
+            path = rundir.resume(trainer, candidates)
             distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
         history = trainer.train()
         if history:
@@ -67,6 +112,41 @@ def _train(args) -> int:
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
     finally:
         distributed.close_distributed()
+    return 0
+
+
+def _dry_run(args, config: TrainConfig) -> int:
+    """What ``cppo train`` checks before the model loads, writing nothing: output_dir, the training data (local data
+    only: nothing is downloaded) and, with ``--resume``, the checkpoint and its settings. Prints the plan as JSON."""
+    from . import rundir
+    from .data import count_local_problems
+    from .distributed import DistInfo
+
+    rundir.check_writable(config.output_dir, create=False)
+    if not (args.resume or args.overwrite):
+        rundir.refuse_existing_run(config.output_dir)
+    resume_from = None
+    if args.resume:
+        candidates = rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=DistInfo())
+        resume_from = candidates[0]
+    problems = count_local_problems(
+        config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
+    )
+    steps = config.num_steps or (max(1, config.num_epochs * problems // config.questions_drawn) if problems else None)
+    plan = {
+        "dry_run": "ok",
+        "output_dir": config.output_dir,
+        "model": config.model,
+        "dataset": config.dataset,
+        "train_problems": problems,  # None: a hub dataset, not downloaded here
+        "num_steps": steps,
+        "group_size": config.group_size,
+        "keep": config.keep,
+        "questions_per_step": config.questions_drawn,
+        "device": config.device,
+        "resume_from": resume_from,
+    }
+    print(json.dumps(plan))
     return 0
 
 
@@ -98,9 +178,12 @@ def _eval(args) -> int:
     )
     device = resolve_device(args.device)
     problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
-    model, tokenizer = load_model_and_tokenizer(
-        model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
-    )
+    try:
+        model, tokenizer = load_model_and_tokenizer(
+            model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
+        )
+    except OSError as e:  # not a local folder, and the hub could not provide it
+        raise ValueError(f"--model {args.model!r}: {e}") from None
     rollout = HFRollout(
         model,
         tokenizer,
@@ -118,7 +201,7 @@ def _eval(args) -> int:
         batch_size=args.batch_size,
         num_samples=args.num_samples,
         greedy=args.temperature == 0,
-        progress=True,
+        progress=not args.no_progress,
     )
     result = {"model": args.model, "dataset": args.dataset, **result}
     print(json.dumps(result))
@@ -129,9 +212,31 @@ def _eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``cppo train`` or ``cppo eval``; returns the exit code (2: a user error; 1: a run that diverged)."""
     args = _parser().parse_args(argv)
+    handler = logging.StreamHandler()  # the package's warnings (files skipped, cleaned up), as one line each
+    handler.setFormatter(logging.Formatter(f"cppo {args.command}: warning: %(message)s"))
+    logging.getLogger("cppo").addHandler(handler)
     try:
         return _train(args) if args.command == "train" else _eval(args)
-    except ValueError as e:
-        print(f"cppo {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
+        _error(args.command, e)
         return 2
+    except NonFiniteUpdates as e:
+        _error(args.command, e)
+        return 1
+    finally:
+        logging.getLogger("cppo").removeHandler(handler)
+
+
+def _error(command: str, e: BaseException) -> None:
+    """Prints ``cppo COMMAND: error: ...`` as one line of its own (after closing a progress bar the error stopped)."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    print(f"cppo {command}: error: {_one_line(e)}", file=sys.stderr)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__

@@ -4,9 +4,11 @@ choices each setting accepts."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import pathlib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from cppo_kernels import LossConfig
-from cppo_kernels.config import METRICS, check_choice
+from cppo_kernels.config import METRICS, check_choice, check_float, check_int
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 #: Models built in code (no download).
@@ -33,6 +35,12 @@ SELECTION_SCOPES = ("group", "batch", "global")
 ROLLOUT_BACKENDS = ("auto", "hf", "vllm")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+#: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
+DATASETS = ("arith", "gsm8k", "math", "math500")
+#: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+#: ``seed`` is at most this (the per-step seeds derived from it must fit torch's 64-bit seed).
+MAX_SEED = 2**32 - 1
 #: How :func:`cppo.distributed.reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
 REDUCTIONS = ("sum", "mean", "min", "max")
 
@@ -70,7 +78,7 @@ class TrainConfig:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available)")
     # data
     dataset: str = setting(
-        "arith", "arith, gsm8k, math, math500 (evaluation only), a .jsonl file or a hub dataset name"
+        "arith", "arith, gsm8k, math, math500 (evaluation only), a .jsonl file or a hub dataset owner/name"
     )
     dataset_path: str | None = setting(
         None, "a .jsonl file or a folder of train.jsonl / test.jsonl for gsm8k / math / math500"
@@ -113,6 +121,9 @@ class TrainConfig:
     warmup_ratio: float = setting(0.1, "fraction of the optimizer steps spent warming up, in [0, 1)")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient norm clipping threshold")
+    max_skipped_updates: int = setting(
+        10, "stop the run after N optimizer updates in a row whose gradient is not finite (each one skipped)"
+    )
     # length of the run
     num_steps: int | None = setting(None, "training steps (null: num_epochs over the dataset)")
     num_epochs: int = setting(1, "epochs over the training questions when num_steps is null")
@@ -127,7 +138,7 @@ class TrainConfig:
     rollout_backend: str = setting("auto", "auto, hf (transformers generate) or vllm")
     kernel_backend: str = setting("auto", "auto, triton or torch: the cppo_kernels path")
     # bookkeeping
-    seed: int = setting(0, "seed of the question order, the sampling and a tiny model's initialisation")
+    seed: int = setting(0, "seed of the question order, the sampling and a tiny model's initialisation (< 2**32)")
     parallelism: str = setting("ddp", "ddp or fsdp2 under torchrun")
     output_dir: str = setting("runs/cppo", "folder of metrics.jsonl, metrics.png and checkpoint-NNNNNN/")
     save_every: int = setting(0, "save a checkpoint every N steps (0: only at the end)")
@@ -187,6 +198,8 @@ class TrainConfig:
         """Raises ``ValueError`` naming the first bad setting."""
         for name, hint in _field_types().items():
             _check_type(name, getattr(self, name), hint)
+            if isinstance(getattr(self, name), float):
+                check_float(name, getattr(self, name))  # no inf or nan reaches the run
         _positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
         _positive(self, "micro_batch_tokens", "num_epochs", "log_every")
         for name in ("num_steps", "max_questions", "eval_limit"):
@@ -219,9 +232,11 @@ class TrainConfig:
         self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("lr", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_float("lr", self.lr, low=0.0)
+        check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
+        check_int("max_skipped_updates", self.max_skipped_updates, low=1)
+        check_int("seed", self.seed, low=0, high=MAX_SEED)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.rewards:
@@ -258,12 +273,44 @@ def check_model_and_data(
         raise ValueError(f"dataset_path {dataset_path!r} does not exist")
     if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
         raise ValueError(f"dataset file {dataset!r} does not exist")
+    if not (dataset in DATASETS or dataset.endswith(".jsonl") or ("/" in dataset and HUB_ID_RE.match(dataset))):
+        raise ValueError(
+            f"dataset {dataset!r} is unknown{did_you_mean(dataset, DATASETS)}: use one of {DATASETS}, a .jsonl file "
+            "or a hub dataset owner/name"
+        )
     if model.endswith(".gguf") and not os.path.isfile(model):
         raise ValueError(f"model file {model!r} does not exist")
     if model.startswith("tiny-") and model not in TINY_MODELS:
         raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
+    if not (model.startswith("tiny-") or os.path.exists(model) or HUB_ID_RE.match(model)):
+        raise ValueError(f"model {model!r} does not exist (not a local folder or file, nor a hub name owner/name)")
     if model_config is not None and not model.startswith("tiny-"):
         raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+    if model_config is not None:
+        check_tiny_config(model_config)
+
+
+def check_tiny_config(model_config: dict) -> None:
+    """``ValueError`` naming the keys of ``model_config`` that Qwen2's config does not know (they would be ignored)."""
+    from transformers import Qwen2Config
+
+    known = set(Qwen2Config().to_dict())
+    try:
+        built = set(Qwen2Config(**model_config).to_dict())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model_config: {e}") from None
+    unknown = sorted(set(model_config) & (built - known))  # an unknown key is kept as an extra attribute
+    if unknown:
+        raise ValueError(
+            f"model_config: unknown key {unknown[0]!r}{did_you_mean(unknown[0], known)}: the keys are those of "
+            "transformers' Qwen2Config"
+        )
+
+
+def did_you_mean(name: str, choices) -> str:
+    """``" (did you mean 'x'?)"`` for the choice closest to ``name``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_device(device: str) -> str:
@@ -331,7 +378,12 @@ def available_presets() -> list[str]:
 
 def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """A :class:`TrainConfig` from a preset name (``cppo/presets/NAME.yaml``) or a YAML file, then ``key=value``
-    overrides (values parsed as YAML scalars). Unknown keys raise ``ValueError`` naming the key."""
+    overrides (values parsed as YAML scalars).
+
+    Raises:
+        ValueError: naming where the bad setting came from (the file and line, or the ``--set`` item): malformed
+            YAML, an unknown setting (with the closest known name), or a value the setting refuses.
+    """
     path = pathlib.Path(preset_or_yaml)
     if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
@@ -339,22 +391,61 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         preset = None
     else:
         if preset_or_yaml not in available_presets():
-            raise ValueError(f"unknown preset {preset_or_yaml!r}; presets: {available_presets()} (or pass a YAML path)")
+            raise ValueError(
+                f"unknown preset {preset_or_yaml!r}{did_you_mean(preset_or_yaml, available_presets())}: the presets "
+                f"are {available_presets()} (or pass a YAML path)"
+            )
         preset, path = preset_or_yaml, PRESET_DIR / f"{preset_or_yaml}.yaml"
-    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
+    values, origin = _read_yaml(path)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"override {item!r} must look like key=value")
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            raise ValueError(f"--set {item!r} must look like key=value")
+        try:
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({_yaml_problem(e)})") from None
+        origin[key.strip()] = f"--set {item}"
     hints = _field_types()
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ValueError(
-            f"unknown setting {unknown[0]!r} in {str(path)!r} or overrides; known settings: {sorted(hints)}"
-        )
+    for key in values:
+        if key not in hints:
+            raise ValueError(
+                f"{origin[key]}: unknown setting {key!r}{did_you_mean(key, hints)}; cppo train --help lists them all"
+            )
     values = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
     values.setdefault("preset", preset)
-    return TrainConfig(**values)
+    try:
+        return TrainConfig(**values)
+    except ValueError as e:  # the checks' messages start with the setting's name: say where it was set
+        name = re.match(r"\w*", str(e)).group()
+        if name not in origin:
+            raise
+        raise ValueError(f"{origin[name]}: {e}") from None
+
+
+def _read_yaml(path: pathlib.Path) -> tuple[dict, dict]:
+    """The settings of a YAML file and where each was set (``"FILE, line N"``)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        values = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config {str(path)!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
+    if values is None:
+        return {}, {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value}
+    return values, {k: f"{path}, line {lines.get(str(k), '?')}" for k in values}
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """Where and what: ``line L, column C: PROBLEM`` (with what the parser was in, e.g. an unclosed list's line)."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return " ".join(str(e).split())
+    text = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {e.problem}"
+    if e.context and e.context_mark is not None:
+        text += f" ({e.context} started at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+    return text

@@ -20,6 +20,8 @@ HUB_NAMES = {
     "math500": ("HuggingFaceH4/MATH-500", None),
 }
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
+#: A problem's ``kind``: it picks the accuracy reward and the prompt.
+KINDS = ("gsm8k", "math", "arith")
 
 
 def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 20) -> list[dict]:
@@ -42,6 +44,7 @@ def _gsm8k_gold(answer: str) -> str:
 
 def normalise_row(row: dict, *, source: str) -> dict:
     """Maps a GSM8K row (question, answer with ``#### N``) or a MATH row (problem, answer or solution) to a problem."""
+    _check_row(row, source=source)
     if "problem" in row:
         answer = row.get("answer")
         if answer is None:
@@ -62,6 +65,19 @@ def normalise_row(row: dict, *, source: str) -> dict:
     raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
 
 
+def _check_row(row: dict, *, source: str) -> None:
+    """``ValueError`` naming ``source`` for a row whose text is not a string, answer is not a scalar, or kind is
+    unknown (they would fail, or score nothing, in the middle of a run)."""
+    for key in ("question", "problem"):
+        if key in row and not (isinstance(row[key], str) and row[key].strip()):
+            raise ValueError(f"{source}: {key!r} must be a non-empty string, got {row[key]!r}")
+    answer = row.get("answer")
+    if isinstance(answer, (dict, list, bool)) or (answer is None and "question" in row and "problem" not in row):
+        raise ValueError(f"{source}: 'answer' must be a string or a number, got {answer!r}")
+    if row.get("kind") is not None and row["kind"] not in KINDS:
+        raise ValueError(f"{source}: 'kind' must be one of {KINDS}, got {row['kind']!r}")
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text.replace(",", ""))
@@ -71,11 +87,24 @@ def _is_number(text: str) -> bool:
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The problems of a JSON-lines file, one JSON object a line (blank lines skipped); ``ValueError`` naming the
+    file and line of a line that is not a JSON object or not a problem."""
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {path!r} does not exist")
+    problems = []
     with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [normalise_row(r, source=path) for r in rows]
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.pos + 1})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            problems.append(normalise_row(row, source=where))
+    return problems
 
 
 def load_problems(
@@ -114,6 +143,16 @@ def load_problems(
     if not problems:
         raise ValueError(f"dataset {dataset!r} ({split}) has no problems")
     return problems[:max_questions] if max_questions else problems
+
+
+def count_local_problems(
+    dataset: str, *, dataset_path: str | None = None, max_questions: int | None = None
+) -> int | None:
+    """How many training problems ``dataset`` has when it is local (arith, a .jsonl file, or ``dataset_path``: read,
+    so a bad row is found), or None for a hub dataset (not downloaded). For dry runs."""
+    if not (dataset == "arith" or dataset.endswith(".jsonl") or dataset_path is not None):
+        return None
+    return len(load_problems(dataset, split="train", dataset_path=dataset_path, max_questions=max_questions))
 
 
 def _load_hub(dataset: str, split: str) -> list[dict]:

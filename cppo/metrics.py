@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: The timed phases of a step, in order (``time/<phase>`` metrics; ``time/step`` is the whole step).
 PHASES = ("generate", "reward", "select", "logprobs", "update", "optimizer")
@@ -19,7 +22,7 @@ SUMMED = frozenset(
     | {"loss", "kl", "clip_fraction", "entropy"}
 )
 #: Equal on every rank (computed from gathered or synchronised values); wall times take the slowest rank too.
-MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr"})
+MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr", "skipped_updates"})
 
 
 class PhaseTimer:
@@ -50,27 +53,51 @@ def metric_reduction(name: str) -> str:
 
 
 def append_jsonl(path: str, record: dict) -> None:
+    """Appends ``record`` as one line and flushes it to disk."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:
-    """Replaces ``path`` with ``records`` (atomically)."""
-    tmp = f"{path}.tmp"
+    """Replaces ``path`` with ``records`` atomically (a temporary file beside it, fsynced, then renamed)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".tmp-{name}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The records of the log at ``path``. A torn last line (a run killed mid-write) is dropped with a warning naming
+    the file; any other line that is not a JSON object with a ``step`` is a ``ValueError`` naming file and line."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines[: last + 1]):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == last:
+                logger.warning("%s: dropped its last line, which is incomplete (a run killed mid-write)", path)
+                break
+            raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e.msg})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path}, line {i + 1}: not a step record (a JSON object with a 'step')")
+        records.append(record)
+    return records
 
 
 def truncate_jsonl(path: str, *, last_step: int) -> None:
-    """Drops the records after ``last_step`` from the log at ``path`` if there is one (what a killed run logged
-    after the checkpoint it resumes from)."""
+    """Drops the records after ``last_step`` (what a killed run logged after the checkpoint it resumes from) and a
+    torn last line from the log at ``path``, if there is one."""
     if os.path.isfile(path):
         write_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= last_step])
 

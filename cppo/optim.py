@@ -1,5 +1,6 @@
-"""The optimizer side of a run: AdamW, the learning-rate schedule over optimizer steps, and one optimizer step
-(gradient clipping, update, schedule, zeroed gradients)."""
+"""The optimizer side of a run: AdamW, the learning-rate schedule over optimizer steps, one optimizer step (gradient
+clipping, update, schedule, zeroed gradients; skipped when the gradient is not finite) and the count of skipped
+updates that stops a diverged run."""
 
 from __future__ import annotations
 
@@ -34,15 +35,44 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, tot
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, max_grad_norm: float):
-    """Clips the gradients to ``max_grad_norm``, steps the optimizer and the schedule, zeroes the gradients.
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, max_grad_norm: float
+) -> tuple[torch.Tensor, bool]:
+    """Clips the gradients to ``max_grad_norm``, steps the optimizer and the schedule, zeroes the gradients. When the
+    gradient norm is not finite (a NaN or inf anywhere in the gradients) neither the optimizer nor the schedule
+    steps: the update is skipped and the parameters and optimizer state stay as they were.
 
     Returns:
-        The gradient norm before clipping (a 0-d tensor; under FSDP2 the norm over all shards).
+        ``(the gradient norm before clipping: a 0-d tensor, under FSDP2 the norm over all shards; whether the update
+        was applied)``. Under DDP / FSDP2 the norm is that of the synchronised gradients, so every rank decides alike.
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-    optimizer.step()
-    scheduler.step()
+    applied = bool(torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, applied
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many optimizer updates in a row had a non-finite gradient (see :class:`SkipCounter`)."""
+
+
+class SkipCounter:
+    """Counts skipped (non-finite) updates in a row and stops the run after ``limit`` of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row = limit, 0
+
+    def record(self, applied: bool, *, grad_norm: float, step: int) -> None:
+        """Notes one update; raises :class:`NonFiniteUpdates` at the ``limit``-th skipped update in a row."""
+        self.in_a_row = 0 if applied else self.in_a_row + 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteUpdates(
+                f"step {step}: {self.in_a_row} optimizer updates in a row had a non-finite gradient norm "
+                f"({grad_norm}) and were skipped (max_skipped_updates={self.limit}); the parameters are those of the "
+                "last finite update. Lower lr or max_grad_norm, check the rewards and the data, or resume from the "
+                "last checkpoint"
+            )

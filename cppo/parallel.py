@@ -7,6 +7,7 @@ Every function is a no-op (or returns its input) in a single process, so the tra
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -86,9 +87,12 @@ def wrap_model(
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        # broadcast_buffers=False: the ranks' buffers (e.g. rotary tables) are equal, and a broadcast in every forward
-        # would tie the ranks' no-grad passes (old/ref log-probs) together
-        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+        # no buffer sync in forward: the ranks' buffers (e.g. rotary tables) are equal, and a broadcast in every
+        # forward would tie the ranks' no-grad passes (old/ref log-probs) together. Recent torch names this
+        # forward_sync_buffers (broadcast_buffers warns there); older torch only knows broadcast_buffers
+        known = inspect.signature(DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
+        return DistributedDataParallel(module, device_ids=device_ids, **no_sync)
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:  # torch < 2.6

@@ -26,7 +26,7 @@ import torch
 
 from cppo_kernels import cppo_select, fused_cppo_loss, fused_logprobs, group_advantages, use_backend
 
-from . import checkpoint, distributed, math_grading, metrics, parallel
+from . import checkpoint, distributed, math_grading, metrics, parallel, rundir
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
 from .evaluate import evaluate_model, evaluate_split, greedy_rollout
@@ -38,7 +38,7 @@ from .models import (
     load_model_and_tokenizer,
     resolve_device,
 )
-from .optim import make_optimizer, make_scheduler, optimizer_step
+from .optim import SkipCounter, make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
@@ -74,6 +74,7 @@ class Trainer:
                 f"questions per step ({config.questions_drawn}) must divide by world_size ({self.world_size})"
             )
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
+        rundir.check_writable(config.output_dir)  # before anything loads, not after the first step
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
         )
@@ -87,6 +88,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, config, total=self.num_steps * config.mu)
         self.rollout = self._make_rollout()
         self.loss_config = config.loss_config
+        self.skips = SkipCounter(config.max_skipped_updates)
         self.step = 0
 
     def _build_models(self) -> None:
@@ -166,16 +168,18 @@ class Trainer:
 
         weights, shares = self._loss_weights(batches, num_passes=len(passes))
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, kl, clip_fraction, entropy
+        skipped = 0
         for _ in range(cfg.mu):
             with timer("update"):
                 self._update(passes, old, ref, weights=weights, shares=shares, into=sums)
             with timer("optimizer"):
-                grad_norm = self._optimizer_step()
+                grad_norm, applied = self._optimizer_step()
+            skipped += not applied
 
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
-        record.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        record.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
         record["time/step"] = time.perf_counter() - start
         return distributed.reduce_metrics(record, info=self.info, reductions=metrics.metric_reduction)
@@ -327,11 +331,16 @@ class Trainer:
             config=self.loss_config,
         )
 
-    def _optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule; then the rollout engine takes the new weights. Returns the gradient norm."""
-        grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, max_grad_norm=self.config.max_grad_norm)
-        self.rollout.sync_weights()
-        return grad_norm
+    def _optimizer_step(self) -> tuple[torch.Tensor, bool]:
+        """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied
+        (``max_skipped_updates`` of them in a row stop the run). Returns the gradient norm and whether it applied."""
+        grad_norm, applied = optimizer_step(
+            self.model, self.optimizer, self.scheduler, max_grad_norm=self.config.max_grad_norm
+        )
+        self.skips.record(applied, grad_norm=float(grad_norm), step=self.step + 1)
+        if applied:
+            self.rollout.sync_weights()
+        return grad_norm, applied
 
     def _step_metrics(
         self,
@@ -376,6 +385,8 @@ class Trainer:
         cfg = self.config
         log_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         history = []
+        if self.step == 0:  # a new run never mixes with one already there (resume it, or delete it)
+            rundir.refuse_existing_run(cfg.output_dir)
         if self.rank == 0:  # a resumed run drops what a killed run logged after its last checkpoint
             metrics.truncate_jsonl(log_path, last_step=self.step)
         bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)

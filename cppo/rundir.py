@@ -1,0 +1,143 @@
+"""The output folder of a run: checked writable before the model loads, never shared by two runs (refused unless
+resuming or overwriting), cleaned of what a killed save left, and the checkpoint a resume continues from, whose
+saved settings must be the run's."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+
+from . import checkpoint
+from .config import TrainConfig
+from .distributed import DistInfo, barrier
+
+logger = logging.getLogger(__name__)
+
+#: The files a run writes into its output_dir besides its checkpoint-N folders.
+RUN_FILES = ("metrics.jsonl", "metrics.png")
+#: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
+#: its length, and how (not what) it computes. Any other difference changes the run.
+RESUMABLE = frozenset(
+    {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
+    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism"}
+)
+
+
+def check_writable(output_dir: str, *, create: bool = True) -> None:
+    """``ValueError`` unless ``output_dir`` is (or, with ``create``, can be made) a folder this process can write
+    in. ``create=False`` only checks, creating nothing: the nearest existing folder on the path must be writable."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file, not a folder")
+    if not create:
+        existing = os.path.abspath(output_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"output_dir {output_dir!r} cannot be created: {existing!r} is not a writable folder")
+        return
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
+
+
+def existing_run(output_dir: str) -> list[str]:
+    """The names of a run's files and checkpoints in ``output_dir`` (empty when it holds none)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(
+        name
+        for name in os.listdir(output_dir)
+        if name in RUN_FILES or checkpoint.CHECKPOINT_RE.match(name.removeprefix(checkpoint.REPLACED_PREFIX))
+    )
+
+
+def refuse_existing_run(output_dir: str) -> None:
+    """``ValueError`` naming what ``output_dir`` holds when a run is there: a new run would mix with it."""
+    found = existing_run(output_dir)
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(
+            f"output_dir {output_dir!r} already holds a run ({shown}): pass --resume to continue it, --overwrite to "
+            "delete it and start again, or set another output_dir"
+        )
+
+
+def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -> None:
+    """Before anything loads: ``output_dir`` must be writable and, unless ``resume`` or ``overwrite``, hold no run.
+    Then rank 0 deletes the old run's files and checkpoints (``overwrite``; nothing else in the folder) and what
+    killed saves left (:func:`cppo.checkpoint.remove_leftovers`). Call it on every rank."""
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
+    check_writable(output_dir)
+    if not (resume or overwrite):
+        refuse_existing_run(output_dir)
+    barrier(info)  # every rank has looked before rank 0 changes anything
+    if info.is_main:
+        if overwrite:
+            for name in existing_run(output_dir):
+                checkpoint.remove(os.path.join(output_dir, name))
+        for name in checkpoint.remove_leftovers(output_dir):
+            logger.warning("%s: cleaned up %s, left by a save that was killed", output_dir, name)
+    barrier(info)
+
+
+def run_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """What differs between the settings a checkpoint was saved with (``saved``: ``TrainConfig.to_dict()``) and
+    ``config``, except the :data:`RESUMABLE` ones: ``"name: saved -> now"`` each. A setting the checkpoint predates
+    counts as its default."""
+    changes = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in RESUMABLE:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        was, now = saved.get(f.name, default), getattr(config, f.name)
+        if was != now:
+            changes.append(f"{f.name}: {was!r} -> {now!r}")
+    return changes
+
+
+def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: DistInfo) -> list[str]:
+    """The checkpoints a resume may load, newest first: from the newest whose files read (newer ones that do not are
+    skipped with a warning naming them) down to the oldest, as fallbacks. Before any model loads.
+
+    Raises:
+        ValueError: there is no readable checkpoint, or the newest readable one was saved with settings that change
+            the run (each difference named) and ``allow_config_change`` is false.
+        cppo.checkpoint.UnsafeCheckpoint: a checkpoint holds more than plain data (never skipped).
+    """
+    paths = checkpoint.checkpoints(config.output_dir)
+    if not paths:
+        raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
+    for i, path in enumerate(paths):
+        try:
+            state = checkpoint.verify(path)
+        except checkpoint.CorruptCheckpoint as e:
+            if info.is_main:
+                logger.warning("--resume: skipping %s: %s", path, e)
+            continue
+        changes = run_changes(state.get("config", {}), config)
+        if changes and not allow_config_change:
+            raise ValueError(
+                f"--resume: {path} was saved with other settings ({'; '.join(changes)}): resume with the saved "
+                "settings, or pass --allow-config-change to continue with the new ones"
+            )
+        return paths[i:]
+    raise ValueError(f"--resume: no checkpoint in output_dir {config.output_dir!r} can be read (see the warnings)")
+
+
+def resume(trainer, candidates: list[str]) -> str:
+    """Loads the first of ``candidates`` that loads into ``trainer`` (see :func:`resume_candidates`), warning about
+    each one skipped; returns its path. A checkpoint that fails part-way is overwritten whole by the next one."""
+    for path in candidates:
+        try:
+            trainer.load_checkpoint(path)
+            return path
+        except checkpoint.CorruptCheckpoint as e:
+            if trainer.info.is_main:
+                logger.warning("--resume: skipping %s: %s", path, e)
+    raise ValueError(f"--resume: none of {candidates} could be loaded (see the warnings)")

@@ -1,0 +1,266 @@
+"""Issue 11, findings 1 and 6: checkpoints load without running code, and a resume survives torn logs, corrupt
+checkpoints, killed saves and changed settings."""
+
+import contextlib
+import io
+import logging
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, train_cli
+
+from cppo import checkpoint, load_config, metrics, rundir
+from cppo.distributed import DistInfo
+from cppo.models import load_model_and_tokenizer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step ``cppo train`` run with a checkpoint after each step (copied by each test that changes it)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPPO_KERNELS_BACKEND", "torch")
+        assert train_cli(out, settings=("num_steps=2",)) == 0
+    return out
+
+
+@pytest.fixture
+def run(trained, tmp_path, monkeypatch):
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
+    return copy_run(trained, tmp_path / "run")
+
+
+def steps_logged(run) -> list[int]:
+    return [r["step"] for r in metrics.read_jsonl(str(run / "metrics.jsonl"))]
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if ": error: " in line]
+
+
+# --------------------------------------------------------------------------------------------
+# Finding 1: no code execution from a checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def zip_exploit(marker) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"step": 2, "world_size": 1, "payload": Exploit(marker)}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("craft", [zip_exploit, raw_exploit], ids=["torch.save", "plain pickle"])
+def test_a_crafted_trainer_state_is_refused_naming_the_file_and_runs_nothing(run, tmp_path, capsys, craft):
+    marker = tmp_path / "code-ran"
+    state_file = run / "checkpoint-000002" / checkpoint.STATE_FILE
+    state_file.write_bytes(craft(marker))
+
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match="trainer_state.pt"):
+        checkpoint.read_state(str(run / "checkpoint-000002"))
+    assert train_cli(run, "--resume", settings=("num_steps=3",)) == 2
+    err = capsys.readouterr().err
+    assert len(error_lines(err)) == 1 and str(state_file) in error_lines(err)[0], err
+    assert "resumed" not in err  # refused outright: an older checkpoint is not used in its place
+    assert not ran(marker)
+    assert steps_logged(run) == [1, 2]
+
+    with contextlib.suppress(RuntimeError):  # a plain pickle is no torch file, but unpickling it ran the code first
+        torch.load(state_file, weights_only=False)  # what the old code did: the file is a working exploit
+    assert ran(marker)
+
+
+def test_a_saved_checkpoint_is_plain_data(trained):
+    """The real thing loads with weights_only=True: RNG states, config, sampler position, optimizer, scheduler."""
+    state = torch.load(trained / "checkpoint-000002" / checkpoint.STATE_FILE, weights_only=True)
+    assert state["step"] == 2 and state["config"]["group_size"] == 4 and state["sampler"]["position"] > 0
+    assert set(state["rng"]) >= {"torch", "python", "numpy"} and state["optimizer"]["state"]
+
+
+def test_rng_states_round_trip_as_plain_data():
+    buf = io.BytesIO()
+    torch.save(checkpoint.rng_state(), buf)
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    buf.seek(0)
+    checkpoint.set_rng_state(torch.load(buf, weights_only=True))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_fsdp2_shard_metadata_and_entries_are_read_without_running_code(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from cppo.shard_io import load_shards, read_metadata
+
+    marker = tmp_path / "code-ran"
+    saved = {"w": torch.randn(3, 2), "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "good"))
+    target = {"w": torch.zeros(3, 2), "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}
+    load_shards(target, str(tmp_path / "good"))
+    assert torch.equal(target["w"], saved["w"]) and target["param_groups"] == saved["param_groups"]
+
+    dcp.save({"w": torch.randn(3, 2), "evil": Exploit(marker)}, checkpoint_id=str(tmp_path / "entry"))
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match="evil"):
+        load_shards({"w": torch.zeros(3, 2), "evil": None}, str(tmp_path / "entry"))
+    (tmp_path / "good" / ".metadata").write_bytes(raw_exploit(marker))
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match=".metadata"):
+        read_metadata(str(tmp_path / "good"))
+    assert not ran(marker)
+
+
+# --------------------------------------------------------------------------------------------
+# Finding 6: resume survives a torn log, corrupt checkpoints, killed saves; changed settings are refused
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path, caplog):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    with caplog.at_level(logging.WARNING, logger="cppo"):
+        assert [r["step"] for r in metrics.read_jsonl(str(log))] == [1, 2]
+    assert str(log) in caplog.text
+    log.write_text('{"step": 1}\n\n{"step": 2\n{"step": 3}\n')  # a bad line that is not the last: an error
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3"):
+        metrics.read_jsonl(str(log))
+
+
+def test_resume_skips_corrupt_checkpoints_and_cleans_up_killed_saves(run, capsys):
+    (run / "checkpoint-000002" / checkpoint.STATE_FILE).write_bytes(b"PK\x03\x04 torn")  # truncated state
+    (run / "checkpoint-000003").mkdir()  # a folder with nothing in it
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_mean": 0.')  # the line a kill tore
+    (run / ".tmp-checkpoint-000004" / "model").mkdir(parents=True)  # a save killed mid-way
+    (run / ".tmp-metrics.jsonl").write_text("{")
+    (run / ".tmp-notes").write_text("the user's")  # not ours: left alone
+
+    assert train_cli(run, "--resume", settings=("num_steps=3",)) == 0  # num_steps may grow
+    err = capsys.readouterr().err
+    assert f"resumed from {run / 'checkpoint-000001'} at step 1" in err
+    for name in ("checkpoint-000003", "checkpoint-000002", "metrics.jsonl", ".tmp-checkpoint-000004"):
+        assert any("warning" in line and name in line for line in err.splitlines()), (name, err)
+    assert steps_logged(run) == [1, 2, 3]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".tmp-notes"]
+    for step in (1, 2, 3):  # the corrupt ones were saved again, whole
+        assert checkpoint.read_state(str(run / f"checkpoint-00000{step}"))["step"] == step
+
+
+def test_truncated_weights_are_a_corrupt_checkpoint(run):
+    weights = run / "checkpoint-000002" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="model.safetensors"):
+        checkpoint.verify(str(run / "checkpoint-000002"))
+    config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "num_steps=2"])
+    candidates = rundir.resume_candidates(config, allow_config_change=False, info=DistInfo())
+    assert candidates == [str(run / "checkpoint-000001")]
+
+
+def test_a_checkpoint_that_fails_while_loading_falls_back_to_the_previous_one(caplog):
+    class Trainer:  # records what it was asked to load; the newest one fails part-way
+        info, loaded = DistInfo(), []
+
+        def load_checkpoint(self, path):
+            self.loaded.append(path)
+            if path.endswith("2"):
+                raise checkpoint.CorruptCheckpoint(f"{path}/model/model.safetensors cannot be read")
+
+    trainer = Trainer()
+    with caplog.at_level(logging.WARNING, logger="cppo"):
+        assert rundir.resume(trainer, ["out/checkpoint-2", "out/checkpoint-1"]) == "out/checkpoint-1"
+    assert trainer.loaded == ["out/checkpoint-2", "out/checkpoint-1"] and "out/checkpoint-2" in caplog.text
+
+
+def test_changed_settings_are_refused_naming_each_difference(run, capsys):
+    changed = ("num_steps=3", "seed=7", "group_size=8", "lr_schedule=linear", "pruning_rate=0.75")
+    assert train_cli(run, "--resume", settings=changed) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    for difference in ("seed: 0 -> 7", "group_size: 4 -> 8", "lr_schedule: 'cosine' -> 'linear'", "pruning_rate"):
+        assert difference in line, line
+    assert "--allow-config-change" in line and steps_logged(run) == [1, 2]
+
+    assert train_cli(run, "--resume", "--allow-config-change", settings=changed) == 0
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_a_changed_model_shape_is_one_line(run, capsys):
+    shape = "model_config={hidden_size: 32, num_attention_heads: 2, num_key_value_heads: 1}"
+    assert train_cli(run, "--resume", settings=("num_steps=3", shape)) == 2
+    assert "model_config" in error_lines(capsys.readouterr().err)[0]
+    assert train_cli(run, "--resume", "--allow-config-change", settings=("num_steps=3", shape)) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "does not fit the model" in line and "model.safetensors" in line and "size mismatch" in line
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, tokenizer, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def save(path, tiny, step):
+    model, tokenizer, optimizer, scheduler = tiny
+    kwargs = dict(module=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, info=DistInfo())
+    return checkpoint.save(str(path), state={"step": step}, **kwargs)
+
+
+def test_resaving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, tiny, monkeypatch):
+    path = tmp_path / "checkpoint-000005"
+    save(path, tiny, 1)
+    real_replace, moments = os.replace, []
+
+    def replace(src, dst):
+        for _ in range(2):  # before and after each rename
+            moments.append(path.is_dir() or (tmp_path / ".replaced-checkpoint-000005").is_dir())
+            if len(moments) % 2:
+                real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    save(path, tiny, 2)
+    assert len(moments) == 4 and all(moments)
+    assert checkpoint.read_state(str(path))["step"] == 2
+
+    def killed_between_the_renames(src, dst):
+        if str(src).endswith("tmp-checkpoint-000005"):
+            raise KeyboardInterrupt  # the kill, after the old folder was renamed away
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_between_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        save(path, tiny, 3)
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    assert not path.exists()
+    assert checkpoint.remove_leftovers(str(tmp_path)) == [".replaced-checkpoint-000005", ".tmp-checkpoint-000005"]
+    assert checkpoint.read_state(str(path))["step"] == 2 and sorted(os.listdir(tmp_path)) == [path.name]
+
+
+def test_save_fsyncs_every_file_and_folder_before_the_rename(tmp_path, tiny, monkeypatch):
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.abspath(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    path = save(tmp_path / "checkpoint-000001", tiny, 1)
+    tmp = str(tmp_path / ".tmp-checkpoint-000001")
+    renamed = events.index(("replace", tmp))
+    synced = {p for kind, p in events[:renamed] if kind == "fsync"}
+    written = {os.path.join(root, n) for root, dirs, files in os.walk(path) for n in [*files, *dirs]}
+    assert {p.replace(path, tmp) for p in written} | {tmp} <= synced
+    assert ("fsync", str(tmp_path)) in events[renamed:]  # the rename itself, in the parent folder
+
+
+def test_pickle_of_the_old_format_is_refused_too(run):
+    """A trainer_state.pt holding numpy arrays (what saves wrote before) is refused, not unpickled."""
+    state = checkpoint.read_state(str(run / "checkpoint-000002"))
+    state["rng"]["numpy"] = np.random.get_state()
+    torch.save(dict(state), run / "checkpoint-000002" / checkpoint.STATE_FILE)
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match="numpy"):
+        checkpoint.read_state(str(run / "checkpoint-000002"))
