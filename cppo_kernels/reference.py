@@ -1,14 +1,15 @@
 """Naive oracles of every public op, for the tests: written from the stated semantics, apart from the production code.
 
 Nothing here is on a production path and nothing here is imported by one: an oracle that shares code with what it
-checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in float64 with
-``math.fsum``, the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
+checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in exact rational arithmetic
+(``fractions``), the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
 inputs are assumed valid. The loss oracles compute in the dtype of their inputs, so pass float64 tensors.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -23,37 +24,51 @@ __all__ = ["group_advantages", "select_completions", "cppo_select", "token_logpr
 # --------------------------------------------------------------------------------------------
 
 
-def _std(values: list[float], ddof: int) -> float:
-    """Std of ``values`` with ``ddof`` (0 when there are not more than ``ddof`` values)."""
+def _pow2(values: list[float]) -> float:
+    """The power of two at or below the largest magnitude in ``values`` (1.0 for all zeros)."""
+    top = max(abs(v) for v in values)
+    return math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0 else 1.0
+
+
+def _std(values: list[Fraction], ddof: int) -> float:
+    """Std of ``values`` with ``ddof`` (0 over at most ``ddof`` values): exact variance, one rounding."""
     if len(values) <= ddof:
         return 0.0
-    mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - ddof))
+    mean = sum(values) / len(values)
+    return math.sqrt(float(sum((v - mean) ** 2 for v in values) / (len(values) - ddof)))
 
 
 def group_advantages(
     rewards: Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
 ) -> Tensor:
-    """fp32 ``[N]``: ``(r - mean_g) / (std + eps)`` group by group, in float64.
+    """fp32 ``[N]``: ``(r - mean_g) / (std + eps)`` group by group.
 
     ``std`` is the group's (``scale="group"``), the whole batch's (``"batch"``), or the division is skipped
-    (``"none"``); Bessel's correction with ``unbiased``. A group of equal rewards gets exactly 0.
+    (``"none"``: values beyond fp32's range saturate at its largest finite value); Bessel's correction with
+    ``unbiased``. A group of equal rewards gets exactly 0. Exact rational arithmetic (``fractions``), in units of a
+    power of two (the group's largest magnitude, the batch's for ``"batch"``) so that every float conversion fits.
     """
     values = rewards.detach().to(torch.float64).tolist()
     ddof = 1 if unbiased else 0
-    batch_std = _std(values, ddof) if scale == "batch" else None
+    fp32_max = float(torch.finfo(torch.float32).max)
+    if scale == "batch" and values:
+        unit = _pow2(values)
+        batch_std = _std([Fraction(v) / Fraction(unit) for v in values], ddof)
     out = []
     for start in range(0, len(values), group_size):
         group = values[start : start + group_size]
         if max(group) == min(group):
             out += [0.0] * len(group)
             continue
-        mean = math.fsum(group) / len(group)
+        if scale != "batch":
+            unit = _pow2(group)
+        exact = [Fraction(v) / Fraction(unit) for v in group]
+        mean = sum(exact) / len(exact)
         if scale == "none":
-            out += [r - mean for r in group]
+            out += [min(max(float(r - mean) * unit, -fp32_max), fp32_max) for r in exact]
         else:
-            std = _std(group, ddof) if scale == "group" else batch_std
-            out += [(r - mean) / (std + eps) for r in group]
+            std = _std(exact, ddof) if scale == "group" else batch_std
+            out += [float(r - mean) / (std + eps / unit) for r in exact]
     return torch.tensor(out, dtype=torch.float64).to(torch.float32).to(rewards.device)
 
 
