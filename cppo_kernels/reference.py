@@ -143,26 +143,32 @@ def token_logprobs(
     return logp, entropy
 
 
+#: The clamp of the log-ratio before its exp and of the k3 exponent (verl's bound, as the production loss).
+LOG_RATIO_BOUND = 20.0
+
+
 def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     if estimator == "k1":
         return logp - ref
     if estimator == "k2":
         return (logp - ref) ** 2 / 2
-    return torch.exp(ref - logp) - (ref - logp) - 1
+    d = torch.clamp(ref - logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.exp(d) - d - 1
 
 
 def _sequence_loss(
     lp: Tensor, adv: float, old: Tensor | None, ref: Tensor | None, cfg: LossConfig
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(per-token loss, ratio, kl or None) of one non-empty sequence: log-probs ``lp``, advantage ``adv``."""
-    log_ratio = lp - (lp.detach() if old is None else old.to(lp.dtype))
+    """(per-token loss, ratio, kl or None) of one non-empty sequence: log-probs ``lp``, advantage ``adv``; ``old`` and
+    ``ref`` are constants (detached)."""
+    log_ratio = lp - (lp if old is None else old).detach().to(lp.dtype)
     if cfg.importance_sampling == "sequence":
         log_ratio = log_ratio.mean() * torch.ones_like(lp)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.eps_high) * adv)
     if cfg.dual_clip is not None and adv < 0:
         loss = torch.minimum(loss, torch.full_like(loss, -cfg.dual_clip * adv))
-    kl = None if ref is None else _kl(lp, ref.to(lp.dtype), cfg.kl_estimator)
+    kl = None if ref is None else _kl(lp, ref.detach().to(lp.dtype), cfg.kl_estimator)
     if kl is not None and cfg.beta > 0:
         loss = loss + cfg.beta * kl
     return loss, ratio.detach(), kl
@@ -182,7 +188,8 @@ def policy_loss(
 
     ``logp [T]`` (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]``, ``old_logprobs`` / ``ref_logprobs``
     / ``entropy [T]``. Per token of sequence s: ``d = logp - old`` (``old = logp.detach()`` when absent; the
-    sequence's mean d for ``importance_sampling="sequence"``), ``r = exp(d)``, ``-min(r A_s, clip(r) A_s)``,
+    sequence's mean d for ``importance_sampling="sequence"``), ``r = exp(clamp(d, -20, 20))``,
+    ``-min(r A_s, clip(r) A_s)``, the k3 exponent clamped alike,
     at most ``-dual_clip * A_s`` when ``A_s < 0``, plus ``beta * kl``. Aggregated over the tokens (token-mean),
     over each sequence then the sequences (seq-mean-token-mean), or summed and divided by
     ``S * max_completion_length`` (seq-mean-token-sum-norm); an empty sequence or batch gives 0.
