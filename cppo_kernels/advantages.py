@@ -88,7 +88,10 @@ def group_advantages(
         eps: added to the std (>= 0).
 
     Returns:
-        fp32 ``[N]``. A group whose rewards are all equal gets exactly 0 (never NaN, also with ``eps=0``).
+        fp32 ``[N]``, right for every finite input (each group is scaled by a power of two before any square, so
+        rewards near fp32's or fp64's range neither overflow nor vanish); ``scale="none"`` saturates at the largest
+        fp32 where the difference exceeds it. A group whose rewards are all equal gets exactly 0 (never NaN, also
+        with ``eps=0``). Group sizes above :data:`TRITON_MAX_GROUP_SIZE` run the PyTorch backend.
     """
     _check_grouped_vector("rewards", rewards, group_size)
     _check_advantage_options(scale, unbiased, eps)
@@ -121,7 +124,8 @@ def select_completions(
         generator: the generator of the ``"random"`` draws (``N`` fp32 draws on the advantages' device).
 
     Returns:
-        int64 ``[keep * num_groups]``, ascending.
+        int64 ``[keep * num_groups]``, ascending; exactly that many, whatever the scores (the Triton kernels rank by
+        a total order and bound every store by construction).
     """
     _check_grouped_vector("advantages", advantages, group_size)
     _check_selection_options(group_size, keep, scope, metric, generator)

@@ -1,9 +1,16 @@
 """Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight: the public layer.
 
 The public functions validate their input once (shape and dtype checks on the host, value checks read back with one
-host sync), convert the padded layout to the packed one, run the per-token log-probs through :class:`_FusedLogProbs`
-(the autograd Function over a backend: ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither
-validates again nor materialises ``[T, V]`` logits) and apply the O(T) policy math of :mod:`cppo_kernels._policy`.
+host sync; after the forward, one more on the per-token log-sum-exp, which catches NaN/inf in hidden, weight or
+bias without scanning them), convert the padded layout to the packed one, and run one of two modes (``MODES``,
+chosen per call by ``mode=`` or, for ``"auto"``, by the per-shape-class rule table :data:`MODE_RULES`):
+
+- two-pass: the per-token log-probs through :class:`_FusedLogProbs` (the autograd Function over a backend:
+  ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither validates again nor materialises
+  ``[T, V]`` logits), then the O(T) policy math of :mod:`cppo_kernels._policy` under autograd; the backward
+  recomputes the logits (4 matmuls in all);
+- gradient-in-forward (token-level importance sampling, gradients wanted): :class:`_GradInForward`, whose forward
+  computes the gradients too, chunk by chunk while the logits are in memory (3 matmuls in all).
 """
 
 from __future__ import annotations
@@ -483,10 +490,24 @@ def fused_cppo_loss(
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
     Per token t of sequence s: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio
-    ``r = exp(logp - old)`` (``old = logp.detach()`` without ``old_logprobs``);
+    ``r = exp(clamp(logp - old, -20, 20))`` (``old = logp.detach()`` without ``old_logprobs``);
     ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
-    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs``; aggregated by ``loss_agg``.
-    Deterministic, and a token's log-prob does not depend on the other tokens of the batch.
+    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs`` (k3's exponent ``ref - logp`` clamped
+    to ``[-20, 20]`` too); aggregated by ``loss_agg``. The clamps are verl's: in-range values are exact, and the loss
+    and its gradients stay finite for any finite log-probs (a clamped token has the bound's loss and no gradient
+    through the clamped term; see :mod:`cppo_kernels._policy`). ``advantages``, ``old_logprobs`` and
+    ``ref_logprobs`` are constants: detached, no gradient flows into them. Deterministic, and a token's log-prob
+    does not depend on the other tokens of the batch.
+
+    Modes (same results within fp32 rounding): ``"two-pass"`` computes the log-probs in the forward and the
+    gradients in the backward, recomputing the logits (4 matmuls); ``"grad-in-forward"`` computes the gradients in
+    the forward, chunk by chunk while the logits are in memory, and the backward only scales them (3 matmuls; the
+    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward needs token-level importance
+    sampling and runs only when gradients are wanted (grad mode on and hidden, weight or bias requiring grad):
+    otherwise nothing beyond the log-probs is computed. It runs the chunked PyTorch code (CPU BLAS, or cuBLAS on
+    CUDA) whatever the backend. It supports a scaled loss, gradient accumulation over micro-batches, a loss used
+    several times in one graph and a second backward through a retained graph (recomputed); neither mode supports
+    double backward (``create_graph=True`` raises).
 
     Layouts (exactly one of ``cu_seqlens`` / ``mask``): packed ``[T, ...]`` or padded ``[B, L, ...]`` (TRL,
     Liger-Kernel), where only positions with ``mask`` set count (padding content is never read into the loss).
@@ -494,11 +515,12 @@ def fused_cppo_loss(
     Args:
         hidden: ``[T, H]`` (packed) or ``[B, L, H]`` (padded), fp32 / bf16 / fp16, finite; row t predicts
             ``targets[t]``.
-        weight: ``[V, H]`` LM-head weight, hidden's dtype.
+        weight: ``[V, H]`` LM-head weight, hidden's dtype, finite (checked through the log-sum-exp of each token's
+            logits: non-finite logits raise a ``ValueError`` naming hidden, weight or bias, or saying they overflow).
         targets: ``[T]`` or ``[B, L]`` integer token ids in ``[0, V)``.
         advantages: ``[S]`` (packed) or ``[B]`` (padded), one per sequence, finite.
         cu_seqlens: ``[S+1]`` integer offsets of the packed sequences (0, non-decreasing, ending at T).
-        mask: ``[B, L]`` bool or 0/1 integer: the positions that count (padded layout).
+        mask: ``[B, L]`` bool, or integer / floating holding only 0 and 1: the positions that count (padded layout).
         old_logprobs: ``[T]`` or ``[B, L]`` log-probs of the policy that sampled (finite where counted).
         ref_logprobs: ``[T]`` or ``[B, L]`` log-probs of the reference model (required when ``beta > 0``).
         bias: ``[V]`` LM-head bias, weight's dtype.
@@ -506,6 +528,9 @@ def fused_cppo_loss(
             its default (else ``ValueError``).
         temperature, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, importance_sampling, loss_agg,
             max_completion_length, compute_entropy: the loss options, each documented in :class:`LossConfig`.
+        mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
+            PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides), ``"two-pass"`` or
+            ``"grad-in-forward"`` (a ``ValueError`` with ``importance_sampling="sequence"``).
 
     Returns:
         ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
@@ -655,6 +680,7 @@ class FusedCPPOLoss(nn.Module):
     Args:
         config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
             (a keyword that differs from its default next to ``config`` is a ``ValueError``).
+        mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
         **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
@@ -662,12 +688,13 @@ class FusedCPPOLoss(nn.Module):
     returns its ``(loss, metrics)``.
     """
 
-    def __init__(self, config: LossConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: LossConfig | None = None, *, mode: str = "auto", **options: Any) -> None:
         super().__init__()
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown}: the options are {list(_OPTIONS)}")
         self.config = _loss_config(config, options)
+        self.mode = check_choice("mode", mode, MODES)
 
     def forward(
         self,
@@ -693,7 +720,8 @@ class FusedCPPOLoss(nn.Module):
             ref_logprobs=ref_logprobs,
             bias=bias,
             config=self.config,
+            mode=self.mode,
         )
 
     def extra_repr(self) -> str:
-        return repr(self.config)
+        return f"{self.config!r}, mode={self.mode!r}"

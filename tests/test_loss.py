@@ -522,6 +522,11 @@ def test_module_matches_the_function(path):
     tp = torch.zeros(3, 5, dtype=torch.long).masked_scatter(mask, t)
     got = _run(padded, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"])
     _assert_same(got, _run(fused_cppo_loss, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"]))
+    for mode in ("two-pass", "grad-in-forward"):
+        module = FusedCPPOLoss(beta=0.0, mode=mode)
+        assert module.mode == mode and f"mode='{mode}'" in repr(module)
+        got = _run(module, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"])
+        _assert_same(got, _run(fused_cppo_loss, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"], mode=mode))
 
 
 def test_module_bad_options():
@@ -531,6 +536,8 @@ def test_module_bad_options():
         FusedCPPOLoss(LossConfig(beta=0.04), beta=0.1)
     with pytest.raises(ValueError, match="kl_estimator"):
         FusedCPPOLoss(kl_estimator="k4")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        FusedCPPOLoss(mode="fast")
 
 
 # --------------------------------------------------------------------------------------------
