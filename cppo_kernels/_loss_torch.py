@@ -59,15 +59,20 @@ def _compute_weight(weight: Tensor) -> Tensor:
     return weight if weight.is_cuda or weight.dtype == torch.float32 else weight.float()
 
 
+def _half_gemm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32 ``a @ b`` of CUDA bf16/fp16 operands: one cuBLAS tensor-core GEMM with fp32 accumulation and output."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
 def _matmul(a: Tensor, b: Tensor, out: Tensor, *, accumulate: bool = False, alpha: float = 1.0) -> Tensor:
-    """``out (+)= alpha * a @ b`` into fp32 ``out``: in place for fp32 operands; for CUDA bf16/fp16 operands a
-    cuBLAS GEMM with fp32 accumulation and output (``out_dtype``), then added."""
+    """``out (+)= alpha * a @ b`` into fp32 ``out``: in place for fp32 operands; for CUDA bf16/fp16 operands
+    :func:`_half_gemm` (into ``out``, or into an fp32 temporary the size of ``out`` that is then added)."""
     if a.dtype == torch.float32:
         return out.addmm_(a, b, beta=1.0 if accumulate else 0.0, alpha=alpha)
-    prod = torch.mm(a, b, out_dtype=torch.float32)
-    if alpha != 1.0:
-        prod.mul_(alpha)
-    return out.add_(prod) if accumulate else out.copy_(prod)
+    if accumulate:
+        return out.add_(_half_gemm(a, b), alpha=alpha)
+    _half_gemm(a, b, out=out)
+    return out if alpha == 1.0 else out.mul_(alpha)
 
 
 def _logits_into(z: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float) -> Tensor:

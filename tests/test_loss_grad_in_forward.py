@@ -320,6 +320,29 @@ def test_explicit_mode_on_the_triton_backend(monkeypatch):
         _assert_close(name, got, exp, 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gemm_path_on_cpu(dtype, monkeypatch):
+    """The CUDA bf16/fp16 branch (weights kept in their dtype, GEMMs with fp32 outputs, the dz operand rounded to the
+    weight's dtype), run on the CPU with the one cuBLAS call emulated: it matches the two-pass path."""
+    monkeypatch.setattr(_loss_torch, "_compute_weight", lambda weight: weight)
+    gemms = []
+    monkeypatch.setattr(
+        _loss_torch,
+        "_half_gemm",
+        lambda a, b, out=None: gemms.append(a.dtype) or torch.mm(a.float(), b.float(), out=out),
+    )
+    hidden, weight, bias, targets, adv, old, ref = _inputs(6, [9, 12, 4], dtype)
+    args = (hidden, weight, bias, targets, adv, _cu([9, 12, 4]))
+    options = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04, temperature=0.8)
+    loss, _, grads = _run("grad-in-forward", *args, **options)
+    assert gemms == [dtype] * 3 * 4  # 4 chunks of 8 tokens: logits, dhidden, dweight each
+    want, _, want_grads = _run("two-pass", *args, **options)
+    _assert_close("loss", loss, want, 1e-5)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        assert got.dtype == dtype
+        _assert_close(name, got, exp, 2**-6, 1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMMs with fp32 outputs)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_grad_in_forward_matches_the_triton_two_pass(dtype, monkeypatch):
