@@ -1,25 +1,29 @@
-"""Benchmark of the fused CPPO loss: time and peak memory, forward and backward.
+"""Benchmark of the fused CPPO loss: time and working memory, forward and backward.
 
 Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given reference and old log-probs):
 
-- ``fused-torch`` / ``fused-triton``: :func:`cppo_kernels.fused_cppo_loss` (Triton on CUDA only);
-- ``naive``: full fp32 ``[T, V]`` logits, log_softmax, gather, then the same elementwise policy loss;
-- ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo). It computes the gradients
-  inside its forward, so its "forward" holds nearly all the work and its "backward" only rescales;
+- ``fused-grad-in-forward-torch`` (CPU) / ``fused-grad-in-forward-cublas`` (CUDA): :func:`cppo_kernels.fused_cppo_loss`
+  with ``mode="grad-in-forward"``: chunk by chunk the logits (1 matmul), then, the chunk still in memory, dhidden and
+  dweight (2 matmuls): its forward holds nearly all the work and allocates the gradients, its backward only hands
+  them over;
+- ``fused-two-pass-torch`` / ``fused-two-pass-triton`` (CUDA): ``mode="two-pass"``: the forward computes the
+  log-probs (1 matmul), the backward recomputes the logits (3 matmuls);
+- ``naive``: full fp32 ``[T, V]`` logits, then :func:`cppo_kernels.cppo_loss_from_logits`;
+- ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo), gradients in its forward;
 - ``liger-triton`` (CUDA only): the logits matmul + Liger's ``triton_grpo_loss`` on those logits;
 - ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
-  time is also reported as a multiple of it, in wall time and in process CPU time (``time.process_time``,
-  all threads; far less sensitive than wall time to other processes sharing the cores; on CUDA it means
-  nothing and only the wall ratio counts).
+  time is also reported as a multiple of it ("matmul-equivalents"), in wall time and in process CPU time
+  (``time.process_time``, all threads; far less sensitive than wall time to other processes sharing the cores; on
+  CUDA it means nothing and only the wall ratio counts).
 
-Peak extra memory is the high-water mark during forward+backward above the memory held just before
-(gradients are set to None first, so the returned gradients count). On CUDA it comes from
-``torch.cuda.max_memory_allocated``. On CPU it is the kernel's resident-set high-water mark: writing ``5``
-to ``/proc/self/clear_refs`` resets ``VmHWM`` in ``/proc/self/status`` and the peak is read back after the
-step. Tensors of 1 MiB or more are mmap-ed by the allocator and unmapped when freed, so RSS follows them;
-the script checks this at start-up by measuring one filled ``[T, V]`` fp32 tensor (reported as ``calibration``).
-``workspace`` is the peak extra minus the bytes of the gradients returned (dhidden + dweight), the part an
-implementation can save.
+Memory is measured above what is held just before the forward (gradients set to None first), as two peaks: the
+forward's, and the backward's (the peak is reset between them). The *working memory* of each is that peak less the
+returned gradients (dhidden + dweight) it already holds: all of them in the backward; in the forward only for the
+methods that allocate them there (gradient-in-forward and Liger's chunked loss), so a workspace hidden under the
+gradients still shows. On CUDA the peaks come from ``torch.cuda.max_memory_allocated``. On CPU they are the
+kernel's resident-set high-water mark: writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM`` in
+``/proc/self/status``. Tensors of 1 MiB or more are mmap-ed by the allocator and unmapped when freed, so RSS follows
+them; the script checks this at start-up by measuring one filled ``[T, V]`` fp32 tensor (``calibration``).
 
     python benchmarks/bench_loss.py                      # CPU: T=2048, H=896, V=151,936, fp32
     python benchmarks/bench_loss.py --device cuda        # also T=16,384, H=1,536 in bf16
@@ -31,16 +35,16 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import pathlib
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
+from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
@@ -71,6 +75,7 @@ class CpuMemory:
         raise RuntimeError(f"{key} not in /proc/self/status")
 
     def start(self) -> int:
+        """Resets the peak to the current resident size and returns that size."""
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return self._status("VmRSS:")
@@ -91,7 +96,7 @@ class CudaMemory:
 
 
 # --------------------------------------------------------------------------------------------
-# Methods: each builds a closure that runs the forward and returns the scalar loss
+# Methods: each a closure that runs the forward and returns the scalar loss
 # --------------------------------------------------------------------------------------------
 
 
@@ -104,73 +109,62 @@ def naive_loss(hidden, weight, targets, advantages, cu_seqlens, old, ref):
     return loss
 
 
-def build_methods(device: torch.device, inputs: dict) -> dict[str, Callable[[], torch.Tensor]]:
-    h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
-    T, H = h.shape
-    B = T // SEQ_LEN
-    adv_b = adv  # one advantage per sequence of SEQ_LEN tokens
-    mask = torch.ones(B, SEQ_LEN, dtype=torch.int64, device=device)
+class Method(NamedTuple):
+    run: Callable[[], torch.Tensor]  # the forward: returns the scalar loss
+    grads_in_forward: bool  # allocates the returned gradients in its forward
 
-    def fused(backend: str):
+
+def build_methods(device: torch.device, inputs: dict) -> dict[str, Method]:
+    h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
+
+    def fused(backend: str, mode: str) -> Callable[[], torch.Tensor]:
         def run():
-            os.environ["CPPO_KERNELS_BACKEND"] = backend
-            loss, _ = fused_cppo_loss(h, w, t, adv, cu_seqlens=cu, old_logprobs=old, ref_logprobs=ref, **OPTIONS)
-            return loss
+            with use_backend(backend):
+                return fused_cppo_loss(h, w, t, adv, cu_seqlens=cu, old_logprobs=old, ref_logprobs=ref, mode=mode,
+                                       **OPTIONS)[0]  # fmt: skip
 
         return run
 
-    methods = {}
-    if device.type == "cuda":
-        methods["fused-triton"] = fused("triton")
-    methods["fused-torch"] = fused("torch")
-    methods["naive"] = lambda: naive_loss(h, w, t, adv, cu, old, ref)
+    cuda = device.type == "cuda"
+    methods = {
+        f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": Method(fused("torch", "grad-in-forward"), True),
+        f"fused-two-pass-{'triton' if cuda else 'torch'}": Method(
+            fused("triton" if cuda else "torch", "two-pass"), False
+        ),
+        "naive": Method(lambda: naive_loss(h, w, t, adv, cu, old, ref), False),
+    }
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        liger = LigerFusedLinearGRPOLoss(
-            beta=OPTIONS["beta"],
-            compiled=device.type == "cuda",
-            use_ref_model=True,
-            epsilon_low=0.2,
-            epsilon_high=0.2,
-            loss_type="dapo",
-        )
-        methods["liger-chunked"] = lambda: liger(
-            h.view(B, SEQ_LEN, H),
-            w,
-            t.view(B, SEQ_LEN),
-            mask,
-            adv_b,
-            ref_per_token_logps=ref.view(B, SEQ_LEN),
-            old_per_token_logps=old.view(B, SEQ_LEN),
-        )[0]
-        if device.type == "cuda":
-            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-
-            pad = torch.zeros(B, 1, H, dtype=h.dtype, device=device)
-
-            def liger_triton():
-                # triton_grpo_loss wants [B, L+1, V] logits (the last position is dropped).
-                logits = torch.cat([h.view(B, SEQ_LEN, H), pad], dim=1) @ w.t()  # [B, L+1, V]
-                loss, _ = triton_grpo_loss(
-                    logits,
-                    old.view(B, SEQ_LEN),
-                    ref.view(B, SEQ_LEN),
-                    t.view(B, SEQ_LEN),
-                    adv_b,
-                    mask,
-                    temperature=1.0,
-                    beta=OPTIONS["beta"],
-                    eps_low=0.2,
-                    eps_high=0.2,
-                    loss_type="dapo",
-                    reduce=True,
-                )
-                return loss
-
-            methods["liger-triton"] = liger_triton
+        methods.update(liger_methods(device, inputs))
     except ImportError as err:
         print(f"liger-kernel unavailable ({err}); skipping the Liger methods")
+    return methods
+
+
+def liger_methods(device: torch.device, inputs: dict) -> dict[str, Method]:
+    """Liger-Kernel's GRPO losses on the padded layout (``T / SEQ_LEN`` rows of ``SEQ_LEN`` tokens)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    h, w, t, adv, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "old", "ref"))
+    H, B = h.shape[1], h.shape[0] // SEQ_LEN
+    padded = dict(ref_per_token_logps=ref.view(B, SEQ_LEN), old_per_token_logps=old.view(B, SEQ_LEN))
+    mask = torch.ones(B, SEQ_LEN, dtype=torch.int64, device=device)
+    eps = dict(epsilon_low=0.2, epsilon_high=0.2)
+    liger = LigerFusedLinearGRPOLoss(beta=OPTIONS["beta"], compiled=device.type == "cuda", use_ref_model=True,
+                                     loss_type="dapo", **eps)  # fmt: skip
+    methods = {"liger-chunked": Method(lambda: liger(h.view(B, SEQ_LEN, H), w, t.view(B, SEQ_LEN), mask, adv,
+                                                     **padded)[0], True)}  # fmt: skip
+    if device.type == "cuda":
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        pad = torch.zeros(B, 1, H, dtype=h.dtype, device=device)
+
+        def liger_triton():  # triton_grpo_loss wants [B, L+1, V] logits (the last position is dropped)
+            logits = torch.cat([h.view(B, SEQ_LEN, H), pad], dim=1) @ w.t()  # [B, L+1, V]
+            return triton_grpo_loss(logits, padded["old_per_token_logps"], padded["ref_per_token_logps"],
+                                    t.view(B, SEQ_LEN), adv, mask, temperature=1.0, beta=OPTIONS["beta"], eps_low=0.2,
+                                    eps_high=0.2, loss_type="dapo", reduce=True)[0]  # fmt: skip
+
+        methods["liger-triton"] = Method(liger_triton, False)
     return methods
 
 
@@ -211,8 +205,8 @@ def calibrate(probe, T: int, V: int, device: torch.device) -> dict:
     return {"expected_bytes": T * V * 4, "measured_bytes": measured}
 
 
-def measure(name, fn, inputs, probe, device) -> dict:
-    """One forward+backward: wall and process CPU seconds of each half, peak extra memory."""
+def measure(name: str, method: Method | Callable, inputs: dict, probe, device: torch.device) -> dict:
+    """One forward+backward: wall and process CPU seconds of each half, the peak memory of each above the start."""
     params = [inputs["hidden"], inputs["weight"]]
     for p in params:
         p.grad = None
@@ -222,18 +216,20 @@ def measure(name, fn, inputs, probe, device) -> dict:
     c0, t0 = time.process_time(), time.perf_counter()
     if name == "matmul":
         with torch.no_grad():
-            out = fn()
+            out = method()
             sync(device)
         c1, t1 = time.process_time(), time.perf_counter()
         del out
         return {"fwd": t1 - t0, "fwd_cpu": c1 - c0}
-    loss = fn()
+    loss = method.run()
     sync(device)
     c1, t1 = time.process_time(), time.perf_counter()
+    fwd_peak = probe.peak() - base
+    probe.start()  # the backward's own peak from here
     loss.backward()
     sync(device)
     c2, t2 = time.process_time(), time.perf_counter()
-    peak = probe.peak() - base
+    bwd_peak = probe.peak() - base
     if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{name}: non-finite loss")
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
@@ -242,10 +238,33 @@ def measure(name, fn, inputs, probe, device) -> dict:
         "bwd": t2 - t1,
         "fwd_cpu": c1 - c0,
         "bwd_cpu": c2 - c1,
-        "peak": peak,
+        "fwd_peak": fwd_peak,
+        "bwd_peak": bwd_peak,
+        "fwd_work": fwd_peak - (grad_bytes if method.grads_in_forward else 0),
+        "bwd_work": bwd_peak - grad_bytes,
         "grad_bytes": grad_bytes,
         "loss": loss.item(),
     }
+
+
+def summarise(samples: list[dict], matmul_s: float, matmul_cpu_s: float) -> dict:
+    """Medians of the times, worst of the memories, over the repeats of one method."""
+    total = statistics.median(s["fwd"] + s["bwd"] for s in samples)
+    total_cpu = statistics.median(s["fwd_cpu"] + s["bwd_cpu"] for s in samples)
+    row = {
+        "fwd_s": statistics.median(s["fwd"] for s in samples),
+        "bwd_s": statistics.median(s["bwd"] for s in samples),
+        "fwd_bwd_s": total,
+        "fwd_bwd_matmuls": total / matmul_s,
+        "fwd_bwd_cpu_s": total_cpu,
+        "fwd_bwd_matmuls_cpu": total_cpu / matmul_cpu_s,
+        **{f"{k}_bytes": max(s[k] for s in samples) for k in ("fwd_peak", "bwd_peak", "fwd_work", "bwd_work")},
+        "grad_bytes": samples[0]["grad_bytes"],
+        "loss": samples[0]["loss"],
+    }
+    row["peak_extra_bytes"] = max(row["fwd_peak_bytes"], row["bwd_peak_bytes"])
+    row["workspace_bytes"] = max(row["fwd_work_bytes"], row["bwd_work_bytes"])  # the working memory
+    return row
 
 
 def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int) -> dict:
@@ -259,37 +278,16 @@ def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device,
     methods = {"matmul": lambda: h.detach() @ w.detach().t(), **build_methods(device, inputs)}
     samples: dict[str, list[dict]] = {name: [] for name in methods}
     for r in range(warmup + repeats):
-        for name, fn in methods.items():  # interleaved, so all methods see the same machine load
-            s = measure(name, fn, inputs, probe, device)
+        for name, method in methods.items():  # interleaved, so all methods see the same machine load
+            s = measure(name, method, inputs, probe, device)
             if r >= warmup:
                 samples[name].append(s)
-            print(f"  [{r}] {name:14s} " + " ".join(f"{k}={v:.4g}" for k, v in s.items()), flush=True)
+            print(f"  [{r}] {name:28s} " + " ".join(f"{k}={v:.4g}" for k, v in s.items()), flush=True)
     matmul_s = statistics.median(s["fwd"] for s in samples["matmul"])
     matmul_cpu_s = statistics.median(s["fwd_cpu"] for s in samples["matmul"])
     out = {"tokens": T, "hidden": H, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
-    out["calibration"] = calibration
-    out["matmul_s"] = matmul_s
-    out["matmul_cpu_s"] = matmul_cpu_s
-    rows = {}
-    for name, ss in samples.items():
-        if name == "matmul":
-            continue
-        fwd = statistics.median(s["fwd"] for s in ss)
-        bwd = statistics.median(s["bwd"] for s in ss)
-        total = statistics.median(s["fwd"] + s["bwd"] for s in ss)
-        total_cpu = statistics.median(s["fwd_cpu"] + s["bwd_cpu"] for s in ss)
-        peak = max(s["peak"] for s in ss)
-        rows[name] = {
-            "fwd_s": fwd,
-            "bwd_s": bwd,
-            "fwd_bwd_s": total,
-            "fwd_bwd_matmuls": total / matmul_s,
-            "fwd_bwd_cpu_s": total_cpu,
-            "fwd_bwd_matmuls_cpu": total_cpu / matmul_cpu_s,
-            "peak_extra_bytes": peak,
-            "workspace_bytes": peak - ss[0]["grad_bytes"],
-            "loss": ss[0]["loss"],
-        }
+    out.update(calibration=calibration, matmul_s=matmul_s, matmul_cpu_s=matmul_cpu_s)
+    rows = {name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul"}
     naive = rows.get("naive")
     for row in rows.values():
         if naive:
@@ -308,14 +306,15 @@ def table(results: list[dict]) -> str:
         )
         lines.append(
             "| method | fwd (ms) | bwd (ms) | fwd+bwd (ms) | x matmul (wall) | x matmul (CPU time) "
-            "| peak extra (MB) | workspace (MB) |"
+            "| fwd working (MB) | bwd working (MB) | working vs naive |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, r in res["methods"].items():
+            vs = f"{r['workspace_vs_naive']:.1%}" if "workspace_vs_naive" in r else "-"
             lines.append(
                 f"| {name} | {r['fwd_s'] * 1e3:.0f} | {r['bwd_s'] * 1e3:.0f} | {r['fwd_bwd_s'] * 1e3:.0f} | "
                 f"{r['fwd_bwd_matmuls']:.2f} | {r['fwd_bwd_matmuls_cpu']:.2f} | "
-                f"{r['peak_extra_bytes'] / 1e6:.0f} | {r['workspace_bytes'] / 1e6:.0f} |"
+                f"{r['fwd_work_bytes'] / 1e6:.0f} | {r['bwd_work_bytes'] / 1e6:.0f} | {vs} |"
             )
     return "\n".join(lines)
 
@@ -326,29 +325,27 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 2, figsize=(13, 4.5 * len(results)), squeeze=False)
     for (ax_t, ax_m), res in zip(axes, results):
         names = list(res["methods"])
         rows = [res["methods"][n] for n in names]
-        x = range(len(names))
+        x = list(range(len(names)))
         fwd = [r["fwd_s"] for r in rows]
-        bwd = [r["bwd_s"] for r in rows]
         ax_t.bar(x, fwd, label="forward")
-        ax_t.bar(x, bwd, bottom=fwd, label="backward")
+        ax_t.bar(x, [r["bwd_s"] for r in rows], bottom=fwd, label="backward")
         ax_t.axhline(res["matmul_s"], color="k", ls="--", lw=1, label="one [T,H]x[H,V] matmul")
-        ax_t.set_xticks(list(x), names, rotation=15)
+        ax_t.set_xticks(x, names, rotation=15)
         ax_t.set_ylabel("seconds (median)")
         ax_t.legend()
         title = f"T={res['tokens']} H={res['hidden']} V={res['vocab']} {res['dtype']} ({res['device']})"
         ax_t.set_title("time, " + title)
-        grads = [(r["peak_extra_bytes"] - r["workspace_bytes"]) / 1e9 for r in rows]
-        work = [r["workspace_bytes"] / 1e9 for r in rows]
-        ax_m.bar(x, grads, label="returned gradients", color="0.7")
-        ax_m.bar(x, work, bottom=grads, label="workspace")
-        ax_m.set_xticks(list(x), names, rotation=15)
-        ax_m.set_ylabel("peak extra memory (GB)")
+        width = 0.4
+        for shift, key, label in ((-width / 2, "fwd_work_bytes", "forward"), (width / 2, "bwd_work_bytes", "backward")):
+            ax_m.bar([i + shift for i in x], [r[key] / 1e9 for r in rows], width, label=f"{label} working memory")
+        ax_m.set_xticks(x, names, rotation=15)
+        ax_m.set_ylabel("GB (peak less the returned gradients)")
         ax_m.legend()
-        ax_m.set_title("memory, " + title)
+        ax_m.set_title("working memory, " + title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

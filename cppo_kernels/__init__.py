@@ -8,7 +8,8 @@ Public API::
 Layout: ``advantages.py`` / ``loss.py`` (public functions: validation once, then dispatch), their backends
 ``_{op}_triton.py`` (kernels + launchers) and ``_{op}_torch.py`` (PyTorch), ``_policy.py`` (the per-token policy
 math of the loss), ``_dispatch.py`` (backend choice), ``config.py`` (options and checks), ``reference.py`` (naive
-oracles for the tests, apart from all of the above).
+oracles for the tests, apart from all of the above). :func:`fused_cppo_loss` runs two-pass or with its gradients
+computed in the forward (``mode=``; ``cppo_kernels.loss.MODE_RULES`` holds the per-shape-class default).
 """
 
 from ._dispatch import use_backend

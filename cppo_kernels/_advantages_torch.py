@@ -1,7 +1,8 @@
 """PyTorch backend of the advantages and the completion selection: the CPU path and the fallback without Triton.
 
 Same interface as ``_advantages_triton``; the inputs are already validated by :mod:`cppo_kernels.advantages`.
-Statistics in float64, advantages returned fp32; selection by a stable sort of the fp32 scores.
+Statistics in float64 on rewards scaled by a power of two, advantages returned fp32; selection by a stable sort of
+the fp32 scores.
 """
 
 from __future__ import annotations
@@ -11,20 +12,41 @@ from torch import Tensor
 
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
 
+FP32_MAX = torch.finfo(torch.float32).max
+MIN_NORMAL = torch.finfo(torch.float64).tiny
+
 
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> Tensor:
-    """fp32 ``[N]`` advantages of ``rewards [N]`` (see :func:`cppo_kernels.group_advantages`)."""
+    """fp32 ``[N]`` advantages of ``rewards [N]`` (see :func:`cppo_kernels.group_advantages`).
+
+    Each group (the whole batch for ``scale="batch"``) is divided by the power of two :func:`pow2_scale` of its
+    largest |reward| first (exact, and no square or sum can overflow whatever the finite input), then shifted by
+    its first reward (exact differences for clustered rewards), as the Triton kernels do.
+    """
     r = rewards.detach().to(torch.float64).reshape(-1, group_size)  # [Q, G]
-    centered = r - r.mean(dim=1, keepdim=True)  # [Q, G]
+    if r.numel() == 0:
+        return torch.empty(0, dtype=torch.float32, device=r.device)
     constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)  # [Q, 1]
+    mag = r.abs()  # [Q, G]
+    s = pow2_scale(mag.amax() if scale == "batch" else mag.amax(dim=1, keepdim=True))  # [Q, 1] or []
+    rs = r / s  # [Q, G], |rs| < 2
+    d = rs - rs[:, :1]  # [Q, G] shifted by the first reward: exact differences for clustered rewards
+    centered = d - d.mean(dim=1, keepdim=True)  # [Q, G]
     if scale == "group":
-        adv = centered / (_std(r, unbiased=unbiased) + eps)  # std [Q, 1]
+        adv = centered / (_std(d, unbiased=unbiased) + eps / s)  # std [Q, 1]
     elif scale == "batch":
-        adv = centered / (_std(r.reshape(1, -1), unbiased=unbiased) + eps)  # std [1, 1]
+        flat = rs.reshape(1, -1)  # [1, N]
+        adv = centered / (_std(flat - flat[:, :1], unbiased=unbiased) + eps / s)  # std [1, 1]
     else:
-        adv = centered
+        adv = (centered * s).clamp(-FP32_MAX, FP32_MAX)  # rounded to fp32 below, saturating instead of inf
     adv = torch.where(constant, torch.zeros_like(adv), adv)  # exact 0, also when eps=0 makes it 0/0
     return adv.reshape(-1).to(torch.float32)
+
+
+def pow2_scale(m: Tensor) -> Tensor:
+    """``2^floor(log2 m)`` of fp64 ``m >= 0`` (at least 2^-1022, the smallest normal): dividing by it is exact."""
+    exponent = m.view(torch.int64) & 0x7FF0000000000000  # the exponent bits alone: a power of two (or 0)
+    return exponent.view(torch.float64).clamp_min(MIN_NORMAL)
 
 
 def _std(x: Tensor, *, unbiased: bool) -> Tensor:

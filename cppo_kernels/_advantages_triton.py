@@ -18,19 +18,27 @@ when another recomputes it:
   N=65,536). Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
   timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
 
-Arithmetic: rewards are upcast at load to fp64, whatever their dtype, and the statistics and advantages are
-computed in fp64 (each group shifted by its first reward before summing: exact differences for clustered
-rewards), then rounded to fp32 once, as the PyTorch backend does. Advantages that are equal in exact arithmetic
-then come out as the same fp32 value (barring an fp64 error straddling an fp32 rounding boundary), so exact ties
-go to the lower index on both backends. In fp32 they did not: with G = 3, ``1 - fl(1/3)`` rounds to one ulp below
-``fl(2/3)``, so the advantage 2/3 of the reward 1 in ``[0, 0, 1]`` lost its tie with the -2/3 of the 0 in
-``[0, 1, 1]``. A group whose rewards are all equal gets exactly 0.
+Arithmetic: rewards are upcast at load to fp64, whatever their dtype, divided by the power of two at or below their
+group's largest magnitude (the batch's for ``scale="batch"``: exact, and it keeps every square and sum in range for
+any finite input, fp64 ones near 1e308 included), and the statistics and advantages are computed in fp64 (each group
+shifted by its first reward before summing: exact differences for clustered rewards), then rounded to fp32 once, as
+the PyTorch backend does (``scale="none"`` saturates at the largest fp32 instead of overflowing to inf). Advantages
+that are equal in exact arithmetic then come out as the same fp32 value (barring an fp64 error straddling an fp32
+rounding boundary), so exact ties go to the lower index on both backends. In fp32 they did not: with G = 3,
+``1 - fl(1/3)`` rounds to one ulp below ``fl(2/3)``, so the advantage 2/3 of the reward 1 in ``[0, 0, 1]`` lost its
+tie with the -2/3 of the 0 in ``[0, 1, 1]``. A group whose rewards are all equal gets exactly 0.
+
+Stores are bounded by construction, whatever the data: ranks compare integer keys of the fp32 scores (a total order
+on every bit pattern, NaN included), so exactly ``keep`` completions of a group are kept, and each index store is
+masked to its own output slots (``slot < keep`` per group, ``slot < keep * num_groups`` for the batch).
 Tile shapes and ``num_warps`` depend only on ``group_size``, never on the batch, so a group's
-advantages do not depend on what else is in the launch.
+advantages do not depend on what else is in the launch. ``group_size`` is at most :data:`MAX_GROUP_SIZE`
+(:func:`cppo_kernels.advantages` runs larger groups on the PyTorch path).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +57,9 @@ METRIC_CODE = {"smallest": METRIC_SMALLEST, "largest": METRIC_LARGEST, "random":
 COMPARE_BUDGET = 8192
 #: Largest ``[BLOCK_Q, BLOCK_G]`` tile of rewards per program.
 TILE_BUDGET = 1024
+#: Largest group size of the kernels: compiled for sm_80/sm_90 without spilling (tests/test_compile_advantages.py);
+#: 8192 spills on sm_80 (16384 on both), and Triton's tensor limit (2^20 elements) is above that.
+MAX_GROUP_SIZE = 4096
 #: 1-D tile of the batch passes (std, radix histograms, compaction).
 BATCH_BLOCK = 4096
 RADIX_BINS = 256
@@ -66,6 +77,8 @@ class GroupConfig:
 
 
 def group_config(group_size: int) -> GroupConfig:
+    if group_size > MAX_GROUP_SIZE:
+        raise ValueError(f"group_size={group_size} is above the Triton kernels' limit of {MAX_GROUP_SIZE}")
     block_g = triton.next_power_of_2(group_size)
     block_q = max(1, min(TILE_BUDGET // block_g, COMPARE_BUDGET // (block_g * block_g)))
     block_j = min(block_g, max(1, COMPARE_BUDGET // (block_q * block_g)))
@@ -88,49 +101,70 @@ def _score(a, METRIC: tl.constexpr):
 
 
 @triton.jit
-def _sort_key(s):
-    """fp32 -> int64 in [0, 2^32) with the same order as ``s``.
+def _order_key(s):
+    """fp32 -> int32 with the same order as ``s``, and a total order on every bit pattern: a NaN sorts above +inf
+    (or below -inf with its sign bit set), so a rank by these keys counts each completion exactly once.
 
     -0.0 and 0.0 get different keys, but never meet: |A| is never -0.0, -|A| never +0.0, draws never -0.0.
     """
     b = s.to(tl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return b.to(tl.int64) + 2147483648
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _sort_key(s):
+    """:func:`_order_key` shifted to an int64 in [0, 2^32): unsigned 8-bit digits for the radix select."""
+    return _order_key(s).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _pow2_scale(m):
+    """``2^floor(log2 m)`` of fp64 ``m >= 0`` (at least 2^-1022, the smallest normal): dividing by it is exact, and
+    rewards divided by the scale of their largest magnitude lie in (-2, 2), so no square or sum can overflow."""
+    exponent = m.to(tl.int64, bitcast=True) & 0x7FF0000000000000  # the exponent bits alone: a power of two (or 0)
+    return tl.maximum(exponent.to(tl.float64, bitcast=True), 2.2250738585072014e-308)
 
 
 @triton.jit
 def _batch_std(x_ptr, n, ddof, BLOCK: tl.constexpr):
-    """fp64 std of all ``n`` rewards (two passes over tiles, shifted by the first reward)."""
+    """``(std, scale)``: the fp64 std of all ``n`` rewards divided by ``scale``, the :func:`_pow2_scale` of their
+    largest magnitude (three passes over tiles: magnitude, mean, squares; shifted by the first reward)."""
     offs = tl.arange(0, BLOCK)
-    pivot = tl.load(x_ptr).to(tl.float64)
+    mag = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, n, BLOCK):
+        o = tl.cast(start, tl.int64) + offs  # [BLOCK]
+        mag = tl.maximum(mag, tl.abs(tl.load(x_ptr + o, mask=o < n, other=0.0).to(tl.float64)))
+    scale = _pow2_scale(tl.max(mag, axis=0))
+    pivot = tl.load(x_ptr).to(tl.float64) / scale
     acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs  # [BLOCK]
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64) / scale
         acc += tl.where(m, x - pivot, 0.0)
     mean = tl.sum(acc, axis=0) / tl.cast(n, tl.float64)
     acc = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
         o = tl.cast(start, tl.int64) + offs
         m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64)
+        x = tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float64) / scale
         c = tl.where(m, (x - pivot) - mean, 0.0)
         acc += c * c
     var = tl.sum(acc, axis=0) / tl.cast(tl.maximum(n - ddof, 1), tl.float64)
-    return tl.sqrt(var)
+    return tl.sqrt(var), scale
 
 
 @triton.jit
-def _advantage(x, pivot, mean, denom, constant, SCALE: tl.constexpr):
+def _advantage(x, scale, pivot, mean, denom, constant, SCALE: tl.constexpr):
     """Elementwise advantage (fp64 arithmetic, rounded to fp32) of fp64 rewards ``x`` given their group's fp64
-    statistics (broadcastable).
+    statistics (broadcastable), all in units of ``scale``.
 
     A constant group has ``c`` exactly 0 (every reward equals the pivot), hence an advantage of exactly 0.
+    ``SCALE_NONE`` saturates at the largest fp32 instead of rounding to inf.
     """
-    c = (x - pivot) - mean
+    c = (x / scale - pivot) - mean
     if SCALE == SCALE_NONE:
-        a = c
+        a = tl.minimum(tl.maximum(c * scale, -3.4028234663852886e38), 3.4028234663852886e38)
     else:
         a = c / tl.where(constant, 1.0, denom)  # no 0/0 when eps=0 and the group is constant
     return a.to(tl.float32)
@@ -145,30 +179,41 @@ def _tile_advantages(
     num_groups,
     group_size,
     std_b,
+    scale_b,
     eps,
     ddof,
     SCALE: tl.constexpr,
 ):
-    """Advantages of the groups ``rows`` (``[BLOCK_Q, BLOCK_G]``), stored to ``adv_ptr``; returns the statistics."""
+    """Advantages of the groups ``rows`` (``[BLOCK_Q, BLOCK_G]``), stored to ``adv_ptr``; returns the statistics.
+
+    Each group is divided by the :func:`_pow2_scale` of its largest |reward| (``scale_b``, the batch's, for
+    ``SCALE_BATCH``, whose ``std_b`` is in those units) before any arithmetic.
+    """
     row_ok = rows < num_groups  # [BQ]
     mask = row_ok[:, None] & (cols < group_size)[None, :]  # [BQ, BG]
     base = rows.to(tl.int64) * group_size  # [BQ]
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
-    pivot = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(tl.float64)  # [BQ]
+    first = tl.load(x_ptr + base, mask=row_ok, other=0.0).to(tl.float64)  # [BQ]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-    x = tl.where(mask, x, pivot[:, None])  # padding equal to the pivot: no effect on max, min or sums
-    d = x - pivot[:, None]
+    x = tl.where(mask, x, first[:, None])  # padding equal to the pivot: no effect on max, min or sums
+    constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
+    if SCALE == SCALE_BATCH:
+        scale = tl.zeros([rows.shape[0]], tl.float64) + scale_b
+    else:
+        scale = _pow2_scale(tl.max(tl.abs(x), axis=1))  # [BQ]
+    pivot = first / scale  # [BQ]
+    d = x / scale[:, None] - pivot[:, None]
     mean = tl.sum(d, axis=1) / tl.cast(group_size, tl.float64)  # [BQ]
     c = tl.where(mask, d - mean[:, None], 0.0)
-    constant = tl.max(x, axis=1) == tl.min(x, axis=1)  # [BQ]
     if SCALE == SCALE_GROUP:
         var = tl.sum(c * c, axis=1) / tl.cast(tl.maximum(group_size - ddof, 1), tl.float64)
-        denom = tl.sqrt(var) + tl.cast(eps, tl.float64)  # [BQ]
+        denom = tl.sqrt(var) + tl.cast(eps, tl.float64) / scale  # [BQ]
     else:
-        denom = tl.zeros([rows.shape[0]], tl.float64) + (std_b + tl.cast(eps, tl.float64))
-    adv = _advantage(x, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE)  # [BQ, BG]
+        denom = std_b + tl.cast(eps, tl.float64) / scale  # [BQ] (unused for SCALE_NONE)
+    stats = (scale[:, None], pivot[:, None], mean[:, None], denom[:, None], constant[:, None])
+    adv = _advantage(x, *stats, SCALE)  # [BQ, BG]
     tl.store(adv_ptr + offs, adv, mask=mask)
-    return adv, pivot, mean, denom, constant
+    return adv, stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,14 +223,16 @@ def _tile_advantages(
 
 @triton.jit
 def _batch_std_kernel(x_ptr, std_ptr, n, ddof, BLOCK: tl.constexpr):
-    tl.store(std_ptr, _batch_std(x_ptr, n, ddof, BLOCK))
+    std, scale = _batch_std(x_ptr, n, ddof, BLOCK)
+    tl.store(std_ptr, std)
+    tl.store(std_ptr + 1, scale)
 
 
 @triton.jit
 def _group_kernel(
     x_ptr,  # [N] rewards (MODE_ADVANTAGES, MODE_FUSED) or advantages (MODE_SELECT)
     rand_ptr,  # [N] fp32 uniform scores (METRIC_RANDOM)
-    std_ptr,  # [1] fp64 batch std (SCALE_BATCH)
+    std_ptr,  # [2] fp64 batch std and its scale (SCALE_BATCH)
     adv_ptr,  # [N] fp32 advantages out (MODE_ADVANTAGES, MODE_FUSED)
     idx_ptr,  # [num_groups * keep] int64 kept indices out (MODE_SELECT, MODE_FUSED)
     num_groups,
@@ -208,10 +255,12 @@ def _group_kernel(
     offs = base[:, None] + cols[None, :]  # [BQ, BG]
     if MODE != MODE_SELECT:
         std_b = 0.0
+        scale_b = 1.0
         if SCALE == SCALE_BATCH:
             std_b = tl.load(std_ptr)
-        adv, pivot, mean, denom, constant = _tile_advantages(
-            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE
+            scale_b = tl.load(std_ptr + 1)
+        adv, stats = _tile_advantages(
+            x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, scale_b, eps, ddof, SCALE
         )
     if MODE != MODE_ADVANTAGES:
         if METRIC == METRIC_RANDOM:
@@ -220,6 +269,7 @@ def _group_kernel(
             s = _score(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), METRIC)
         else:
             s = _score(adv, METRIC)
+        own = _order_key(s)[:, :, None]  # [BQ, BG, 1]
         rank = tl.zeros([BLOCK_Q, BLOCK_G], tl.int32)
         for j0 in range(0, group_size, BLOCK_J):
             pcols = j0 + tl.arange(0, BLOCK_J)  # [BJ]
@@ -231,17 +281,16 @@ def _group_kernel(
                 ps = _score(tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float32), METRIC)
             else:
                 xp = tl.load(x_ptr + poffs, mask=pmask, other=0.0).to(tl.float64)
-                ps = _score(
-                    _advantage(xp, pivot[:, None], mean[:, None], denom[:, None], constant[:, None], SCALE), METRIC
-                )
-            peer = ps[:, None, :]  # [BQ, 1, BJ]
-            own = s[:, :, None]  # [BQ, BG, 1]
+                ps = _score(_advantage(xp, *stats, SCALE), METRIC)
+            peer = _order_key(ps)[:, None, :]  # [BQ, 1, BJ]
             beats = (peer > own) | ((peer == own) & (pcols[None, None, :] < cols[None, :, None]))
             rank += tl.sum((beats & pmask[:, None, :]).to(tl.int32), axis=2)
+        # Integer keys are a strict total order (ties go to the lower index), so the ranks of a group are 0..G-1 and
+        # exactly `keep` are kept; the store is bounded by its own mask besides: slot < keep, row < num_groups.
         kept = (rank < keep) & mask
         k = kept.to(tl.int32)
         pos = tl.cumsum(k, axis=1) - k  # [BQ, BG] slot among the group's kept completions
-        tl.store(idx_ptr + rows.to(tl.int64)[:, None] * keep + pos, offs, mask=kept)
+        tl.store(idx_ptr + rows.to(tl.int64)[:, None] * keep + pos, offs, mask=kept & (pos < keep))
 
 
 @triton.jit
@@ -276,12 +325,13 @@ def _batch_kernel(
 ):
     if MODE == MODE_FUSED:
         std_b = 0.0
+        scale_b = 1.0
         if SCALE == SCALE_BATCH:
-            std_b = _batch_std(x_ptr, n, ddof, BLOCK)
+            std_b, scale_b = _batch_std(x_ptr, n, ddof, BLOCK)
         cols = tl.arange(0, BLOCK_G)
         for q0 in range(0, num_groups, BLOCK_Q):
             rows = q0 + tl.arange(0, BLOCK_Q)
-            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, eps, ddof, SCALE)
+            _tile_advantages(x_ptr, adv_ptr, rows, cols, num_groups, group_size, std_b, scale_b, eps, ddof, SCALE)
         tl.debug_barrier()  # the advantages written above are read back by other threads below
 
     # Radix select: the keep_total-th largest key, one 8-bit digit per pass, most significant first.
@@ -303,7 +353,8 @@ def _batch_kernel(
         above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)
         need = need - above
         prefix = prefix * BINS + digit
-    # Keys above `prefix` are kept, and the first `need` (in index order) equal to it.
+    # Keys above `prefix` are kept, and the first `need` (in index order) equal to it: keep_total in all, the keys
+    # being integers; the store is bounded by its own mask besides (slot < keep_total).
     kept_before = tl.cast(0, tl.int64)
     ties_before = tl.cast(0, tl.int64)
     for start in range(0, n, BLOCK):
@@ -313,7 +364,8 @@ def _batch_kernel(
         tie = (m & (key == prefix)).to(tl.int64)
         kept = (m & (key > prefix)) | ((tie == 1) & (ties_before + tl.cumsum(tie, axis=0) - tie < need))
         k = kept.to(tl.int64)
-        tl.store(idx_ptr + kept_before + tl.cumsum(k, axis=0) - k, o, mask=kept)
+        slot = kept_before + tl.cumsum(k, axis=0) - k  # [BLOCK]
+        tl.store(idx_ptr + slot, o, mask=kept & (slot < keep_total))
         kept_before += tl.sum(k, axis=0)
         ties_before += tl.sum(tie, axis=0)
 
@@ -323,7 +375,8 @@ def _batch_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _launch_group(x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> None:
+def _launch_group(x, rand, adv, idx, num_groups, group_size, keep, eps, ddof, *, std, scale, mode, metric) -> None:
+    """The group kernel; ``std``: the fp64 ``[2]`` of :func:`_launch_batch_std` (``scale="batch"``), else unread."""
     cfg = group_config(group_size)
     grid = (triton.cdiv(num_groups, cfg.block_q),)
     _group_kernel[grid](
@@ -349,14 +402,14 @@ def _launch_group(x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddo
 
 def _launch_batch_std(x: torch.Tensor, group_size: int, ddof: int) -> torch.Tensor:
     cfg = group_config(group_size)
-    std = torch.empty(1, dtype=torch.float64, device=x.device)  # [1]
+    std = torch.empty(2, dtype=torch.float64, device=x.device)  # [2] the batch std and its scale
     _batch_std_kernel[(1,)](x, std, x.numel(), ddof, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return std
 
 
-def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> torch.Tensor:
+def _launch_batch(x, src, adv, idx, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> None:
+    """The single-program batch kernel: keeps ``idx.numel()`` completions, their ascending indices into ``idx``."""
     cfg = group_config(group_size)
-    idx = torch.empty(keep * num_groups, dtype=torch.long, device=x.device)  # [K]
     _batch_kernel[(1,)](
         x,
         src,
@@ -377,7 +430,6 @@ def _launch_batch(x, src, adv, num_groups, group_size, keep, eps, ddof, *, scale
         BINS=RADIX_BINS,
         num_warps=cfg.num_warps,
     )
-    return idx
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
@@ -395,16 +447,11 @@ def select_completions(
     x = advantages.detach().contiguous()  # [N]
     num_groups = x.numel() // group_size
     rand = draws if metric == "random" else x  # [N]
-    if keep == 0 or num_groups == 0:
-        return torch.empty(0, dtype=torch.long, device=x.device)
-    if scope == "batch":
-        return _launch_batch(
-            x, rand, x, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric
-        )
     idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
-    _launch_group(
-        x, rand, x, x, idx, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric
-    )
+    if idx.numel() == 0:
+        return idx
+    launch = _launch_batch if scope == "batch" else functools.partial(_launch_group, std=x)
+    launch(x, rand, x, idx, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric)
     return idx
 
 
@@ -431,14 +478,15 @@ def cppo_select(
     ddof = int(unbiased)
     if scope == "batch" and keep > 0:
         src = rand if metric == "random" else adv
-        idx = _launch_batch(
-            x, src, adv, num_groups, group_size, keep, eps, ddof, scale=scale, mode=MODE_FUSED, metric=metric
+        idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
+        _launch_batch(
+            x, src, adv, idx, num_groups, group_size, keep, eps, ddof, scale=scale, mode=MODE_FUSED, metric=metric
         )
         return adv, idx
     std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
     idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
     mode = MODE_FUSED if scope == "group" and keep > 0 else MODE_ADVANTAGES  # keep=0: no rank pass
     _launch_group(
-        x, rand, std, adv, idx, num_groups, group_size, keep, eps, ddof, scale=scale, mode=mode, metric=metric
+        x, rand, adv, idx, num_groups, group_size, keep, eps, ddof, std=std, scale=scale, mode=mode, metric=metric
     )
     return adv, idx

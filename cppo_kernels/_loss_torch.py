@@ -1,14 +1,21 @@
-"""Chunked PyTorch backend of the fused log-prob op: the CPU path and the fallback without Triton.
+"""Chunked PyTorch backend of the fused log-prob op: the CPU path, the fallback without Triton, and the
+gradient-in-forward path of :func:`cppo_kernels.fused_cppo_loss` (CPU BLAS on the CPU, cuBLAS on CUDA).
 
-Same interface as ``_loss_triton``: ``logprobs_fwd`` / ``logprobs_bwd`` over packed rows already validated by
-:mod:`cppo_kernels.loss`, all arithmetic in fp32 (bf16/fp16 inputs are upcast), never a ``[T, V]`` allocation.
+Same interface as ``_loss_triton`` (``logprobs_fwd`` / ``logprobs_bwd``) plus ``logprobs_fwd_grads``, over packed
+rows already validated by :mod:`cppo_kernels.loss`; fp32 logits and accumulation (bf16/fp16 weights are upcast once
+per call on the CPU; on CUDA they feed half-precision cuBLAS GEMMs with fp32 outputs); never a ``[T, V]``
+allocation.
 
-- Forward: a fixed chunk of ``FWD_TOKENS`` tokens at a time against the whole vocabulary: 1 matmul into a ``[chunk, V]``
-  buffer and an in-place ``log_softmax`` (row-local, so about one pass over memory). Every logit matmul
-  runs on a full ``[chunk, H]`` block (the tail is zero-padded): BLAS picks different kernels for
-  different row counts, and a fixed shape is what makes a token's log-prob independent of the tokens
+- Forward: a fixed chunk of :func:`chunk_tokens` tokens (256 on the CPU) at a time against the whole vocabulary:
+  1 matmul into a ``[chunk, V]`` buffer and an in-place ``log_softmax`` (row-local, so about one pass over
+  memory). Every logit matmul runs on a full ``[chunk, H]`` block (the tail is zero-padded): BLAS picks different
+  kernels for different row counts, and a fixed shape is what makes a token's log-prob independent of the tokens
   it is batched with, bit for bit.
-- Backward: ``[BWD_TOKENS, BWD_VOCAB]`` blocks, so all three matmuls are large: recompute the logits,
+- Gradient in the forward (``logprobs_fwd_grads``): the same forward, then, while the chunk's log-softmax is still
+  in the buffer, the chunk's upstream gradients ``g`` (a callback: the loss knows them from each token alone),
+  ``Q = softmax - onehot`` in place (one ``exp``), ``dhidden = (Q @ W) * (-g / temperature)`` and
+  ``dweight += Q^T @ (h * -g / temperature)``: 3 matmuls in all, against 4 for the two passes.
+- Backward (two-pass): ``[BWD_TOKENS, BWD_VOCAB]`` blocks, so all three matmuls are large: recompute the logits,
   ``Q = exp(z - lse) - onehot`` in place, ``dhidden += Q @ W_b`` and ``dweight_b += Q^T @ (-g * h)``.
   The upstream gradient ``g`` scales the small ``[tokens, H]`` operands, never the ``[tokens, V]`` block;
   ``dweight`` is read and written once per token block instead of once per small chunk.
@@ -16,29 +23,153 @@ Same interface as ``_loss_triton``: ``logprobs_fwd`` / ``logprobs_bwd`` over pac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-__all__ = ["logprobs_fwd", "logprobs_bwd"]
+__all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens"]
 
 # Block sizes: constants (never derived from T), so results do not depend on batch composition.
-#: Tokens per forward chunk (workspace ``FWD_TOKENS x V`` fp32).
+#: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 156 MB at V = 151,936). 256 measured
+#: as fast as 512 and 128 at T = 2048, H = 896 on 2 cores (the three matmuls at 1.8 plain-matmul equivalents).
 FWD_TOKENS = 256
+#: Tokens per forward chunk on CUDA (``[1024, V]`` fp32: 622 MB at V = 151,936): large enough for cuBLAS and few
+#: launches; not yet timed on a GPU (the GPU kit may retune it).
+CUDA_FWD_TOKENS = 1024
+#: Rows per entropy block (a ``[rows, V]`` fp32 scratch).
+ENTROPY_ROWS = 16
 #: The backward block: ``BWD_TOKENS x BWD_VOCAB``.
 BWD_TOKENS = 1024
 BWD_VOCAB = 4096
+
+
+def chunk_tokens(device: torch.device) -> int:
+    """Tokens per forward chunk on ``device``: a constant per device type."""
+    return CUDA_FWD_TOKENS if device.type == "cuda" else FWD_TOKENS
 
 
 def _fp32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _compute_weight(weight: Tensor) -> Tensor:
+    """The weight the forward multiplies by: itself on CUDA (half-precision GEMMs, fp32 outputs) or in fp32, else an
+    fp32 copy (one per call)."""
+    return weight if weight.is_cuda or weight.dtype == torch.float32 else weight.float()
+
+
+def _half_gemm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32 ``a @ b`` of CUDA bf16/fp16 operands: one cuBLAS tensor-core GEMM with fp32 accumulation and output."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _matmul(a: Tensor, b: Tensor, out: Tensor, *, accumulate: bool = False, alpha: float = 1.0) -> Tensor:
+    """``out (+)= alpha * a @ b`` into fp32 ``out``: in place for fp32 operands; for CUDA bf16/fp16 operands
+    :func:`_half_gemm` (into ``out``, or into an fp32 temporary the size of ``out`` that is then added)."""
+    if a.dtype == torch.float32:
+        return out.addmm_(a, b, beta=1.0 if accumulate else 0.0, alpha=alpha)
+    if accumulate:
+        return out.add_(_half_gemm(a, b), alpha=alpha)
+    _half_gemm(a, b, out=out)
+    return out if alpha == 1.0 else out.mul_(alpha)
+
+
 def _logits_into(z: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float) -> Tensor:
-    """``z = (h @ weight^T + bias) / temperature`` in place, one GEMM. ``z [n, V]``, ``h [n, H]`` fp32."""
+    """``z = (h @ weight^T + bias) / temperature`` in place, one GEMM. ``z [n, V]`` fp32, ``h [n, H]`` weight's
+    dtype, ``bias`` fp32."""
     if bias is None:
-        return z.addmm_(h, weight.t(), beta=0.0, alpha=inv_t)
+        return _matmul(h, weight.t(), z, alpha=inv_t)
     z.copy_((bias * inv_t).unsqueeze(0).expand_as(z))
-    return z.addmm_(h, weight.t(), alpha=inv_t)
+    return _matmul(h, weight.t(), z, accumulate=True, alpha=inv_t)
+
+
+def _entropy(logsm: Tensor, scratch: Tensor) -> Tensor:
+    """``[n]``: ``-sum_v p log p`` of the rows of the log-softmax ``logsm [n, V]``, block by block in ``scratch``."""
+    out = torch.empty(logsm.shape[0], dtype=torch.float32, device=logsm.device)  # [n]
+    for r in range(0, logsm.shape[0], scratch.shape[0]):
+        rows = logsm[r : r + scratch.shape[0]]  # [k, V]
+        p = torch.exp(rows, out=scratch[: rows.shape[0]])  # [k, V]
+        out[r : r + rows.shape[0]] = p.mul_(rows).sum(dim=1).neg_()
+    return out
+
+
+class _Grads:
+    """The gradient-in-forward accumulators, fp32: ``dhidden [T, H]``, ``dweight [V, H]`` and ``dbias [V]``, fed one
+    chunk at a time by :meth:`add`."""
+
+    def __init__(self, hidden: Tensor, w: Tensor, bias, upstream, inv_t: float, needs: tuple[bool, bool, bool]):
+        H, V, C = hidden.shape[1], w.shape[0], chunk_tokens(hidden.device)
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        self.w, self.upstream, self.inv_t = w, upstream, inv_t
+        self.dhidden = torch.empty(hidden.shape, **f32) if needs[0] else None  # [T, H]
+        self.dweight = torch.zeros(V, H, **f32) if needs[1] else None  # [V, H]
+        self.dbias = torch.zeros(V, **f32) if needs[2] and bias is not None else None  # [V]
+        self.scale = torch.zeros(C, **f32)  # [C] -g / temperature, 0 on the padded tail
+        self.hs = torch.empty(C, H, dtype=w.dtype, device=hidden.device)  # [C, H] h * scale
+        self.dh = torch.empty(C, H, **f32) if needs[0] else None  # [C, H] Q @ W
+        self.minus_one = torch.full((C, 1), -1.0, **f32)  # [C, 1]
+
+    def add(self, start: int, stop: int, z: Tensor, h: Tensor, tgt: Tensor, logp: Tensor) -> None:
+        """The chunk's tokens ``start:stop``: ``z [C, V]`` holds their log-softmax (rows past ``n = stop - start``:
+        padding), ``h [C, H]`` their hidden states (zero past n), ``tgt [n, 1]``, ``logp [n]``. Consumes ``z``."""
+        n = stop - start
+        self.scale[:n] = self.upstream(start, stop, logp) * -self.inv_t
+        z[:n].exp_()  # softmax
+        z[n:].zero_()  # the padded tail contributes nothing (its scale is 0 too)
+        z[:n].scatter_add_(1, tgt, self.minus_one[:n])  # softmax - onehot
+        q = z if self.w.dtype == torch.float32 else z.to(self.w.dtype)  # [C, V] the GEMM operand
+        if self.dh is not None:
+            torch.mul(_matmul(q, self.w, self.dh)[:n], self.scale[:n, None], out=self.dhidden[start:stop])
+        if self.dweight is not None:
+            _matmul(q.t(), torch.mul(h, self.scale[:, None], out=self.hs), self.dweight, accumulate=True)
+        if self.dbias is not None:
+            self.dbias.addmv_(z.t(), self.scale)
+
+
+def _cast_grads(dweight: Tensor | None, dbias: Tensor | None, weight: Tensor, bias: Tensor | None):
+    """``(dweight, dbias)`` accumulated in fp32, in the dtypes of weight and bias."""
+    return (
+        None if dweight is None else dweight.to(weight.dtype),
+        None if dbias is None else dbias.to(bias.dtype),
+    )
+
+
+def _forward(hidden, weight, targets, bias, temperature: float, compute_entropy: bool, upstream, needs):
+    """``(logp, lse, entropy, grads)``: the chunked forward (see the module docstring), with the gradients of
+    :class:`_Grads` when ``upstream`` is given (else ``grads`` is None)."""
+    (T, H), V, device = hidden.shape, weight.shape[0], hidden.device
+    C, inv_t = chunk_tokens(device), 1.0 / temperature
+    w = _compute_weight(weight)  # [V, H]
+    b = None if bias is None else _fp32(bias)  # [V]
+    f32 = dict(dtype=torch.float32, device=device)
+    logp, lse = torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
+    entropy = torch.empty(T, **f32) if compute_entropy else None  # [T]
+    grads = None if upstream is None else _Grads(hidden, w, bias, upstream, inv_t, needs)
+    if T == 0:
+        return logp, lse, entropy, grads
+    hbuf = torch.zeros(C, H, dtype=w.dtype, device=device)  # [C, H]
+    z = torch.empty(C, V, **f32)  # [C, V]
+    scratch = torch.empty(min(ENTROPY_ROWS, T), V, **f32) if compute_entropy else None  # [rows, V]
+    for start in range(0, T, C):
+        stop = min(start + C, T)
+        n = stop - start
+        hbuf[:n].copy_(hidden[start:stop])
+        if n < C:
+            hbuf[n:].zero_()
+        _logits_into(z, hbuf, w, b, inv_t)
+        zc = z[:n]  # [n, V]
+        tgt = targets[start:stop].long().unsqueeze(1)  # [n, 1]
+        picked = zc.gather(1, tgt).squeeze(1)  # [n]
+        torch.log_softmax(zc, 1, out=zc)  # in place, row-local max / sum-exp / write
+        logp_c = zc.gather(1, tgt).squeeze(1)  # [n]
+        logp[start:stop] = logp_c
+        lse[start:stop] = picked - logp_c
+        if entropy is not None:
+            entropy[start:stop] = _entropy(zc, scratch)
+        if grads is not None:
+            grads.add(start, stop, z, hbuf, tgt, logp_c)
+    return logp, lse, entropy, grads
 
 
 def logprobs_fwd(
@@ -55,40 +186,35 @@ def logprobs_fwd(
     ``hidden [T, H]``, ``weight [V, H]``, ``targets [T]`` int, ``bias [V]``. Returns
     ``(logp [T], lse [T], entropy [T] or None)``, all fp32; lse is the logsumexp of the tempered logits.
     """
-    num_tokens, dim = hidden.shape
-    vocab = weight.shape[0]
-    chunk = FWD_TOKENS
-    device = hidden.device
-    inv_t = 1.0 / temperature
-    w = _fp32(weight)  # [V, H]
-    b = None if bias is None else _fp32(bias)  # [V]
-    logp = torch.empty(num_tokens, dtype=torch.float32, device=device)  # [T]
-    lse = torch.empty(num_tokens, dtype=torch.float32, device=device)  # [T]
-    entropy = torch.empty(num_tokens, dtype=torch.float32, device=device) if compute_entropy else None  # [T]
-    if num_tokens == 0:
-        return logp, lse, entropy
-    hbuf = torch.zeros(chunk, dim, dtype=torch.float32, device=device)  # [C, H]
-    z = torch.empty(chunk, vocab, dtype=torch.float32, device=device)  # [C, V]
-    rows = min(chunk, num_tokens)
-    ebuf = torch.empty(rows, vocab, dtype=torch.float32, device=device) if compute_entropy else None  # [C, V]
-    for start in range(0, num_tokens, chunk):
-        stop = min(start + chunk, num_tokens)
-        n = stop - start
-        hbuf[:n].copy_(hidden[start:stop])
-        if n < chunk:
-            hbuf[n:].zero_()
-        _logits_into(z, hbuf, w, b, inv_t)
-        zc = z[:n]  # [n, V]
-        tgt = targets[start:stop].long().unsqueeze(1)  # [n, 1]
-        picked = zc.gather(1, tgt).squeeze(1)  # [n]
-        torch.log_softmax(zc, 1, out=zc)  # in place, row-local max / sum-exp / write
-        logp_c = zc.gather(1, tgt).squeeze(1)  # [n]
-        logp[start:stop] = logp_c
-        lse[start:stop] = picked - logp_c
-        if ebuf is not None:
-            e = torch.exp(zc, out=ebuf[:n])  # [n, V] softmax
-            entropy[start:stop] = e.mul_(zc).sum(dim=1).neg_()
+    logp, lse, entropy, _ = _forward(hidden, weight, targets, bias, temperature, compute_entropy, None, None)
     return logp, lse, entropy
+
+
+def logprobs_fwd_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    upstream: Callable[[int, int, Tensor], Tensor],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    needs_hidden_grad: bool = True,
+    needs_weight_grad: bool = True,
+    needs_bias_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`logprobs_fwd` and, in the same pass, the gradients of ``sum_t g_t * logp_t`` w.r.t. hidden, weight and
+    bias, where ``g = upstream(start, stop, logp[start:stop])`` (fp32 ``[stop - start]``) is asked for each chunk of
+    tokens once its log-probs are known.
+
+    Returns ``(logp, lse, entropy, dhidden, dweight, dbias)``: fp32 ``[T]`` (entropy None unless
+    ``compute_entropy``), then the gradients in fp32 (the caller scales them, then rounds them to the inputs'
+    dtypes once: an fp16 gradient could overflow before its scaling), None where not needed (``needs_bias_grad``
+    only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s.
+    """
+    needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad)
+    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, temperature, compute_entropy, upstream, needs)
+    return logp, lse, entropy, grads.dhidden, grads.dweight, grads.dbias
 
 
 def logprobs_bwd(
@@ -152,8 +278,4 @@ def logprobs_bwd(
                     dbias[v0:v1].addmv_(q.t(), neg_g)
             if dh is not None:
                 dhidden[start:stop].copy_(dh[:n].mul_(neg_g.unsqueeze(1)))
-    if dweight is not None and dweight.dtype != weight.dtype:
-        dweight = dweight.to(weight.dtype)
-    if dbias is not None and dbias.dtype != bias.dtype:
-        dbias = dbias.to(bias.dtype)
-    return dhidden, dweight, dbias
+    return dhidden, *_cast_grads(dweight, dbias, weight, bias)

@@ -1,6 +1,7 @@
 """Group-normalised advantages and completion selection: the public functions, which validate their input once
 (one host sync) and hand it to a backend (``_advantages_triton``: Triton kernels; ``_advantages_torch``: PyTorch),
-picked per call by :func:`cppo_kernels._dispatch.backend_module`. The backends do not validate again.
+picked per call by :func:`cppo_kernels._dispatch.backend_module` (groups above :data:`TRITON_MAX_GROUP_SIZE` always
+run the PyTorch backend). The backends do not validate again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,17 @@ from ._dispatch import backend_module
 from .config import METRICS, SCALES, SCOPES, check_choice, check_float, check_int
 
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
+
+#: Largest group size the Triton kernels take (``_advantages_triton.MAX_GROUP_SIZE``, kept here so that this module
+#: imports without triton): larger groups run the PyTorch backend on the same device, whatever the backend choice.
+TRITON_MAX_GROUP_SIZE = 4096
+
+
+def _backend(x: Tensor, group_size: int):
+    """The backend module for ``x``: :func:`backend_module`'s choice, the PyTorch one above the Triton group limit."""
+    if group_size > TRITON_MAX_GROUP_SIZE:
+        return backend_module("advantages", x, backend="torch")
+    return backend_module("advantages", x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,11 +88,14 @@ def group_advantages(
         eps: added to the std (>= 0).
 
     Returns:
-        fp32 ``[N]``. A group whose rewards are all equal gets exactly 0 (never NaN, also with ``eps=0``).
+        fp32 ``[N]``, right for every finite input (each group is scaled by a power of two before any square, so
+        rewards near fp32's or fp64's range neither overflow nor vanish); ``scale="none"`` saturates at the largest
+        fp32 where the difference exceeds it. A group whose rewards are all equal gets exactly 0 (never NaN, also
+        with ``eps=0``). Group sizes above :data:`TRITON_MAX_GROUP_SIZE` run the PyTorch backend.
     """
     _check_grouped_vector("rewards", rewards, group_size)
     _check_advantage_options(scale, unbiased, eps)
-    backend = backend_module("advantages", rewards)
+    backend = _backend(rewards, group_size)
     return backend.group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
 
 
@@ -109,11 +124,12 @@ def select_completions(
         generator: the generator of the ``"random"`` draws (``N`` fp32 draws on the advantages' device).
 
     Returns:
-        int64 ``[keep * num_groups]``, ascending.
+        int64 ``[keep * num_groups]``, ascending; exactly that many, whatever the scores (the Triton kernels rank by
+        a total order and bound every store by construction).
     """
     _check_grouped_vector("advantages", advantages, group_size)
     _check_selection_options(group_size, keep, scope, metric, generator)
-    backend = backend_module("advantages", advantages)
+    backend = _backend(advantages, group_size)
     draws = _draws(advantages, metric, generator)  # [N] or None
     return backend.select_completions(advantages, group_size, keep, scope=scope, metric=metric, draws=draws)
 
@@ -148,7 +164,7 @@ def cppo_select(
     _check_grouped_vector("rewards", rewards, group_size)
     _check_advantage_options(scale, unbiased, eps)
     _check_selection_options(group_size, keep, scope, metric, generator)
-    backend = backend_module("advantages", rewards)
+    backend = _backend(rewards, group_size)
     return backend.cppo_select(
         rewards,
         group_size,

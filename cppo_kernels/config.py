@@ -56,8 +56,8 @@ class LossConfig:
 
     Args:
         temperature: divides the logits (> 0).
-        epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio (>= 0;
-            ``epsilon_high`` defaults to ``epsilon_low``).
+        epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` of the ratio
+            (``0 <= epsilon_low < 1``, ``epsilon_high >= 0``, defaulting to ``epsilon_low``).
         dual_clip: the constant ``c > 1`` of dual-clip PPO: a token with ``A < 0`` loses at most ``-c A``.
         beta: weight (>= 0) of the KL penalty to the reference log-probs (``> 0`` needs them).
         kl_estimator: ``"k1"`` (``logp - ref``), ``"k2"`` (``(logp - ref)^2 / 2``) or ``"k3"``
@@ -84,7 +84,11 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, low=0.0, low_open=True)
-        check_float("epsilon_low", self.epsilon_low, low=0.0)
+        if check_float("epsilon_low", self.epsilon_low, low=0.0) >= 1.0:
+            raise ValueError(
+                f"epsilon_low must be < 1, got {self.epsilon_low}: the clip's lower bound 1 - epsilon_low must stay "
+                "> 0 (a ratio is positive, so a bound <= 0 never clips and the clip would mean nothing)"
+            )
         if self.epsilon_high is not None:
             check_float("epsilon_high", self.epsilon_high, low=0.0)
         if self.dual_clip is not None:

@@ -1,25 +1,34 @@
 """Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight: the public layer.
 
 The public functions validate their input once (shape and dtype checks on the host, value checks read back with one
-host sync), convert the padded layout to the packed one, run the per-token log-probs through :class:`_FusedLogProbs`
-(the autograd Function over a backend: ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither
-validates again nor materialises ``[T, V]`` logits) and apply the O(T) policy math of :mod:`cppo_kernels._policy`.
+host sync; after the forward, one more on the per-token log-sum-exp, which catches NaN/inf in hidden, weight or
+bias without scanning them), convert the padded layout to the packed one, and run one of two modes (``MODES``,
+chosen per call by ``mode=`` or, for ``"auto"``, by the per-shape-class rule table :data:`MODE_RULES`):
+
+- two-pass: the per-token log-probs through :class:`_FusedLogProbs` (the autograd Function over a backend:
+  ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither validates again nor materialises
+  ``[T, V]`` logits), then the O(T) policy math of :mod:`cppo_kernels._policy` under autograd; the backward
+  recomputes the logits (4 matmuls in all);
+- gradient-in-forward (token-level importance sampling, gradients wanted): :class:`_GradInForward`, whose forward
+  computes the gradients too, chunk by chunk while the logits are in memory (3 matmuls in all).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from ._dispatch import backend_module
-from ._policy import policy_loss
-from .config import LossConfig
+from . import _loss_torch
+from ._dispatch import backend_module, use_triton
+from ._policy import Batch, aggregate, batch_constants, metrics, policy_loss, token_grad, token_terms, token_weights
+from .config import LossConfig, check_choice
 
-__all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss"]
+__all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
 
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -179,13 +188,13 @@ def _layout(xname: str, x: Tensor, cu_seqlens, mask, checks: _Checks) -> _Layout
         raise ValueError(f"{xname} must be 3-D [B, L, {dname}] with mask, got shape {list(x.shape)}")
     lead = tuple(x.shape[:2])
     mask = _tensor("mask", mask, device=x.device)
-    if mask.dtype != torch.bool and not _is_int(mask):
-        raise ValueError(f"mask must be bool or integer, got {mask.dtype}")
+    if mask.dtype != torch.bool and not _is_int(mask) and not mask.is_floating_point():
+        raise ValueError(f"mask must be bool, integer or floating (0/1 values), got {mask.dtype}")
     _shape("mask", mask, lead, "[B, L]")
     if mask.dtype != torch.bool:
-        if mask.numel():
-            checks.add(((mask != 0) & (mask != 1)).any(), lambda: "mask must hold only 0 and 1")
-        mask = mask.bool()
+        if mask.numel():  # NaN is neither 0 nor 1
+            checks.add(((mask != 0) & (mask != 1)).any(), lambda: f"mask ({mask.dtype}) must hold only 0 and 1")
+        mask = mask != 0
     flat, cu = _packed_from_padded(mask)
     return _Layout(lead, "[B, L]", cu, flat)
 
@@ -268,18 +277,55 @@ def _policy_loss(p: _Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConf
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd Function over the backends
+# Autograd Functions over the backends
 # --------------------------------------------------------------------------------------------
 
 
+def _check_logits(lse: Tensor, logp: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """A ``ValueError`` unless every token's log-sum-exp and log-prob (fp32 ``[T]``, already computed) are finite.
+
+    One host sync on the per-token results instead of a scan of the ``[V, H]`` weight; only on failure are the
+    inputs scanned, to name the one holding NaN or inf.
+    """
+    bad = ~(torch.isfinite(lse) & torch.isfinite(logp))  # [T]
+    if not bool(bad.any()):
+        return
+    for name, x in (("hidden", hidden[bad]), ("weight", weight), ("bias", bias)):
+        if x is not None and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} must be finite (found NaN or inf)")
+    first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
+    raise ValueError(
+        f"the log-sum-exp of the logits is not finite for {count} of {lse.numel()} tokens (first: token {first}): "
+        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) / temperature overflows float32"
+    )
+
+
+def _first_order(backward: Callable) -> Callable:
+    """A Function's backward that refuses ``create_graph=True`` with a clear error (it is not differentiable: its
+    gradients would silently carry no second derivative)."""
+
+    @functools.wraps(backward)
+    def first_order_backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_cppo_loss does not support double backward (create_graph=True): its backward is not "
+                "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
+            )
+        return backward(ctx, *grads)
+
+    return first_order_backward
+
+
 class _FusedLogProbs(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None)."""
+    """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None): the two-pass path
+    (the backward recomputes the logits)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
         logp, lse, entropy = backend.logprobs_fwd(
             hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy
         )
+        _check_logits(lse, logp, hidden, weight, bias)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
         ctx.backend = backend
@@ -289,23 +335,127 @@ class _FusedLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         if grad_logp is None:
             return (None,) * 7
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        dhidden, dweight, dbias = ctx.backend.logprobs_bwd(
-            hidden,
-            weight,
-            targets,
-            bias,
-            lse,
-            grad_logp.float().contiguous(),
-            temperature=ctx.temperature,
-            needs_hidden_grad=ctx.needs_input_grad[0],
-            needs_weight_grad=ctx.needs_input_grad[1],
-            needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
+        grads = ctx.backend.logprobs_bwd(
+            hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
         )
-        return dhidden, dweight, dbias, None, None, None, None
+        return *grads, None, None, None, None
+
+
+def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
+    """The ``logprobs_bwd`` keywords of a backward: the temperature and which of hidden / weight / bias need grads."""
+    return dict(
+        temperature=ctx.temperature,
+        needs_hidden_grad=ctx.needs_input_grad[0],
+        needs_weight_grad=ctx.needs_input_grad[1],
+        needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
+    )
+
+
+class _GradInForward(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H], bias [V]) -> (loss, logp, ratio, kl or None, entropy or None): the loss of
+    token-level importance sampling, its gradients computed in the forward pass.
+
+    The forward runs :func:`cppo_kernels._loss_torch.logprobs_fwd_grads`, which asks for each chunk's upstream
+    gradient ``d loss / d logp_t`` (:func:`cppo_kernels._policy.token_grad` times the aggregation weight, known
+    from the token and the counts alone) while the chunk's logits are in memory: 3 matmuls in all. The backward
+    only scales the fp32 gradients by the loss's incoming gradient (skipped when it is 1 on the CPU), rounds them to
+    the inputs' dtypes and hands them over (released: the first backward owns them). A second backward through
+    the same graph (``retain_graph``) recomputes them with the two-pass backward from the saved per-token upstream
+    gradients; double backward (``create_graph``) raises a ``RuntimeError``, as on the two-pass path.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, batch: Batch, cfg: LossConfig):
+        T = hidden.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
+        kl = None if batch.ref is None else torch.empty(T, **f32)  # [T]
+        weights = token_weights(batch, cfg)  # [T]
+
+        def chunk_upstream(start: int, stop: int, logp: Tensor) -> Tensor:
+            rows = slice(start, stop)
+            old, ref = (None if x is None else x[rows] for x in (batch.old, batch.ref))
+            terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
+            for buffer, value in zip((per_token, ratio, kl), terms):
+                if buffer is not None:
+                    buffer[rows] = value
+            upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
+            return upstream[rows]
+
+        needs = ctx.needs_input_grad
+        logp, lse, entropy, *grads = _loss_torch.logprobs_fwd_grads(
+            hidden, weight, targets, bias, chunk_upstream, temperature=cfg.temperature,
+            compute_entropy=cfg.compute_entropy, needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
+            needs_bias_grad=bias is not None and needs[2],
+        )  # fmt: skip
+        _check_logits(lse, logp, hidden, weight, bias)
+        ctx.grads = grads
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, upstream)
+        ctx.temperature = cfg.temperature
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(x for x in (logp, ratio, kl, entropy) if x is not None))
+        return aggregate(per_token, batch, cfg), logp, ratio, kl, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_loss, *_):
+        if grad_loss is None:
+            return (None,) * 6
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:  # a second backward through this graph: recompute (two-pass backward, same gradients)
+            hidden, weight, bias, targets, lse, upstream = ctx.saved_tensors
+            grads = _loss_torch.logprobs_bwd(
+                hidden, weight, targets, bias, lse, upstream * grad_loss, **_needs(ctx, bias)
+            )
+            return *grads, None, None, None
+        if grad_loss.device.type != "cpu" or float(grad_loss) != 1.0:  # no host sync on an accelerator
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_loss)
+        return *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Execution modes
+# --------------------------------------------------------------------------------------------
+
+#: Execution modes of :func:`fused_cppo_loss`: same results within fp32 rounding, different work.
+MODES = ("auto", "two-pass", "grad-in-forward")
+
+#: The mode ``mode="auto"`` picks, per shape class ``(device type, backend, dtype name or None for any)``:
+#: a rule, read at each call, never a timing at call time. A class is not keyed on the token count: the two modes
+#: may round a logit differently on CUDA, and a token's log-prob must not depend on the batch it comes in.
+#: CPU torch backend: gradient-in-forward (measured, benchmarks/results/loss.json). CUDA: the Triton two-pass
+#: kernels, and gradient-in-forward (cuBLAS) for the torch backend, until the GPU kit's first run
+#: (benchmarks/gpu_check.py) times both at its shapes and sets these CUDA rows to the faster mode per class.
+#: The interpreter (Triton on CPU: the tests) runs the Triton two-pass kernels.
+MODE_RULES: dict[tuple[str, str, str | None], str] = {
+    ("cpu", "torch", None): "grad-in-forward",
+    ("cpu", "triton", None): "two-pass",
+    ("cuda", "torch", None): "grad-in-forward",
+    ("cuda", "triton", None): "two-pass",
+}
+
+
+def resolve_mode(mode: str, hidden: Tensor) -> str:
+    """``mode`` itself, or for ``"auto"`` the :data:`MODE_RULES` entry of ``hidden``'s shape class ("two-pass"
+    when none matches)."""
+    check_choice("mode", mode, MODES)
+    if mode != "auto":
+        return mode
+    key = (hidden.device.type, "triton" if use_triton(hidden) else "torch")
+    dtype = str(hidden.dtype).removeprefix("torch.")
+    return MODE_RULES.get((*key, dtype), MODE_RULES.get((*key, None), "two-pass"))
+
+
+def _wants_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,14 +485,29 @@ def fused_cppo_loss(
     loss_agg: str = "token-mean",
     max_completion_length: int | None = None,
     compute_entropy: bool = False,
+    mode: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
     Per token t of sequence s: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio
-    ``r = exp(logp - old)`` (``old = logp.detach()`` without ``old_logprobs``);
+    ``r = exp(clamp(logp - old, -20, 20))`` (``old = logp.detach()`` without ``old_logprobs``);
     ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
-    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs``; aggregated by ``loss_agg``.
-    Deterministic, and a token's log-prob does not depend on the other tokens of the batch.
+    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs`` (k3's exponent ``ref - logp`` clamped
+    to ``[-20, 20]`` too); aggregated by ``loss_agg``. The clamps are verl's: in-range values are exact, and the loss
+    and its gradients stay finite for any finite log-probs (a clamped token has the bound's loss and no gradient
+    through the clamped term; see :mod:`cppo_kernels._policy`). ``advantages``, ``old_logprobs`` and
+    ``ref_logprobs`` are constants: detached, no gradient flows into them. Deterministic, and a token's log-prob
+    does not depend on the other tokens of the batch.
+
+    Modes (same results within fp32 rounding): ``"two-pass"`` computes the log-probs in the forward and the
+    gradients in the backward, recomputing the logits (4 matmuls); ``"grad-in-forward"`` computes the gradients in
+    the forward, chunk by chunk while the logits are in memory, and the backward only scales them (3 matmuls; the
+    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward needs token-level importance
+    sampling and runs only when gradients are wanted (grad mode on and hidden, weight or bias requiring grad):
+    otherwise nothing beyond the log-probs is computed. It runs the chunked PyTorch code (CPU BLAS, or cuBLAS on
+    CUDA) whatever the backend. It supports a scaled loss, gradient accumulation over micro-batches, a loss used
+    several times in one graph and a second backward through a retained graph (recomputed); neither mode supports
+    double backward (``create_graph=True`` raises).
 
     Layouts (exactly one of ``cu_seqlens`` / ``mask``): packed ``[T, ...]`` or padded ``[B, L, ...]`` (TRL,
     Liger-Kernel), where only positions with ``mask`` set count (padding content is never read into the loss).
@@ -350,11 +515,12 @@ def fused_cppo_loss(
     Args:
         hidden: ``[T, H]`` (packed) or ``[B, L, H]`` (padded), fp32 / bf16 / fp16, finite; row t predicts
             ``targets[t]``.
-        weight: ``[V, H]`` LM-head weight, hidden's dtype.
+        weight: ``[V, H]`` LM-head weight, hidden's dtype, finite (checked through the log-sum-exp of each token's
+            logits: non-finite logits raise a ``ValueError`` naming hidden, weight or bias, or saying they overflow).
         targets: ``[T]`` or ``[B, L]`` integer token ids in ``[0, V)``.
         advantages: ``[S]`` (packed) or ``[B]`` (padded), one per sequence, finite.
         cu_seqlens: ``[S+1]`` integer offsets of the packed sequences (0, non-decreasing, ending at T).
-        mask: ``[B, L]`` bool or 0/1 integer: the positions that count (padded layout).
+        mask: ``[B, L]`` bool, or integer / floating holding only 0 and 1: the positions that count (padded layout).
         old_logprobs: ``[T]`` or ``[B, L]`` log-probs of the policy that sampled (finite where counted).
         ref_logprobs: ``[T]`` or ``[B, L]`` log-probs of the reference model (required when ``beta > 0``).
         bias: ``[V]`` LM-head bias, weight's dtype.
@@ -362,6 +528,9 @@ def fused_cppo_loss(
             its default (else ``ValueError``).
         temperature, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, importance_sampling, loss_agg,
             max_completion_length, compute_entropy: the loss options, each documented in :class:`LossConfig`.
+        mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
+            PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides), ``"two-pass"`` or
+            ``"grad-in-forward"`` (a ``ValueError`` with ``importance_sampling="sequence"``).
 
     Returns:
         ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
@@ -372,23 +541,28 @@ def fused_cppo_loss(
         0, never NaN.
     """
     cfg = _loss_config(config, locals())
+    check_choice("mode", mode, MODES)
+    if mode == "grad-in-forward" and cfg.importance_sampling == "sequence":
+        raise ValueError(
+            "mode='grad-in-forward' needs importance_sampling='token': a sequence-level ratio (GSPO) depends on the "
+            "whole sequence, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
+        )
     p, checks = _pack(
         "hidden", hidden, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, cfg, gather_rows=True
     )
     _check_head(p.x, weight, bias)
     checks.in_range(p.targets, weight.shape[0])
-    checks.finite("hidden", p.x)
     checks.raise_first()
     h = p.x.contiguous()  # [T, H]
-    logp, entropy = _FusedLogProbs.apply(
-        h,
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        p.targets.to(torch.int64).contiguous(),
-        cfg.temperature,
-        cfg.compute_entropy,
-        backend_module("loss", h),
-    )
+    head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
+    tgt = p.targets.to(torch.int64).contiguous()  # [T]
+    token_level = cfg.importance_sampling == "token"
+    if token_level and resolve_mode(mode, h) == "grad-in-forward" and _wants_grad(h, *head):
+        batch = batch_constants(p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0])
+        loss, logp, ratio, kl, entropy = _GradInForward.apply(h, *head, tgt, batch, cfg)
+        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg)
+    backend = backend_module("loss", h)
+    logp, entropy = _FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend)
     return _policy_loss(p, logp, entropy, cfg)
 
 
@@ -425,10 +599,9 @@ def fused_logprobs(
     targets = _check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
     checks = _Checks()
     checks.in_range(targets, weight.shape[0])
-    checks.finite("hidden", hidden)
     checks.raise_first()
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
-    logp, _, entropy = backend_module("loss", h).logprobs_fwd(
+    logp, lse, entropy = backend_module("loss", h).logprobs_fwd(
         h,
         weight.contiguous(),
         targets.reshape(-1).to(torch.int64).contiguous(),
@@ -436,6 +609,7 @@ def fused_logprobs(
         temperature=cfg.temperature,
         compute_entropy=cfg.compute_entropy,
     )
+    _check_logits(lse, logp, h, weight, bias)
     logp = logp.reshape(lead)
     return (logp, entropy.reshape(lead)) if cfg.compute_entropy else logp
 
@@ -506,6 +680,7 @@ class FusedCPPOLoss(nn.Module):
     Args:
         config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
             (a keyword that differs from its default next to ``config`` is a ``ValueError``).
+        mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
         **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
@@ -513,12 +688,13 @@ class FusedCPPOLoss(nn.Module):
     returns its ``(loss, metrics)``.
     """
 
-    def __init__(self, config: LossConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: LossConfig | None = None, *, mode: str = "auto", **options: Any) -> None:
         super().__init__()
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown}: the options are {list(_OPTIONS)}")
         self.config = _loss_config(config, options)
+        self.mode = check_choice("mode", mode, MODES)
 
     def forward(
         self,
@@ -544,7 +720,8 @@ class FusedCPPOLoss(nn.Module):
             ref_logprobs=ref_logprobs,
             bias=bias,
             config=self.config,
+            mode=self.mode,
         )
 
     def extra_repr(self) -> str:
-        return repr(self.config)
+        return f"{self.config!r}, mode={self.mode!r}"

@@ -1,14 +1,15 @@
 """Naive oracles of every public op, for the tests: written from the stated semantics, apart from the production code.
 
 Nothing here is on a production path and nothing here is imported by one: an oracle that shares code with what it
-checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in float64 with
-``math.fsum``, the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
+checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in exact rational arithmetic
+(``fractions``), the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
 inputs are assumed valid. The loss oracles compute in the dtype of their inputs, so pass float64 tensors.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -23,37 +24,51 @@ __all__ = ["group_advantages", "select_completions", "cppo_select", "token_logpr
 # --------------------------------------------------------------------------------------------
 
 
-def _std(values: list[float], ddof: int) -> float:
-    """Std of ``values`` with ``ddof`` (0 when there are not more than ``ddof`` values)."""
+def _pow2(values: list[float]) -> float:
+    """The power of two at or below the largest magnitude in ``values`` (1.0 for all zeros)."""
+    top = max(abs(v) for v in values)
+    return math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0 else 1.0
+
+
+def _std(values: list[Fraction], ddof: int) -> float:
+    """Std of ``values`` with ``ddof`` (0 over at most ``ddof`` values): exact variance, one rounding."""
     if len(values) <= ddof:
         return 0.0
-    mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - ddof))
+    mean = sum(values) / len(values)
+    return math.sqrt(float(sum((v - mean) ** 2 for v in values) / (len(values) - ddof)))
 
 
 def group_advantages(
     rewards: Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
 ) -> Tensor:
-    """fp32 ``[N]``: ``(r - mean_g) / (std + eps)`` group by group, in float64.
+    """fp32 ``[N]``: ``(r - mean_g) / (std + eps)`` group by group.
 
     ``std`` is the group's (``scale="group"``), the whole batch's (``"batch"``), or the division is skipped
-    (``"none"``); Bessel's correction with ``unbiased``. A group of equal rewards gets exactly 0.
+    (``"none"``: values beyond fp32's range saturate at its largest finite value); Bessel's correction with
+    ``unbiased``. A group of equal rewards gets exactly 0. Exact rational arithmetic (``fractions``), in units of a
+    power of two (the group's largest magnitude, the batch's for ``"batch"``) so that every float conversion fits.
     """
     values = rewards.detach().to(torch.float64).tolist()
     ddof = 1 if unbiased else 0
-    batch_std = _std(values, ddof) if scale == "batch" else None
+    fp32_max = float(torch.finfo(torch.float32).max)
+    if scale == "batch" and values:
+        unit = _pow2(values)
+        batch_std = _std([Fraction(v) / Fraction(unit) for v in values], ddof)
     out = []
     for start in range(0, len(values), group_size):
         group = values[start : start + group_size]
         if max(group) == min(group):
             out += [0.0] * len(group)
             continue
-        mean = math.fsum(group) / len(group)
+        if scale != "batch":
+            unit = _pow2(group)
+        exact = [Fraction(v) / Fraction(unit) for v in group]
+        mean = sum(exact) / len(exact)
         if scale == "none":
-            out += [r - mean for r in group]
+            out += [min(max(float(r - mean) * unit, -fp32_max), fp32_max) for r in exact]
         else:
-            std = _std(group, ddof) if scale == "group" else batch_std
-            out += [(r - mean) / (std + eps) for r in group]
+            std = _std(exact, ddof) if scale == "group" else batch_std
+            out += [float(r - mean) / (std + eps / unit) for r in exact]
     return torch.tensor(out, dtype=torch.float64).to(torch.float32).to(rewards.device)
 
 
@@ -128,26 +143,32 @@ def token_logprobs(
     return logp, entropy
 
 
+#: The clamp of the log-ratio before its exp and of the k3 exponent (verl's bound, as the production loss).
+LOG_RATIO_BOUND = 20.0
+
+
 def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     if estimator == "k1":
         return logp - ref
     if estimator == "k2":
         return (logp - ref) ** 2 / 2
-    return torch.exp(ref - logp) - (ref - logp) - 1
+    d = torch.clamp(ref - logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.exp(d) - d - 1
 
 
 def _sequence_loss(
     lp: Tensor, adv: float, old: Tensor | None, ref: Tensor | None, cfg: LossConfig
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(per-token loss, ratio, kl or None) of one non-empty sequence: log-probs ``lp``, advantage ``adv``."""
-    log_ratio = lp - (lp.detach() if old is None else old.to(lp.dtype))
+    """(per-token loss, ratio, kl or None) of one non-empty sequence: log-probs ``lp``, advantage ``adv``; ``old`` and
+    ``ref`` are constants (detached)."""
+    log_ratio = lp - (lp if old is None else old).detach().to(lp.dtype)
     if cfg.importance_sampling == "sequence":
         log_ratio = log_ratio.mean() * torch.ones_like(lp)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.eps_high) * adv)
     if cfg.dual_clip is not None and adv < 0:
         loss = torch.minimum(loss, torch.full_like(loss, -cfg.dual_clip * adv))
-    kl = None if ref is None else _kl(lp, ref.to(lp.dtype), cfg.kl_estimator)
+    kl = None if ref is None else _kl(lp, ref.detach().to(lp.dtype), cfg.kl_estimator)
     if kl is not None and cfg.beta > 0:
         loss = loss + cfg.beta * kl
     return loss, ratio.detach(), kl
@@ -167,7 +188,8 @@ def policy_loss(
 
     ``logp [T]`` (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]``, ``old_logprobs`` / ``ref_logprobs``
     / ``entropy [T]``. Per token of sequence s: ``d = logp - old`` (``old = logp.detach()`` when absent; the
-    sequence's mean d for ``importance_sampling="sequence"``), ``r = exp(d)``, ``-min(r A_s, clip(r) A_s)``,
+    sequence's mean d for ``importance_sampling="sequence"``), ``r = exp(clamp(d, -20, 20))``,
+    ``-min(r A_s, clip(r) A_s)``, the k3 exponent clamped alike,
     at most ``-dual_clip * A_s`` when ``A_s < 0``, plus ``beta * kl``. Aggregated over the tokens (token-mean),
     over each sequence then the sequences (seq-mean-token-mean), or summed and divided by
     ``S * max_completion_length`` (seq-mean-token-sum-norm); an empty sequence or batch gives 0.

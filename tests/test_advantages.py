@@ -1,11 +1,22 @@
 """group_advantages / select_completions / cppo_select on both backends against the fp64 reference."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cppo_kernels import _advantages_triton, cppo_select, group_advantages, reference, select_completions
+from cppo_kernels import (
+    _advantages_torch,
+    _advantages_triton,
+    cppo_select,
+    group_advantages,
+    reference,
+    select_completions,
+    use_backend,
+)
+from cppo_kernels.advantages import TRITON_MAX_GROUP_SIZE
 
 # The `backend` fixture only sets an environment variable, so reusing it across examples is sound.
 FIXTURE_OK = settings(
@@ -119,6 +130,107 @@ def test_batch_std_over_65536_completions(backend):
     for scale in ("batch", "group"):
         adv = group_advantages(rewards, 16, scale=scale)
         assert_adv_close(adv, ref_adv(rewards, 16, scale=scale), rewards, scale)
+
+
+#: Finite rewards at the edges of their dtype's range (issue 11): products, squares and spreads overflow or underflow
+#: a naive computation; fp32 ones used to give NaN (then an out-of-bounds store) or all-zero advantages.
+EXTREME = {
+    "fp32 near the max": ([3e38, 0.0, 0.0, -1.5e38], torch.float32),
+    "fp32 spread 2e19": ([1e19, -1e19, 0.0, 0.0], torch.float32),
+    "fp32 spread 4e19, clustered": ([2e19, 2e19, -2e19, 2e19], torch.float32),
+    "fp32 saturating scale none": ([3.4e38, -3.4e38, -3.4e38, -3.4e38], torch.float32),
+    "fp32 subnormal": ([1e-45, 0.0, 0.0, -1e-45], torch.float32),
+    "fp64 near the max": ([1.7e308, -1.7e308, 0.0, 1e-300], torch.float64),
+    "fp64 1e300": ([1e300, 0.0, 0.0, -1.5e300], torch.float64),
+    "fp64 clustered": ([1e150, 1e150 * (1 + 2**-50), 1e150, 1e150], torch.float64),
+    "fp64 subnormal": ([1e-310, 0.0, -3e-310, 2e-320], torch.float64),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTREME))
+def test_extreme_finite_rewards_both_backends_and_the_oracle_agree(case):
+    values, dtype = EXTREME[case]
+    rewards = torch.tensor(values * 2 + [1.0, 2.0, 3.0, 4.0], dtype=dtype)  # with an ordinary group
+    for scale in ("group", "batch", "none"):
+        for eps in (1e-4, 0.0):
+            want = ref_adv(rewards, 4, scale=scale, eps=eps)
+            got = {}
+            for choice in ("torch", "triton"):
+                with use_backend(choice):
+                    for scope in ("group", "batch"):
+                        adv, idx = cppo_select(rewards, 4, 2, scale=scale, eps=eps, scope=scope)
+                        assert torch.isfinite(adv).all(), (choice, scale, scope, adv)
+                        torch.testing.assert_close(adv, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+                        assert torch.equal(idx, reference.select_completions(adv, 4, 2, scope=scope))
+                        assert torch.equal(group_advantages(rewards, 4, scale=scale, eps=eps), adv)
+                        got[choice, scope] = idx
+            assert got["torch", "group"].equal(got["triton", "group"]) and got["torch", "batch"].equal(
+                got["triton", "batch"]
+            )
+        if scale == "group":
+            assert (want[4:8] != 0).any() or max(values) == min(values)  # never silently all-zero
+
+
+def test_fp32_spread_of_2e19_gives_the_textbook_advantages(backend):
+    """The issue's all-zero case by hand: mean 0, Bessel std sqrt(2/3) 1e19, so A = +-sqrt(3/2) (eps is negligible)."""
+    for scope in ("group", "batch"):
+        adv, idx = cppo_select(torch.tensor([1e19, -1e19, 0.0, 0.0]), 4, 2, scope=scope)
+        torch.testing.assert_close(adv, torch.tensor([1.5**0.5, -(1.5**0.5), 0.0, 0.0]))
+        assert torch.equal(idx, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("scope", ["group", "batch"])
+@pytest.mark.parametrize("metric", ["smallest", "largest"])
+def test_selection_stores_are_bounded_whatever_the_scores(scope, metric):
+    """NaN, inf and signed-zero scores (impossible after validation, so given straight to the backends): exactly
+    ``keep`` per group (group) or ``keep * Q`` (batch) valid ascending indices, and nothing written past the output.
+
+    Regression: the Triton group kernel ranked by float comparisons, so NaN scores ranked 0, every completion was
+    "kept" and G indices went into a keep-sized slot range (past the end of the output for the last group).
+    """
+    G, Q, keep = 8, 3, 3
+    nan, inf = float("nan"), float("inf")
+    adv = torch.tensor([nan, 1.0, nan, -inf, 0.5, nan, inf, 2.0] + [nan] * 8 + [0.0, -0.0, 1.0, nan, inf, -inf, 3, 3])
+    K = keep * Q
+    for name, impl in (("torch", _advantages_torch), ("triton", _advantages_triton)):
+        if name == "torch":
+            idx = impl.select_completions(adv, G, keep, scope=scope, metric=metric, draws=None)
+        else:
+            buf = torch.full((K + 64,), -7, dtype=torch.long)  # the output, then a guard region
+            launch = impl._launch_batch if scope == "batch" else functools.partial(impl._launch_group, std=adv)
+            launch(adv, adv, adv, buf[:K], Q, G, keep, 0.0, 0, scale="none", mode=impl.MODE_SELECT, metric=metric)
+            assert torch.equal(buf[K:], torch.full((64,), -7)), f"{name}: wrote past the output"
+            idx = buf[:K]
+        assert idx.numel() == K and ((idx >= 0) & (idx < G * Q)).all(), (name, idx)
+        if scope == "group":
+            assert torch.equal(torch.bincount(idx // G, minlength=Q), torch.full((Q,), keep)), (name, idx)
+            assert (idx.reshape(Q, keep).diff(dim=1) > 0).all(), (name, idx)
+        else:
+            assert (idx.diff() > 0).all(), (name, idx)
+
+
+def test_group_size_above_the_triton_limit_runs_the_torch_path(monkeypatch):
+    """A group too large for the Triton tiles runs the PyTorch backend (on the same device), not a raw Triton error;
+    the Triton launcher itself names group_size."""
+    assert TRITON_MAX_GROUP_SIZE == _advantages_triton.MAX_GROUP_SIZE
+    g = TRITON_MAX_GROUP_SIZE + 1
+    with pytest.raises(ValueError, match=f"group_size={g} is above"):
+        _advantages_triton.group_config(g)
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched a Triton kernel above its group-size limit")
+
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+        monkeypatch.setattr(_advantages_triton, name, no_launch)
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
+    rewards = torch.randint(0, 3, (2 * g,), generator=torch.Generator().manual_seed(0)).float()  # [N]
+    for scope in ("group", "batch"):
+        adv, idx = cppo_select(rewards, g, 5, scope=scope)
+        want_adv, want_idx = reference.cppo_select(rewards.double(), g, 5, scope=scope)
+        assert_adv_close(adv, want_adv, rewards, "group")
+        assert torch.equal(idx, want_idx)
+        assert torch.equal(select_completions(adv, g, 5, scope=scope), want_idx)
+    assert_adv_close(group_advantages(rewards, g, scale="batch"), ref_adv(rewards, g, scale="batch"), rewards, "batch")
 
 
 # --------------------------------------------------------------------------------------------

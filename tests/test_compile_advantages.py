@@ -60,7 +60,7 @@ CONFIGS = {
     # group kernel: advantages only, selection from given advantages, fused (the CPPO default first)
     **{
         f"group-G{g}-{name}": (group_kernel, (g, *variant))
-        for g in (16, 1024)
+        for g in (16, 1024, K.MAX_GROUP_SIZE)  # the largest group the kernels take (larger: the PyTorch path)
         for name, variant in {
             "fused-group-smallest": (K.MODE_FUSED, "group", "smallest", tl.float32),
             "fused-none-random": (K.MODE_FUSED, "none", "random", tl.float32),
@@ -73,6 +73,7 @@ CONFIGS = {
     "batch-select": (batch_kernel, (16, K.MODE_SELECT, "none", "smallest", tl.float32)),
     "batch-G16-fused-batch-largest": (batch_kernel, (16, K.MODE_FUSED, "batch", "largest", tl.float32)),
     "batch-G1024-fused-group-random-fp64": (batch_kernel, (1024, K.MODE_FUSED, "group", "random", tl.float64)),
+    "batch-Gmax-fused-batch-fp64": (batch_kernel, (K.MAX_GROUP_SIZE, K.MODE_FUSED, "batch", "smallest", tl.float64)),
     "batch-std-G16": (batch_std_kernel, (16, tl.float32)),
     "batch-std-G1024-fp64": (batch_std_kernel, (1024, tl.float64)),
 }

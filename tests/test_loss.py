@@ -1,6 +1,9 @@
-"""fused_cppo_loss / fused_logprobs / cppo_loss_from_logits against the float64 reference, on both backends."""
+"""fused_cppo_loss / fused_logprobs / cppo_loss_from_logits against the float64 reference, on both backends and, for
+the loss, in both modes of the torch backend (two-pass and gradient-in-forward)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -11,11 +14,13 @@ from cppo_kernels import (
     FusedCPPOLoss,
     LossConfig,
     _loss_torch,
+    _policy,
     cppo_loss_from_logits,
     fused_cppo_loss,
     fused_logprobs,
     reference,
 )
+from cppo_kernels import loss as loss_module
 
 #: Tolerances per input dtype: (loss and metrics, gradients of the torch backend and of
 #: cppo_loss_from_logits, gradients of the Triton backend). Gradients are compared as
@@ -38,8 +43,31 @@ DTYPES = list(TOL)
 METRIC_KEYS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens")
 
 
+class LossPath(NamedTuple):
+    backend: str
+    mode: str
+
+
+#: Every path of fused_cppo_loss on the CPU: the torch backend in both modes, the Triton kernels (two-pass).
+PATHS = {
+    "torch-two-pass": LossPath("torch", "two-pass"),
+    "torch-grad-in-forward": LossPath("torch", "grad-in-forward"),
+    "triton-two-pass": LossPath("triton", "two-pass"),
+}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch) -> LossPath:
+    """Runs a test once per loss path: the backend by CPPO_KERNELS_BACKEND, the mode as the CPU rule of that backend
+    (so ``mode="auto"`` calls take it, and GSPO still takes the two-pass path)."""
+    chosen = PATHS[request.param]
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", chosen.backend)
+    monkeypatch.setitem(loss_module.MODE_RULES, ("cpu", chosen.backend, None), chosen.mode)
+    return chosen
+
+
 def _settings(**kwargs) -> settings:
-    """The loaded profile, plus: the ``backend`` fixture is safely shared by all examples of a test."""
+    """The loaded profile, plus: the ``backend`` / ``path`` fixtures are safely shared by all examples of a test."""
     checks = [*settings().suppress_health_check, HealthCheck.function_scoped_fixture]
     return settings(suppress_health_check=checks, **kwargs)
 
@@ -105,7 +133,7 @@ def _grads(loss: torch.Tensor, inputs: list[torch.Tensor], upstream: float) -> l
     logit_scale=st.sampled_from([1.0, 4.0, 20.0]),
 )
 def test_loss_matches_reference(
-    backend,
+    path,
     seed,
     lengths,
     H,
@@ -172,7 +200,7 @@ def test_loss_matches_reference(
         bias=params64[2] if with_bias else None,
         config=LossConfig(**options),
     )
-    loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if backend == "torch" else 2]
+    loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if path.backend == "torch" else 2]
     assert loss.dtype == torch.float32 and loss.dim() == 0
     _assert_close("loss", loss, want, loss_tol)
     assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set())
@@ -211,7 +239,7 @@ def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: 
     loss_agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
     importance_sampling=st.sampled_from(["token", "sequence"]),
 )
-def test_packed_and_padded_agree(backend, seed, lengths, dtype, loss_agg, importance_sampling):
+def test_packed_and_padded_agree(path, seed, lengths, dtype, loss_agg, importance_sampling):
     H, V, L = 24, 100, 10
     hidden, weight, bias, targets, adv, g = _problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
     T = hidden.shape[0]
@@ -369,7 +397,7 @@ def test_loss_from_logits_matches_reference(seed, lengths, dtype, padded, temper
     _assert_close("dlogits", got, exp, TOL[dtype][1])
 
 
-def test_empty_batch(backend):
+def test_empty_batch(path):
     """No tokens at all (and empty sequences): loss 0, zero gradients, no NaN."""
     weight = torch.randn(50, 16, requires_grad=True)
     for cu in (torch.tensor([0]), torch.tensor([0, 0, 0])):
@@ -385,7 +413,7 @@ def test_empty_batch(backend):
             assert dh.shape == (0, 16) and torch.equal(dw, torch.zeros_like(dw))
 
 
-def test_frozen_weight_and_entropy_only(backend):
+def test_frozen_weight_and_entropy_only(path):
     """Gradients flow to whichever inputs require them (frozen LM head); the entropy metric is detached."""
     hidden, weight, bias, targets, adv, _ = _problem(3, [5, 4], 16, 40, torch.float32, logit_scale=2.0, bias=True)
     h = hidden.clone().requires_grad_()
@@ -395,7 +423,7 @@ def test_frozen_weight_and_entropy_only(backend):
     want, _ = reference.fused_cppo_loss(h64, weight.double(), targets, adv.double(), cu_seqlens=_cu([5, 4]),
                                         bias=bias.double())  # fmt: skip
     (exp,) = torch.autograd.grad(want * 0.5, [h64])
-    _assert_close("dhidden", dh, exp, TOL[torch.float32][1 if backend == "torch" else 2])
+    _assert_close("dhidden", dh, exp, TOL[torch.float32][1 if path.backend == "torch" else 2])
 
     w = weight.clone().requires_grad_()
     _, metrics = fused_cppo_loss(hidden, w, targets, adv, cu_seqlens=_cu([5, 4]), compute_entropy=True)
@@ -451,7 +479,7 @@ def _loss_inputs(seed: int = 7):
     return params, (hidden, weight, targets, adv), tensors
 
 
-def test_config_equals_keywords(backend):
+def test_config_equals_keywords(path):
     params, args, tensors = _loss_inputs()
     want = _run(fused_cppo_loss, params, *args, **tensors, **OPTIONS)
     _assert_same(_run(fused_cppo_loss, params, *args, **tensors, config=LossConfig(**OPTIONS)), want)
@@ -481,7 +509,7 @@ def test_config_with_a_conflicting_keyword_raises(fn, option):
         fn(*x, targets, adv, **tensors, config=dict(OPTIONS))
 
 
-def test_module_matches_the_function(backend):
+def test_module_matches_the_function(path):
     params, args, tensors = _loss_inputs()
     want = _run(fused_cppo_loss, params, *args, **tensors, **OPTIONS)
     for module in (FusedCPPOLoss(**OPTIONS), FusedCPPOLoss(LossConfig(**OPTIONS))):
@@ -494,6 +522,11 @@ def test_module_matches_the_function(backend):
     tp = torch.zeros(3, 5, dtype=torch.long).masked_scatter(mask, t)
     got = _run(padded, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"])
     _assert_same(got, _run(fused_cppo_loss, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"]))
+    for mode in ("two-pass", "grad-in-forward"):
+        module = FusedCPPOLoss(beta=0.0, mode=mode)
+        assert module.mode == mode and f"mode='{mode}'" in repr(module)
+        got = _run(module, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"])
+        _assert_same(got, _run(fused_cppo_loss, [hp], hp, w, tp, adv, mask=mask, bias=tensors["bias"], mode=mode))
 
 
 def test_module_bad_options():
@@ -503,6 +536,8 @@ def test_module_bad_options():
         FusedCPPOLoss(LossConfig(beta=0.04), beta=0.1)
     with pytest.raises(ValueError, match="kl_estimator"):
         FusedCPPOLoss(kl_estimator="k4")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        FusedCPPOLoss(mode="fast")
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,6 +607,8 @@ BAD = {
     "temperature": (dict(temperature=0.0), "temperature"),
     "temperature nan": (dict(temperature=float("nan")), "temperature"),
     "epsilon_low": (dict(epsilon_low=-0.1), "epsilon_low"),
+    "epsilon_low 1": (dict(epsilon_low=1.0), "epsilon_low must be < 1.*1 - epsilon_low must stay > 0"),
+    "epsilon_low 3": (dict(epsilon_low=3.0), "epsilon_low must be < 1"),
     "epsilon_high": (dict(epsilon_high=float("nan")), "epsilon_high"),
     "dual_clip": (dict(dual_clip=1.0), "dual_clip"),
     "beta": (dict(beta=-1.0), "beta"),
@@ -602,7 +639,9 @@ def _good_padded():
 BAD_PADDED = {
     "hidden 2-D with mask": (dict(hidden=torch.randn(8, 16)), "hidden"),
     "mask shape": (dict(mask=torch.ones(2, 5, dtype=torch.bool)), "mask"),
-    "mask float": (dict(mask=torch.ones(2, 4)), "mask"),
+    "mask float not 0/1": (dict(mask=torch.full((2, 4), 0.5)), "mask .*must hold only 0 and 1"),
+    "mask float nan": (dict(mask=torch.full((2, 4), float("nan"))), "mask .*must hold only 0 and 1"),
+    "mask complex": (dict(mask=torch.ones(2, 4, dtype=torch.complex64)), "mask must be bool, integer or floating"),
     "mask values": (dict(mask=torch.full((2, 4), 2)), "mask"),
     "targets shape": (dict(targets=torch.zeros(2, 3, dtype=torch.long)), "targets"),
     "targets out of range where valid": (dict(targets=torch.full((2, 4), 30)), "targets"),
@@ -650,3 +689,171 @@ def test_bad_input_other_functions():
         cppo_loss_from_logits(logits, kw["targets"], kw["advantages"])
     with pytest.raises(ValueError, match="ref_logprobs"):
         cppo_loss_from_logits(logits, kw["targets"], kw["advantages"], cu_seqlens=kw["cu_seqlens"], beta=0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# Robustness (issue 11): finite for every finite input, constants get no gradient, non-finite logits named
+# --------------------------------------------------------------------------------------------
+
+
+def _offset_inputs(offsets: list[float], adv: list[float], *, seed: int = 0):
+    """Packed problem, one sequence per advantage (``len(offsets)`` tokens each), with
+    ``logp - old_logprobs = offsets`` per token (up to fp32 rounding of ``old``)."""
+    n, S = len(offsets), len(adv)
+    hidden, weight, bias, targets, _, _ = _problem(seed, [n] * S, 16, 40, torch.float32, logit_scale=3.0, bias=True)
+    with torch.no_grad():
+        logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
+    old = (logp - torch.tensor(offsets, dtype=torch.float64).repeat(S)).float()  # [T]
+    return hidden, weight, bias, targets, torch.tensor(adv), _cu([n] * S), old, logp
+
+
+def _loss_and_grads(hidden, weight, bias, targets, adv, cu, **kwargs):
+    params = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    loss, metrics = fused_cppo_loss(params[0], params[1], targets, adv, cu_seqlens=cu, bias=params[2], **kwargs)
+    return loss, metrics, torch.autograd.grad(loss * 0.5, params)
+
+
+def _want(hidden, weight, bias, targets, adv, cu, config: LossConfig, old=None, ref=None):
+    params = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    want, _ = reference.fused_cppo_loss(
+        params[0], params[1], targets, adv.double(), cu_seqlens=cu, bias=params[2], config=config,
+        old_logprobs=None if old is None else old.double(), ref_logprobs=None if ref is None else ref.double(),
+    )  # fmt: skip
+    return want, torch.autograd.grad(want * 0.5, params)
+
+
+#: Log-ratios from far below to far above the clamp (not at +-20 itself, where the fp32 rounding of ``old`` decides
+#: on which side of the clamp's gradient a token falls; the analytic-gradient tests cover the bounds).
+OFFSETS = [-1000.0, -100.0, -88.8, -20.5, -19.5, -0.3, 0.0, 0.05, 19.5, 20.5, 88.8, 100.0, 1000.0]
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_huge_log_ratios_give_finite_loss_and_gradients(path, dual_clip):
+    """Regression: exp(logp - old) overflowed past a log-ratio of 88.7, so the loss or the gradient went NaN (a
+    clipped token's 0 * inf; every token of an A = 0 group). The log-ratio is clamped to [-20, 20] as verl does."""
+    hidden, weight, bias, targets, adv, cu, old, _ = _offset_inputs(OFFSETS, [1.5, -2.0, 0.0, 1e6])
+    config = LossConfig(dual_clip=dual_clip, epsilon_high=0.28)
+    loss, metrics, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, old_logprobs=old, config=config)
+    want, want_grads = _want(hidden, weight, bias, targets, adv, cu, config, old=old)
+    assert torch.isfinite(loss) and all(torch.isfinite(m) for m in metrics.values())
+    _assert_close("loss", loss, want, 1e-5)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        _assert_close(name, got, exp, 1e-4)
+    assert metrics["ratio_max"] == torch.exp(torch.tensor(20.0)) and metrics["ratio_min"] == torch.exp(
+        torch.tensor(-20.0)
+    )
+
+
+@pytest.mark.parametrize("offset", [1.0, 25.0, 100.0, 1000.0])
+def test_clipped_tokens_give_exactly_zero_gradient(path, offset):
+    """Every token clipped (A > 0 with a ratio above 1 + eps, A < 0 below 1 - eps): the gradient is exactly 0."""
+    for sign in (1.0, -1.0):
+        hidden, weight, bias, targets, adv, cu, old, _ = _offset_inputs([sign * offset] * 5, [sign * 2.0, sign * 0.5])
+        loss, _, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, old_logprobs=old)
+        assert torch.isfinite(loss)
+        for g in grads:
+            assert torch.equal(g, torch.zeros_like(g)), (sign, offset)
+
+
+def test_zero_advantage_group_is_not_nan(path):
+    """A = 0 (a constant-reward group): loss 0 and zero gradients, whatever the log-ratio (used to be 0 * inf)."""
+    hidden, weight, bias, targets, adv, cu, old, _ = _offset_inputs(OFFSETS, [0.0, 0.0])
+    loss, metrics, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, old_logprobs=old)
+    assert loss.item() == 0.0 and all(torch.isfinite(m) for m in metrics.values())
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_far_from_the_reference_is_finite(path, estimator):
+    """Regression: k3 with ref - logp = 100 was exp(100) = inf. Its exponent is clamped to [-20, 20] (verl): the
+    penalty is e^20 - 21 there and its gradient 0; k1 and k2 need no clamp."""
+    gaps = [-100.0, -30.0, -20.5, -5.0, 0.0, 5.0, 19.5, 30.0, 100.0]
+    hidden, weight, bias, targets, adv, cu, _, logp = _offset_inputs(gaps, [1.0, -1.0])
+    ref = (logp + torch.tensor(gaps, dtype=torch.float64).repeat(2)).float()  # ref - logp = gaps
+    config = LossConfig(beta=0.04, kl_estimator=estimator)
+    loss, metrics, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, ref_logprobs=ref, config=config)
+    want, want_grads = _want(hidden, weight, bias, targets, adv, cu, config, ref=ref)
+    assert torch.isfinite(loss) and torch.isfinite(metrics["kl"])
+    _assert_close("loss", loss, want, 1e-5)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        _assert_close(name, got, exp, 1e-4)
+    if estimator == "k3":
+        worst = torch.exp(torch.tensor(20.0)) - 21  # the clamped exponent's penalty
+        assert metrics["kl"] <= worst
+
+
+def test_in_range_log_ratios_are_bit_identical_to_the_unclamped_formula():
+    """The clamps change nothing within [-20, 20]: ratio and k3 equal the plain formulas bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(1000, generator=g) * 10  # [T]
+    old, ref = logp + (torch.rand(2, 1000, generator=g) - 0.5) * 39.9  # |d| < 20
+    adv = torch.randn(1000, generator=g)
+    per_token, ratio, kl = _policy.token_terms(logp, adv, old, ref, LossConfig(beta=0.04))
+    plain_ratio = torch.exp(logp - old)
+    plain_kl = torch.exp(ref - logp) - (ref - logp) - 1.0
+    plain = -torch.minimum(plain_ratio * adv, plain_ratio.clamp(0.8, 1.2) * adv) + 0.04 * plain_kl
+    assert torch.equal(ratio, plain_ratio) and torch.equal(kl, plain_kl) and torch.equal(per_token, plain)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_advantages_old_and_ref_get_no_gradient(path, padded):
+    """They are constants of the loss (detached): no gradient flows into them even when they require one."""
+    params, (hidden, weight, targets, adv), tensors = _loss_inputs()
+    adv = adv.clone().requires_grad_()
+    old, ref = (tensors.pop(k).clone().requires_grad_() for k in ("old_logprobs", "ref_logprobs"))
+    kwargs = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04)
+    if padded:  # one sequence per row, the same tokens
+        mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+        pad = (
+            lambda x: torch.zeros(mask.shape + x.shape[1:]).masked_scatter(  # noqa: E731
+                mask.reshape(mask.shape + (1,) * (x.dim() - 1)).expand(mask.shape + x.shape[1:]), x
+            )
+        )
+        old_p, ref_p = pad(old), pad(ref)
+        kwargs.update(old_logprobs=old_p, ref_logprobs=ref_p, mask=mask)
+        hidden, targets, old, ref = pad(hidden), pad(targets.float()).long(), old_p, ref_p
+    else:
+        kwargs["cu_seqlens"] = tensors["cu_seqlens"]
+    h = hidden.detach().requires_grad_()
+    loss, _ = fused_cppo_loss(h, weight, targets, adv, bias=tensors["bias"], **kwargs)
+    grads = torch.autograd.grad(loss, [h, adv, old, ref], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+    logits = (hidden.detach() @ weight.detach().t()).requires_grad_()
+    loss, _ = cppo_loss_from_logits(logits, targets, adv, **kwargs)
+    grads = torch.autograd.grad(loss, [logits, adv, old, ref], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+
+
+NON_FINITE_HEAD = {
+    "weight nan": (lambda h, w, b: (h, _nan_at(w), b), "weight must be finite"),
+    "weight inf": (lambda h, w, b: (h, _nan_at(w, float("-inf")), b), "weight must be finite"),
+    "bias inf": (lambda h, w, b: (h, w, _nan_at(b, float("inf"))), "bias must be finite"),
+    "bias -inf at every target": (lambda h, w, b: (h, w, torch.full_like(b, float("-inf"))), "bias must be finite"),
+    "hidden inf": (lambda h, w, b: (_nan_at(h, float("inf")), w, b), "hidden must be finite"),
+    "logits overflow": (lambda h, w, b: (h * 1e20, w * 1e20, b), "overflows float32"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("case", list(NON_FINITE_HEAD))
+def test_non_finite_logits_raise_naming_the_input(path, case):
+    """Regression: NaN/inf in weight or bias went unchecked. The per-token log-sum-exp is checked (no [V, H] scan);
+    the message names hidden, weight or bias, or says their logits overflow."""
+    change, match = NON_FINITE_HEAD[case]
+    kw = _good()
+    hidden, weight, bias = change(kw["hidden"], kw["weight"], kw["bias"])
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with pytest.raises(ValueError, match=match):
+        fused_cppo_loss(**{**kw, "hidden": h, "weight": w, "bias": bias})
+    with pytest.raises(ValueError, match=match):
+        fused_logprobs(hidden, weight, kw["targets"], bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_float_mask_of_zeros_and_ones_is_accepted(path, dtype):
+    """TRL passes a 0/1 float completion mask: the same results as the bool mask."""
+    kw = _good_padded()
+    kw["hidden"].requires_grad_()
+    bool_mask = kw.pop("mask")
+    want = _run(fused_cppo_loss, [kw["hidden"]], **kw, mask=bool_mask)
+    _assert_same(_run(fused_cppo_loss, [kw["hidden"]], **kw, mask=bool_mask.to(dtype)), want)
