@@ -145,7 +145,7 @@ DRY_PLAN = Plan(
     dry=True,
     device="cpu",
     budgets=dict.fromkeys(PARTS, DRY_BUDGET_S),
-    loss_shapes=((512, 32, 1000, "float32"),),
+    loss_shapes=((512, 32, 1000, "float32"), (512, 48, 700, "bfloat16")),
     loss_repeats=1,
     loss_warmup=0,
     select_groups=(4,),
@@ -421,7 +421,7 @@ def loss_accuracy(inputs: dict, *, chunk: int = 1024) -> dict:
     import torch
     from test_loss_triton import _logit_error
 
-    from cppo_kernels import LossConfig, fused_logprobs, reference
+    from cppo_kernels import LossConfig, fused_logprobs, reference, use_backend
 
     h, w, t = inputs["hidden"].detach(), inputs["weight"].detach(), inputs["targets"]
     T, H = h.shape
@@ -434,7 +434,8 @@ def loss_accuracy(inputs: dict, *, chunk: int = 1024) -> dict:
             h64 = h[a : a + chunk].double()  # [C, H]
             logp64[a : a + chunk] = reference.token_logprobs(h64, w64, t[a : a + chunk])[0]
             z_max = max(z_max, (h64.abs() @ w_abs.t()).max().item())
-        got = fused_logprobs(h, w, t)  # [T] fp32, the default backend
+        with use_backend("auto"):
+            got = fused_logprobs(h, w, t)  # [T] fp32, the default backend (Triton on CUDA)
     del w64, w_abs
     logp = logp64.clone().requires_grad_()
     loss64, _ = reference.policy_loss(
@@ -495,6 +496,8 @@ def part_loss(plan: Plan, out: pathlib.Path, report: Report, until: float) -> No
     device = torch.device(plan.device)
     for T, H, V, dtype_name in plan.loss_shapes:
         _seconds_left(until)
+        # bench_loss's methods leave CPPO_KERNELS_BACKEND set: both make_inputs calls of a shape must see it unset
+        os.environ.pop("CPPO_KERNELS_BACKEND", None)
         key = f"T={T} H={H} V={V} {dtype_name}"
         dtype = getattr(torch, dtype_name)
         accuracy = loss_accuracy(bench_loss.make_inputs(T, H, V, dtype, device))
@@ -629,15 +632,22 @@ def run_speedup(argv: Sequence[str], folder: pathlib.Path, report: Report, until
 
 
 def vllm_argv(plan: Plan, folder: pathlib.Path) -> list[str]:
-    """speedup.py's arguments for vLLM rollouts: vLLM loads a model folder, so the preset's tiny model is saved."""
-    import cppo
+    """speedup.py's arguments for vLLM rollouts. vLLM loads a model folder, so the HF run's tiny model (its config,
+    its seed) is saved to ``folder`` and named by ``--model`` instead of ``--model-config``."""
+    import speedup
+
     from cppo.models import load_model_and_tokenizer
 
-    config = cppo.load_config("speedup-cpu")
-    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=config.model_config, dtype="bfloat16")
+    config = speedup.base_config(speedup.parse_args(list(plan.speedup_argv)))
+    model, tokenizer = load_model_and_tokenizer(
+        config.model, model_config=config.model_config, dtype="bfloat16", seed=config.seed
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return [*plan.speedup_argv, "--model", str(folder), "--dtype", "bfloat16", "--rollout-backend", "vllm"]
+    argv = list(plan.speedup_argv)
+    if "--model-config" in argv:  # only a tiny-* model takes one
+        del argv[argv.index("--model-config") : argv.index("--model-config") + 2]
+    return [*argv, "--model", str(folder), "--dtype", "bfloat16", "--rollout-backend", "vllm"]
 
 
 def part_e2e(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
@@ -651,11 +661,20 @@ def part_e2e(plan: Plan, out: pathlib.Path, report: Report, until: float) -> Non
         report.check(f"{what}: the negative control (position_ids not restarting) shows a leak",
                      r["control_error"] > 10 * r["tolerance"], f"its error {r['control_error']:.3g}")  # fmt: skip
     run_speedup([*plan.speedup_argv, "--rollout-backend", "hf"], out / "speedup-hf", report, until, "speedup hf")
-    if plan.dry or importlib.util.find_spec("vllm") is None:
-        report.add("speedup vllm", "skipped: " + ("dry run" if plan.dry else "vllm is not importable"))
+    if not plan.dry and importlib.util.find_spec("vllm") is None:
+        report.add("speedup vllm", "skipped: vllm is not importable")
         return
     with tempfile.TemporaryDirectory(prefix="gpu-check-model-") as tmp:
-        run_speedup(vllm_argv(plan, pathlib.Path(tmp)), out / "speedup-vllm", report, until, "speedup vllm")
+        argv = vllm_argv(plan, pathlib.Path(tmp))
+        if not plan.dry:
+            run_speedup(argv, out / "speedup-vllm", report, until, "speedup vllm")
+            return
+        import speedup  # the dry run checks the arguments only: vLLM needs a GPU
+
+        config = speedup.base_config(speedup.parse_args(argv))
+        ok = (config.rollout_backend, config.model, config.model_config) == ("vllm", tmp, None)
+        report.add("speedup vllm", f"dry run: arguments checked, not run ({' '.join(argv)})")
+        report.check("speedup.py takes the vLLM run's arguments (saved tiny model, vllm rollouts)", ok)
 
 
 PART_FUNCTIONS: dict[str, Callable[[Plan, pathlib.Path, Report, float], None]] = {

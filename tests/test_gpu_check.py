@@ -79,9 +79,11 @@ def test_dry_run(tmp_path):
     assert "tests/test_loss_triton.py::test_new_token_count_or_temperature_does_not_recompile" in selected
     assert any(t.startswith("tests/test_cuda_kernels.py::test_loss_matches_reference") for t in selected)
     assert {t.split("::")[0] for t in selected} == {"tests/test_cuda_kernels.py", "tests/test_loss_triton.py"}
-    [shape] = [v for v in parts["loss"]["results"].values() if isinstance(v, dict) and "methods" in v]
-    assert {"fused-torch", "naive"} <= set(shape["methods"]) and shape["gemm"]["ms"] > 0
-    assert shape["methods"]["fused-torch"]["library"] and not shape["methods"]["naive"]["library"]
+    shapes = {k: v for k, v in parts["loss"]["results"].items() if isinstance(v, dict) and "methods" in v}
+    assert list(shapes) == ["T=512 H=32 V=1000 float32", "T=512 H=48 V=700 bfloat16"]
+    for shape in shapes.values():
+        assert {"fused-torch", "naive"} <= set(shape["methods"]) and shape["gemm"]["ms"] > 0
+        assert shape["methods"]["fused-torch"]["library"] and not shape["methods"]["naive"]["library"]
     rows = parts["select"]["results"]["rows"]
     assert {(r["backend"], r["mode"]) for r in rows} == {("torch", "eager"), ("triton", "interpreter")}
     assert len(rows) == 10 and all(r["matches_reference"] and "launches_per_call" in r for r in rows)
@@ -89,6 +91,9 @@ def test_dry_run(tmp_path):
     assert e2e["packed float32"]["control_error"] > 10 * e2e["packed float32"]["error"]
     assert [r["pruning_rate"] for r in e2e["speedup hf"]["rows"]] == [0.0, 0.5]
     assert (out / "speedup-hf" / "speedup.json").is_file()
+    assert (
+        e2e["speedup vllm"].startswith("dry run: arguments checked") and "--rollout-backend vllm" in e2e["speedup vllm"]
+    )
 
     md = (out / "summary.md").read_text()
     assert md.startswith("# GPU validation kit: results") and "**Dry run**" in md
