@@ -1,12 +1,14 @@
 # Two commands do all set-up on a fresh machine:
 #   make bench   -> python benchmarks/speedup.py (CPU-sized default)
 #   make test    -> ruff + the whole test suite
+# On a GPU machine, with its own python3 (no venv, nothing installed):
+#   make gpu-check -> python3 benchmarks/gpu_check.py (the GPU validation kit; a dry run without CUDA)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench lint clean
+.PHONY: setup test bench lint clean gpu-check
 
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,10 @@ test: setup lint
 
 bench: setup
 	$(PY) benchmarks/speedup.py
+
+# GPU_CHECK_ARGS: e.g. --out DIR --deadline 450 --commit SHA (see README, "GPU validation kit").
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

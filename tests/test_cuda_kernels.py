@@ -1,0 +1,312 @@
+"""The kernels' properties on a CUDA device; skipped without one (``benchmarks/gpu_check.py`` runs them on a GPU).
+
+On both backends and in fp32, bf16 and fp16: ``fused_cppo_loss`` (loss, metrics, gradients) and the advantages /
+selection ops against the float64 oracles of :mod:`cppo_kernels.reference`; a token's results bit for bit the same
+computed alone or packed among other tokens, at any offset; the same call twice gives the same bits; a new batch
+shape or new loss settings compile no new Triton binary. Problems, helpers and tolerances are the CPU tests'
+(``test_loss``, ``test_advantages``, ``test_loss_triton``): on a GPU the Triton dots run on tensor cores (bf16, fp16)
+or as 3xTF32 (fp32) and stores round to nearest instead of truncating, which those tolerances already cover.
+Shapes keep H and V off multiples of 16 (masked tails; one Triton binary per dtype and flag set). The loss is
+compared with the relative tolerance of the CPU tests plus what the kernels' forward error bound on each log-prob
+(``test_loss_triton``) can do to it: a loss that cancels to near zero is otherwise judged by its own size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import test_advantages as adv_tests
+import test_loss as loss_tests
+import test_loss_triton as kernel_tests
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_loss import small_chunks  # noqa: F401  (autouse: the torch backend's blocks as small as in the CPU tests)
+
+from cppo_kernels import (
+    LossConfig,
+    _advantages_triton,
+    _loss_triton,
+    cppo_select,
+    fused_cppo_loss,
+    fused_logprobs,
+    group_advantages,
+    reference,
+    select_completions,
+    use_backend,
+)
+from cppo_kernels._dispatch import backend_module
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+BACKENDS = ["triton", "torch"]
+DTYPES = pytest.mark.parametrize("dtype", loss_tests.DTYPES, ids=["fp32", "bf16", "fp16"])
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+H, V = 200, 3001  # neither a multiple of 16, nor of a tile
+REWARD_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _cuda(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(CUDA)
+
+
+@contextlib.contextmanager
+def _dz_in_chunks(chunked: bool):
+    """The default CUDA launch config, with the backward's dz scratch in chunks of one token tile when ``chunked``
+    (so dweight accumulates across chunks, in fp32 for bf16/fp16)."""
+    if not chunked:
+        yield
+        return
+    default = _loss_triton.default_config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_loss_triton, "default_config", lambda *a: dataclasses.replace(default(*a), dz_chunk_bytes=1))
+        yield
+
+
+def _loss_atol(logp64: torch.Tensor, h64, w64, b64, temperature: float, adv, cu, old, ref, config) -> float:
+    """2 E sum_t |dloss/dlogp_t|: the loss error that log-prob errors within the kernels' forward bound E (on logits of
+    size up to Z = max_tv (|h_t| . |w_v| + |b_v|) / temperature) can cause, to first order, with a factor 2."""
+    if logp64.numel() == 0:
+        return 0.0
+    with torch.no_grad():
+        z = (h64.abs() @ w64.abs().t() + (0.0 if b64 is None else b64.abs())) / temperature  # [T, V]
+    logp = logp64.detach().clone().requires_grad_()
+    loss, _ = reference.policy_loss(logp, adv, cu, old_logprobs=old, ref_logprobs=ref, config=config)
+    (dlogp,) = torch.autograd.grad(loss, logp)  # [T]
+    return 2 * kernel_tests._logit_error(max(z.max().item(), 1.0), h64.shape[1]) * dlogp.abs().sum().item()
+
+
+def _binaries(kernels) -> list[int]:
+    """Binaries compiled so far for this device, per kernel (Triton's per-device cache)."""
+    return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels]
+
+
+# --------------------------------------------------------------------------------------------
+# The loss against the float64 oracle
+# --------------------------------------------------------------------------------------------
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+@loss_tests._settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 90), min_size=1, max_size=5),
+    temperature=st.sampled_from([1.0, 0.7]),
+    epsilon_high=st.sampled_from([None, 0.28]),
+    dual_clip=st.sampled_from([None, 3.0]),
+    kl=st.sampled_from([None, "k1", "k3"]),
+    importance_sampling=st.sampled_from(["token", "sequence"]),
+    loss_agg=st.sampled_from(AGGS),
+    with_old=st.booleans(),
+    with_bias=st.booleans(),
+    compute_entropy=st.booleans(),
+    logit_scale=st.sampled_from([1.0, 20.0]),
+    chunked=st.booleans(),
+)
+def test_loss_matches_reference(
+    backend, dtype, seed, lengths, temperature, epsilon_high, dual_clip, kl, importance_sampling, loss_agg, with_old,
+    with_bias, compute_entropy, logit_scale, chunked,
+):  # fmt: skip
+    hidden, weight, bias, targets, adv, g = loss_tests._problem(
+        seed, lengths, H, V, dtype, logit_scale=logit_scale, bias=with_bias
+    )
+    cu = loss_tests._cu(lengths)
+    options = dict(
+        temperature=temperature, epsilon_high=epsilon_high, dual_clip=dual_clip, beta=0.0 if kl is None else 0.04,
+        kl_estimator=kl or "k3", importance_sampling=importance_sampling, loss_agg=loss_agg,
+        max_completion_length=90 if loss_agg == "seq-mean-token-sum-norm" else None, compute_entropy=compute_entropy,
+    )  # fmt: skip
+    params64 = [x.double().requires_grad_() for x in (hidden, weight) + ((bias,) if with_bias else ())]
+    b64 = params64[2] if with_bias else None
+    with torch.no_grad():  # old / reference log-probs near the current ones: ratios straddle both clip bounds
+        logp64, _ = reference.token_logprobs(params64[0], params64[1], targets, bias=b64, temperature=temperature)
+    old = (logp64 + 0.3 * torch.randn(len(targets), generator=g, dtype=torch.float64)).float() if with_old else None
+    ref = (logp64 + 0.3 * torch.randn(len(targets), generator=g, dtype=torch.float64)).float() if kl else None
+    upstream = float(torch.randn((), generator=g))
+
+    params = [x.to(CUDA).requires_grad_() for x in (hidden, weight) + ((bias,) if with_bias else ())]
+    with use_backend(backend), _dz_in_chunks(chunked):
+        loss, metrics = fused_cppo_loss(
+            params[0], params[1], targets.to(CUDA), adv.to(CUDA), cu_seqlens=cu.to(CUDA), old_logprobs=_cuda(old),
+            ref_logprobs=_cuda(ref), bias=params[2] if with_bias else None, **options,
+        )  # fmt: skip
+        grads = loss_tests._grads(loss, params, upstream)
+    old64, ref64 = (None if x is None else x.double() for x in (old, ref))
+    want, want_metrics = reference.fused_cppo_loss(
+        params64[0], params64[1], targets, adv.double(), cu_seqlens=cu, bias=b64, config=LossConfig(**options),
+        old_logprobs=old64, ref_logprobs=ref64,
+    )  # fmt: skip
+    atol = _loss_atol(logp64, params64[0], params64[1], b64, temperature, adv.double(), cu, old64, ref64,
+                      LossConfig(**options))  # fmt: skip
+
+    loss_tol, grad_tol = loss_tests.TOL[dtype][0], loss_tests.TOL[dtype][1 if backend == "torch" else 2]
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    loss_tests._assert_close("loss", loss, want, loss_tol, 1e-7 + atol)
+    for key, value in metrics.items():
+        atol = loss_tol * float(logp64.abs().max()) if key == "kl" and len(targets) else 1e-7
+        loss_tests._assert_close(key, value, want_metrics[key], 1e-4, atol)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, loss_tests._grads(want, params64, upstream)):
+        assert got.dtype == dtype and got.device.type == "cuda", name
+        loss_tests._assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
+
+
+# --------------------------------------------------------------------------------------------
+# Batch invariance and determinism, bit for bit
+# --------------------------------------------------------------------------------------------
+
+
+def _token_results(module, hidden, weight, bias, targets, grad_logp, temperature):
+    """(logp, lse, entropy, dhidden) of the backend ``module`` for these tokens."""
+    logp, lse, entropy = module.logprobs_fwd(
+        hidden, weight, targets, bias, temperature=temperature, compute_entropy=True
+    )
+    dhidden, _, _ = module.logprobs_bwd(
+        hidden, weight, targets, bias, lse, grad_logp, temperature=temperature, needs_weight_grad=False
+    )
+    return logp, lse, entropy, dhidden
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+@loss_tests._settings(max_examples=10)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(1, 150), min_size=2, max_size=5),
+    temperature=st.sampled_from([1.0, 0.6]),
+)
+def test_a_tokens_results_do_not_depend_on_the_batch(backend, dtype, seed, lengths, temperature):
+    """Every sequence's log-probs, LSE and entropies (both backends) and its dhidden (Triton: fixed tiles, no
+    split-K) are bit-identical computed alone or packed after the others, at whatever offset in the tiles."""
+    hidden, weight, bias, targets, _, g = loss_tests._problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
+    grad_logp = torch.randn(len(targets), generator=g)  # [T]
+    hidden, weight, bias, targets, grad_logp = (x.to(CUDA) for x in (hidden, weight, bias, targets, grad_logp))
+    cu = loss_tests._cu(lengths).tolist()
+    names = ("logp", "lse", "entropy", "dhidden") if backend == "triton" else ("logp", "lse", "entropy")
+    with use_backend(backend):
+        module = backend_module("loss", hidden)
+        packed = _token_results(module, hidden, weight, bias, targets, grad_logp, temperature)
+        for s, (a, b) in enumerate(zip(cu, cu[1:])):
+            alone = _token_results(module, hidden[a:b], weight, bias, targets[a:b], grad_logp[a:b], temperature)
+            for name, x, y in zip(names, packed, alone):
+                assert torch.equal(x[a:b], y), f"sequence {s} ({a}:{b}): {name}"
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_same_call_gives_the_same_bits(backend, dtype):
+    hidden, weight, bias, targets, adv, _ = loss_tests._problem(
+        3, [300, 17, 700], H, V, dtype, logit_scale=4.0, bias=True
+    )
+    cu = loss_tests._cu([300, 17, 700]).to(CUDA)
+    runs = []
+    for _ in range(2):
+        params = [x.to(CUDA).requires_grad_() for x in (hidden, weight, bias)]
+        with use_backend(backend):
+            loss, metrics = fused_cppo_loss(params[0], params[1], targets.to(CUDA), adv.to(CUDA), cu_seqlens=cu,
+                                            bias=params[2], compute_entropy=True)  # fmt: skip
+            loss.backward()
+        runs.append([loss, *metrics.values(), *(p.grad for p in params)])
+    for i, (x, y) in enumerate(zip(*runs)):
+        assert torch.equal(x, y), f"output {i} differs between two identical calls"
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages and selection against the float64 oracle
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", REWARD_DTYPES, ids=["fp32", "bf16", "fp16", "fp64"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@loss_tests._settings(max_examples=10)
+@given(
+    data=adv_tests.grouped_rewards(),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    unbiased=st.booleans(),
+    keep_frac=st.floats(0, 1),
+    scope=st.sampled_from(["group", "batch"]),
+    metric=st.sampled_from(["smallest", "largest"]),
+)
+def test_advantages_and_selection_match_reference(backend, dtype, data, scale, unbiased, keep_frac, scope, metric):
+    rewards, g = data
+    rewards = rewards.to(dtype)  # the oracle sees the same (rounded) rewards
+    keep = round(keep_frac * g)
+    with use_backend(backend):
+        adv = group_advantages(rewards.to(CUDA), g, scale=scale, unbiased=unbiased)  # [N]
+        idx = select_completions(adv, g, keep, scope=scope, metric=metric)
+        fused = cppo_select(rewards.to(CUDA), g, keep, scale=scale, unbiased=unbiased, scope=scope, metric=metric)
+    adv_tests.assert_adv_close(adv.cpu(), adv_tests.ref_adv(rewards, g, scale=scale, unbiased=unbiased), rewards, scale)
+    assert torch.equal(idx.cpu(), reference.select_completions(adv.cpu(), g, keep, scope=scope, metric=metric))
+    assert torch.equal(fused[0], adv) and torch.equal(fused[1], idx)  # cppo_select is the composition
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scope", ["group", "batch"])
+@pytest.mark.parametrize("scale", ["group", "batch"])
+@pytest.mark.parametrize("questions", [64, 4096])
+def test_cppo_select_at_training_sizes(backend, scope, scale, questions):
+    """CPPO's reward values (exact dyadic, many exact ties), G = 16, keep 4: advantages and the same indices."""
+    gen = torch.Generator().manual_seed(questions)
+    values = torch.tensor(adv_tests.DYADIC)
+    rewards = values[torch.randint(0, len(values), (questions * 16,), generator=gen)]  # [N]
+    with use_backend(backend):
+        adv, idx = cppo_select(rewards.to(CUDA), 16, 4, scale=scale, scope=scope)
+    want_adv, want_idx = reference.cppo_select(rewards.double(), 16, 4, scale=scale, scope=scope)
+    adv_tests.assert_adv_close(adv.cpu(), want_adv, rewards, scale)
+    assert torch.equal(idx.cpu(), want_idx)
+
+
+# --------------------------------------------------------------------------------------------
+# No recompilation for a new batch
+# --------------------------------------------------------------------------------------------
+
+
+def test_new_batch_shapes_and_loss_settings_compile_nothing():
+    """Through the public loss: new token and sequence counts, temperature, clipping, KL and aggregation settings
+    reuse the binaries of the first call (T is never specialised; the rest is not a kernel argument or a runtime
+    one)."""
+    kernels = [_loss_triton._logprobs_fwd_kernel, _loss_triton._logprobs_bwd_dz_kernel]
+    kernels += [_loss_triton._matmul_dhidden_kernel, _loss_triton._matmul_dweight_kernel]
+
+    def step(lengths: list[int], **options) -> None:
+        hidden, weight, _, targets, adv, g = loss_tests._problem(
+            len(lengths), lengths, H, V, torch.bfloat16, logit_scale=4.0, bias=False
+        )
+        hidden, weight, targets = hidden.to(CUDA).requires_grad_(), weight.to(CUDA).requires_grad_(), targets.to(CUDA)
+        old = fused_logprobs(hidden, weight, targets) + 0.1 * torch.randn(len(targets), generator=g).to(CUDA)  # [T]
+        loss, _ = fused_cppo_loss(hidden, weight, targets, adv.to(CUDA), cu_seqlens=loss_tests._cu(lengths).to(CUDA),
+                                  old_logprobs=old, ref_logprobs=old, **options)  # fmt: skip
+        loss.backward()
+
+    with use_backend("triton"):
+        step([300, 17], temperature=1.0, beta=0.04)
+        first = _binaries(kernels)
+        step([5, 1, 64], temperature=0.6, epsilon_low=0.1, epsilon_high=0.28, beta=0.0)
+        step([1], temperature=1.7, dual_clip=3.0, beta=0.04, kl_estimator="k1")
+        step([1000, 999], loss_agg="seq-mean-token-mean", importance_sampling="sequence")
+        assert _binaries(kernels) == first
+
+
+def test_a_new_number_of_questions_compiles_nothing():
+    """Tile shapes depend on the group size only. Triton specialises integer arguments equal to 1 or divisible by
+    16, so after one call per class of (number of groups, groups x keep), any other number of groups reuses them."""
+    kernels = [_advantages_triton._group_kernel, _advantages_triton._batch_kernel, _advantages_triton._batch_std_kernel]
+
+    def calls(questions: int) -> None:
+        rewards = torch.randint(0, 4, (questions * 16,), device=CUDA).float() / 2  # [N]
+        for scope in ("group", "batch"):
+            for scale in ("group", "batch"):
+                adv, _ = cppo_select(rewards, 16, 4, scope=scope, scale=scale)
+            select_completions(adv, 16, 4, scope=scope)
+        group_advantages(rewards, 16)
+
+    with use_backend("triton"):
+        for questions in (1, 2, 4, 16):  # classes (1, other), (other, other), (other, 16k), (16k, 16k)
+            calls(questions)
+        first = _binaries(kernels)
+        for questions in (3, 5, 8, 12, 17, 48, 1000, 4096):
+            calls(questions)
+        assert _binaries(kernels) == first
