@@ -78,12 +78,17 @@ def test_dry_run(tmp_path):
     selected = parts["tests"]["results"]["selected"]  # collection only: the CUDA tests, nothing else
     assert "tests/test_loss_triton.py::test_new_token_count_or_temperature_does_not_recompile" in selected
     assert any(t.startswith("tests/test_cuda_kernels.py::test_loss_matches_reference") for t in selected)
-    assert {t.split("::")[0] for t in selected} == {"tests/test_cuda_kernels.py", "tests/test_loss_triton.py"}
+    assert {t.split("::")[0] for t in selected} == {
+        "tests/test_cuda_kernels.py",
+        "tests/test_loss_triton.py",
+        "tests/test_loss_grad_in_forward.py",
+    }
     shapes = {k: v for k, v in parts["loss"]["results"].items() if isinstance(v, dict) and "methods" in v}
     assert list(shapes) == ["T=512 H=32 V=1000 float32", "T=512 H=48 V=700 bfloat16"]
     for shape in shapes.values():
-        assert {"fused-torch", "naive"} <= set(shape["methods"]) and shape["gemm"]["ms"] > 0
-        assert shape["methods"]["fused-torch"]["library"] and not shape["methods"]["naive"]["library"]
+        fused = {"fused-grad-in-forward-torch", "fused-two-pass-torch"}
+        assert fused | {"naive"} <= set(shape["methods"]) and shape["gemm"]["ms"] > 0
+        assert all(shape["methods"][m]["library"] for m in fused) and not shape["methods"]["naive"]["library"]
     rows = parts["select"]["results"]["rows"]
     assert {(r["backend"], r["mode"]) for r in rows} == {("torch", "eager"), ("triton", "interpreter")}
     assert len(rows) == 10 and all(r["matches_reference"] and "launches_per_call" in r for r in rows)

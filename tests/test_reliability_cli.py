@@ -190,7 +190,7 @@ def test_eval_shows_progress(capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["total"] == 3
-    assert "cppo eval" in captured.err and "3/3" in captured.err
+    assert "eval" in captured.err and "3/3" in captured.err
 
 
 def test_dry_run_checks_what_train_checks_and_writes_nothing(tmp_path, capsys, no_model):
