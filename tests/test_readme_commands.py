@@ -162,6 +162,10 @@ def test_the_long_lines_are_valid_plans(item, tmp_path):
     out = done.stdout.strip()
     plan_json = json.loads(out[out.index("{") :])
     assert plan_json["dry_run"] == "ok"
+    argv = item[1]
+    if argv[0] == "torchrun":  # the dry run is one process: the step's questions must split over the real world size
+        world = int(flag(argv, "--nnodes", "1")) * int(flag(argv, "--nproc-per-node", "1"))
+        assert plan_json["questions_per_step"] % world == 0, (shlex.join(argv), plan_json["questions_per_step"], world)
 
 
 @pytest.mark.parametrize("item", commands("skip"), ids=command_id)
