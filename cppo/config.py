@@ -210,12 +210,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
         if not 0.0 <= self.pruning_rate < 1.0:
             raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
-        if self.selection_scope == "global" and self.kept_per_step % self.questions_drawn:
-            raise ValueError(
-                f"selection_scope='global' keeps the same number per question drawn, but pruning_rate="
-                f"{self.pruning_rate} keeps {self.kept_per_step} of {self.completions_per_step} completions, not a "
-                f"multiple of the {self.questions_drawn} questions: use selection_scope=batch or another rate"
-            )
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
         if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:

@@ -8,8 +8,9 @@ trainer has one code path. The data flow of a distributed step:
 1. each rank takes its contiguous block of the step's questions (:func:`question_slice`), so a question's G
    completions and their group advantages never straddle ranks;
 2. selection (:func:`select_across_ranks`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
-   official Open-R1 code), ``"global"`` gathers |A| from all ranks and keeps ``keep * total_groups`` over the
-   concatenation in rank order (as the official verl recipe), each rank keeping its own survivors;
+   official Open-R1 code), ``"global"`` gathers |A| from all ranks and keeps the step's official count (any count:
+   ``num_kept``) over the concatenation in rank order (as the official verl recipe), each rank keeping its own
+   survivors;
 3. the survivors are spread over the ranks by token count (:func:`balance_sequences`, longest-processing-time greedy);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
    :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
@@ -208,8 +209,9 @@ def _gather_known_sizes(x: torch.Tensor, sizes: list[int], *, info: DistInfo) ->
 def select_across_ranks(
     advantages: torch.Tensor,
     group_size: int,
-    keep: int,
+    keep: int | None = None,
     *,
+    num_kept: int | None = None,
     scope: str,
     metric: str = "smallest",
     generator: torch.Generator | None = None,
@@ -217,17 +219,20 @@ def select_across_ranks(
 ) -> torch.Tensor:
     """Ascending local indices of this rank's retained completions (``advantages [N_r]``, group after group).
 
-    ``"group"``: ``keep`` per question; ``"batch"``: ``keep * local groups`` pooled over this rank's batch (Open-R1);
-    both local. ``"global"``: the advantages of all ranks are gathered and
-    ``cppo_kernels.select_completions(scope="batch")`` keeps ``keep * total groups`` over their concatenation in rank
-    order (higher score first, ties to the lower global index); each rank keeps its own survivors, so 2 ranks select
-    exactly what one process selects with ``"batch"`` over the concatenated batch. With ``metric="random"`` and
-    ``"global"`` every rank draws the global scores itself: ``generator`` must be seeded alike on all ranks.
+    ``"group"``: ``keep`` per question; ``"batch"``: ``keep * local groups`` (or ``num_kept``) pooled over this
+    rank's batch (Open-R1); both local. ``"global"``: the advantages of all ranks are gathered and
+    ``cppo_kernels.select_completions(scope="batch")`` keeps ``keep * total groups`` (or ``num_kept``, any count up
+    to the total: the official ``N - int(N * P)`` of the step over all ranks) over their concatenation in rank order
+    (higher score first, ties to the lower global index); each rank keeps its own survivors, so 2 ranks select
+    exactly what one process selects with ``"batch"`` over the concatenated batch. Give exactly one of ``keep`` and
+    ``num_kept`` (the latter not with ``"group"``). With ``metric="random"`` and ``"global"`` every rank draws the
+    global scores itself: ``generator`` must be seeded alike on all ranks.
     """
     check_choice("scope", scope, SELECTION_SCOPES)
+    sel = {"num_kept": num_kept, "metric": metric, "generator": generator}
     if scope != "global" or not info.distributed:
         local_scope = "batch" if scope == "global" else scope
-        return select_completions(advantages, group_size, keep, scope=local_scope, metric=metric, generator=generator)
+        return select_completions(advantages, group_size, keep, scope=local_scope, **sel)
     if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
         raise ValueError("advantages must be a 1-D tensor [num_groups * group_size]")
     # gather before validating: every rank then sees the same data and raises the same error (no rank left waiting)
@@ -237,7 +242,7 @@ def select_across_ranks(
         raise ValueError(
             f"advantages on rank {bad[0]} have {sizes[bad[0]]} elements, not divisible by group_size={group_size}"
         )
-    kept = select_completions(gathered, group_size, keep, scope="batch", metric=metric, generator=generator)
+    kept = select_completions(gathered, group_size, keep, scope="batch", **sel)
     start = sum(sizes[: info.rank])
     mine = kept[(kept >= start) & (kept < start + sizes[info.rank])]
     return (mine - start).to(advantages.device)

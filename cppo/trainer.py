@@ -233,7 +233,7 @@ class Trainer:
             kept = distributed.select_across_ranks(
                 advantages,
                 cfg.group_size,
-                cfg.kept_per_step // cfg.questions_drawn,  # a whole number: TrainConfig.validate checks it
+                num_kept=cfg.kept_per_step,  # the official count of the step's completions over all ranks
                 scope="global",
                 metric=cfg.selection_metric,
                 generator=gen,
@@ -453,21 +453,9 @@ def pooled_select(
     rewards: torch.Tensor, group_size: int, kept: int, metric: str, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages over each full group, then the ``kept`` completions of the whole batch with the highest score
-    (``|A|`` for ``metric="smallest"``: the official "prune the ``N - kept`` smallest |A|"), ties to the lower index.
+    (``|A|`` for ``metric="smallest"``: the official "prune the ``N - kept`` smallest |A|"), ties to the lower index:
+    ``cppo_select(scope="batch", num_kept=kept)``, one launch on the Triton path whatever the count.
 
-    ``cppo_select(scope="batch")`` keeps a multiple of the number of groups and does all of it in one launch: it
-    is used when ``kept`` is one; otherwise the selection runs here on the kernel's advantages, with the same
-    scores and tie rule. Returns fp32 ``[N]`` advantages and ascending int64 ``[kept]`` indices.
+    Returns fp32 ``[N]`` advantages and ascending int64 ``[kept]`` indices.
     """
-    num_groups = rewards.numel() // group_size
-    if kept % num_groups == 0:
-        keep = kept // num_groups
-        return cppo_select(rewards, group_size, keep, scope="batch", metric=metric, generator=generator)
-    advantages = group_advantages(rewards, group_size)  # [N]
-    if metric == "random":  # the draws cppo_select would make: one fp32 uniform per completion
-        score = torch.rand(advantages.shape, generator=generator, device=advantages.device, dtype=torch.float32)
-    else:
-        magnitude = advantages.abs().to(torch.float32)  # [N]
-        score = magnitude if metric == "smallest" else -magnitude
-    order = torch.sort(-score, stable=True).indices[:kept]  # [kept] highest score first, ties to the lower index
-    return advantages, torch.sort(order).values.to(torch.long)
+    return cppo_select(rewards, group_size, num_kept=kept, scope="batch", metric=metric, generator=generator)

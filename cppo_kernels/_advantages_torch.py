@@ -60,15 +60,16 @@ def _std(x: Tensor, *, unbiased: bool) -> Tensor:
 
 
 def select_completions(
-    advantages: Tensor, group_size: int, keep: int, *, scope: str, metric: str, draws: Tensor | None
+    advantages: Tensor, group_size: int, count: int, *, scope: str, metric: str, draws: Tensor | None
 ) -> Tensor:
-    """Ascending int64 indices of the kept completions (see :func:`cppo_kernels.select_completions`).
+    """Ascending int64 indices of the kept completions (see :func:`cppo_kernels.select_completions`): ``count`` per
+    group (``scope="group"``) or over the whole batch (``"batch"``).
 
     ``draws``: fp32 ``[N]`` uniform scores for ``metric="random"`` (drawn by the public layer), else None.
     """
     device = advantages.device
     num_groups = advantages.numel() // group_size
-    if keep == 0 or num_groups == 0:
+    if count == 0 or num_groups == 0:
         return torch.empty(0, dtype=torch.long, device=device)
     if metric == "random":
         score = draws  # [N]
@@ -78,16 +79,16 @@ def select_completions(
     if scope == "group":
         order = torch.sort(-score.reshape(num_groups, group_size), dim=1, stable=True).indices  # [Q, G]
         offsets = torch.arange(num_groups, device=device).unsqueeze(1) * group_size  # [Q, 1]
-        kept = (order[:, :keep] + offsets).reshape(-1)  # [Q * keep]
+        kept = (order[:, :count] + offsets).reshape(-1)  # [Q * count]
     else:
-        kept = torch.sort(-score, stable=True).indices[: keep * num_groups]  # [keep * Q]
+        kept = torch.sort(-score, stable=True).indices[:count]  # [count]
     return torch.sort(kept).values.to(torch.long)
 
 
 def cppo_select(
     rewards: Tensor,
     group_size: int,
-    keep: int,
+    count: int,
     *,
     scale: str,
     unbiased: bool,
@@ -98,4 +99,4 @@ def cppo_select(
 ) -> tuple[Tensor, Tensor]:
     """:func:`group_advantages` then :func:`select_completions` on those advantages."""
     adv = group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)  # [N]
-    return adv, select_completions(adv, group_size, keep, scope=scope, metric=metric, draws=draws)
+    return adv, select_completions(adv, group_size, count, scope=scope, metric=metric, draws=draws)

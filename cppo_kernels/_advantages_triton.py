@@ -12,10 +12,12 @@ when another recomputes it:
 - ``_batch_std_kernel``: one program looping over the batch (two passes, shifted by the first
   reward); only for ``scale="batch"`` with ``scope="group"``.
 - ``_batch_kernel``: one program for ``scope="batch"``: (optionally) the batch std and the
-  advantages, then a radix select of the ``keep * num_groups``-th largest score (4 passes of
+  advantages, then a radix select of the ``keep_total``-th largest score (4 passes of
   256-bin histograms over order-preserving 32-bit keys), then one compaction pass with running
   counts. O(N) work in one launch instead of the O(N^2) pairwise rank (4e9 comparisons at
-  N=65,536). Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
+  N=65,536). ``keep_total`` (any count in ``[1, N]``: ``keep * num_groups`` or the official
+  ``N - int(N * P)``) is a runtime argument the JIT does not specialise on, so a new count
+  compiles nothing. Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
   timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
 
 Arithmetic: rewards are upcast at load to fp64, whatever their dtype, divided by the power of two at or below their
@@ -30,7 +32,7 @@ tie with the -2/3 of the 0 in ``[0, 1, 1]``. A group whose rewards are all equal
 
 Stores are bounded by construction, whatever the data: ranks compare integer keys of the fp32 scores (a total order
 on every bit pattern, NaN included), so exactly ``keep`` completions of a group are kept, and each index store is
-masked to its own output slots (``slot < keep`` per group, ``slot < keep * num_groups`` for the batch).
+masked to its own output slots (``slot < keep`` per group, ``slot < keep_total`` for the batch).
 Tile shapes and ``num_warps`` depend only on ``group_size``, never on the batch, so a group's
 advantages do not depend on what else is in the launch. ``group_size`` is at most :data:`MAX_GROUP_SIZE`
 (:func:`cppo_kernels.advantages` runs larger groups on the PyTorch path).
@@ -303,7 +305,7 @@ def _batch_key(src_ptr, o, m, METRIC: tl.constexpr):
     return _sort_key(s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["keep_total"])  # one compile for every count (no ==1 or %16 variants)
 def _batch_kernel(
     x_ptr,  # [N] rewards (MODE_FUSED)
     src_ptr,  # [N] what the scores come from: advantages (any float dtype) or fp32 uniform draws
@@ -407,8 +409,9 @@ def _launch_batch_std(x: torch.Tensor, group_size: int, ddof: int) -> torch.Tens
     return std
 
 
-def _launch_batch(x, src, adv, idx, num_groups, group_size, keep, eps, ddof, *, scale, mode, metric) -> None:
-    """The single-program batch kernel: keeps ``idx.numel()`` completions, their ascending indices into ``idx``."""
+def _launch_batch(x, src, adv, idx, num_groups, group_size, keep_total, eps, ddof, *, scale, mode, metric) -> None:
+    """The single-program batch kernel: keeps ``keep_total`` (``= idx.numel()``, >= 1) completions, their ascending
+    indices into ``idx``; same positional arguments as :func:`_launch_group`, whose ``keep`` is per group."""
     cfg = group_config(group_size)
     _batch_kernel[(1,)](
         x,
@@ -418,7 +421,7 @@ def _launch_batch(x, src, adv, idx, num_groups, group_size, keep, eps, ddof, *, 
         num_groups,
         group_size,
         x.numel(),
-        keep * num_groups,
+        keep_total,
         eps,
         ddof,
         SCALE=SCALE_CODE[scale].value,
@@ -433,7 +436,7 @@ def _launch_batch(x, src, adv, idx, num_groups, group_size, keep, eps, ddof, *, 
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
-    """The advantages of :func:`cppo_select` with ``keep=0``: one launch (two for ``scale="batch"``)."""
+    """The advantages of :func:`cppo_select` keeping nothing: one launch (two for ``scale="batch"``)."""
     adv, _ = cppo_select(
         rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps, scope="group", metric="smallest", draws=None
     )
@@ -441,24 +444,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbi
 
 
 def select_completions(
-    advantages: torch.Tensor, group_size: int, keep: int, *, scope: str, metric: str, draws: torch.Tensor | None
+    advantages: torch.Tensor, group_size: int, count: int, *, scope: str, metric: str, draws: torch.Tensor | None
 ) -> torch.Tensor:
-    """Ascending int64 indices of the kept completions: one launch. ``draws``: fp32 ``[N]`` for "random"."""
+    """Ascending int64 indices of the kept completions, ``count`` per group (``scope="group"``) or over the batch
+    (``"batch"``): one launch. ``draws``: fp32 ``[N]`` for "random"."""
     x = advantages.detach().contiguous()  # [N]
     num_groups = x.numel() // group_size
     rand = draws if metric == "random" else x  # [N]
-    idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
+    idx = torch.empty(_num_out(count, num_groups, scope), dtype=torch.long, device=x.device)  # [K]
     if idx.numel() == 0:
         return idx
     launch = _launch_batch if scope == "batch" else functools.partial(_launch_group, std=x)
-    launch(x, rand, x, idx, num_groups, group_size, keep, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric)
+    launch(x, rand, x, idx, num_groups, group_size, count, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric)
     return idx
+
+
+def _num_out(count: int, num_groups: int, scope: str) -> int:
+    """How many indices a selection of ``count`` per group (``scope="group"``) or in all (``"batch"``) returns."""
+    return count * num_groups if scope == "group" else count
 
 
 def cppo_select(
     rewards: torch.Tensor,
     group_size: int,
-    keep: int,
+    count: int,
     *,
     scale: str,
     unbiased: bool,
@@ -467,8 +476,8 @@ def cppo_select(
     metric: str,
     draws: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages fp32 [N], kept indices)``: one fused launch, plus a batch-std launch for ``scale="batch"``
-    with ``scope="group"``."""
+    """``(advantages fp32 [N], kept indices)``, ``count`` kept per group (``scope="group"``) or over the batch
+    (``"batch"``): one fused launch, plus a batch-std launch for ``scale="batch"`` with ``scope="group"``."""
     x = rewards.detach().contiguous()  # [N]
     num_groups = x.numel() // group_size
     rand = draws if metric == "random" else x  # [N]
@@ -476,17 +485,16 @@ def cppo_select(
     if num_groups == 0:
         return adv, torch.empty(0, dtype=torch.long, device=x.device)
     ddof = int(unbiased)
-    if scope == "batch" and keep > 0:
+    idx = torch.empty(_num_out(count, num_groups, scope), dtype=torch.long, device=x.device)  # [K]
+    if scope == "batch" and count > 0:
         src = rand if metric == "random" else adv
-        idx = torch.empty(num_groups * keep, dtype=torch.long, device=x.device)  # [Q * keep]
         _launch_batch(
-            x, src, adv, idx, num_groups, group_size, keep, eps, ddof, scale=scale, mode=MODE_FUSED, metric=metric
+            x, src, adv, idx, num_groups, group_size, count, eps, ddof, scale=scale, mode=MODE_FUSED, metric=metric
         )
         return adv, idx
     std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
-    idx = torch.empty(num_groups * keep if scope == "group" else 0, dtype=torch.long, device=x.device)
-    mode = MODE_FUSED if scope == "group" and keep > 0 else MODE_ADVANTAGES  # keep=0: no rank pass
+    mode = MODE_FUSED if count > 0 else MODE_ADVANTAGES  # nothing kept: no rank pass
     _launch_group(
-        x, rand, adv, idx, num_groups, group_size, keep, eps, ddof, std=std, scale=scale, mode=mode, metric=metric
+        x, rand, adv, idx, num_groups, group_size, count, eps, ddof, std=std, scale=scale, mode=mode, metric=metric
     )
     return adv, idx

@@ -53,12 +53,24 @@ def _check_advantage_options(scale: str, unbiased: bool, eps: float) -> None:
     check_float("eps", eps, low=0.0)
 
 
-def _check_selection_options(group_size: int, keep: int, scope: str, metric: str, generator) -> None:
-    check_int("keep", keep, low=0, high=group_size)
+def _kept_count(n: int, group_size: int, keep, num_kept, scope: str, metric: str, generator) -> int:
+    """Validates the selection options; returns the backends' count: kept per group (``scope="group"``) or over the
+    whole batch (``"batch"``)."""
     check_choice("scope", scope, SCOPES)
     check_choice("metric", metric, METRICS)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if (keep is None) == (num_kept is None):
+        raise ValueError(
+            "give exactly one of keep (completions kept per group) and num_kept (kept over the batch, "
+            f"scope='batch'), got keep={keep!r}, num_kept={num_kept!r}"
+        )
+    if num_kept is None:
+        check_int("keep", keep, low=0, high=group_size)
+        return keep if scope == "group" else keep * (n // group_size)
+    if scope != "batch":
+        raise ValueError(f"num_kept (kept over the whole batch) needs scope='batch', got scope={scope!r}")
+    return check_int("num_kept", num_kept, low=0, high=n)
 
 
 def _draws(x: Tensor, metric: str, generator: torch.Generator | None) -> Tensor | None:
@@ -102,8 +114,9 @@ def group_advantages(
 def select_completions(
     advantages: Tensor,
     group_size: int,
-    keep: int,
+    keep: int | None = None,
     *,
+    num_kept: int | None = None,
     scope: str = "group",
     metric: str = "smallest",
     generator: torch.Generator | None = None,
@@ -118,27 +131,31 @@ def select_completions(
         advantages: ``[N]`` floating, finite, laid out group after group.
         group_size: completions per question ``G`` (>= 1, divides ``N``).
         keep: completions kept per question, ``0 <= keep <= G``.
-        scope: ``"group"`` keeps exactly ``keep`` per group; ``"batch"`` keeps ``keep * num_groups`` pooled over
-            the whole batch (the official Open-R1 code).
+        num_kept: instead of ``keep``, with ``scope="batch"`` only: completions kept over the whole batch,
+            ``0 <= num_kept <= N``, any count (the official ``N - int(N * P)``). Give exactly one of the two.
+        scope: ``"group"`` keeps exactly ``keep`` per group; ``"batch"`` keeps ``keep * num_groups`` (or
+            ``num_kept``) pooled over the whole batch (the official Open-R1 code).
         metric: ``"smallest"``, ``"largest"`` or ``"random"``.
         generator: the generator of the ``"random"`` draws (``N`` fp32 draws on the advantages' device).
 
     Returns:
-        int64 ``[keep * num_groups]``, ascending; exactly that many, whatever the scores (the Triton kernels rank by
-        a total order and bound every store by construction).
+        int64 ``[K]`` with ``K = keep * num_groups`` (or ``num_kept``), ascending; exactly that many, whatever the
+        scores (the Triton kernels rank by a total order and bound every store by construction; the batch kernel
+        takes the count at run time, so a new count compiles nothing).
     """
     _check_grouped_vector("advantages", advantages, group_size)
-    _check_selection_options(group_size, keep, scope, metric, generator)
+    count = _kept_count(advantages.numel(), group_size, keep, num_kept, scope, metric, generator)
     backend = _backend(advantages, group_size)
     draws = _draws(advantages, metric, generator)  # [N] or None
-    return backend.select_completions(advantages, group_size, keep, scope=scope, metric=metric, draws=draws)
+    return backend.select_completions(advantages, group_size, count, scope=scope, metric=metric, draws=draws)
 
 
 def cppo_select(
     rewards: Tensor,
     group_size: int,
-    keep: int,
+    keep: int | None = None,
     *,
+    num_kept: int | None = None,
     scale: str = "group",
     unbiased: bool = True,
     eps: float = 1e-4,
@@ -153,22 +170,22 @@ def cppo_select(
 
     Args:
         rewards: ``[N]`` floating, finite, laid out group after group.
-        group_size, keep: as in :func:`select_completions`.
+        group_size, keep, num_kept: as in :func:`select_completions` (exactly one of ``keep`` and ``num_kept``).
         scale, unbiased, eps: as in :func:`group_advantages`.
         scope, metric, generator: as in :func:`select_completions`.
 
     Returns:
         ``(advantages, kept)``: fp32 ``[N]`` advantages of all completions (index them with ``kept``) and the
-        ascending int64 ``[keep * num_groups]`` indices of the kept completions.
+        ascending int64 ``[K]`` indices of the kept completions (``K = keep * num_groups``, or ``num_kept``).
     """
     _check_grouped_vector("rewards", rewards, group_size)
     _check_advantage_options(scale, unbiased, eps)
-    _check_selection_options(group_size, keep, scope, metric, generator)
+    count = _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
     backend = _backend(rewards, group_size)
     return backend.cppo_select(
         rewards,
         group_size,
-        keep,
+        count,
         scale=scale,
         unbiased=unbiased,
         eps=eps,

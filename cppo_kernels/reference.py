@@ -75,14 +75,16 @@ def group_advantages(
 def select_completions(
     advantages: Tensor,
     group_size: int,
-    keep: int,
+    keep: int | None = None,
     *,
+    num_kept: int | None = None,
     scope: str = "group",
     metric: str = "smallest",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Ascending int64 indices of the ``keep`` best completions of each group (``scope="group"``) or the
-    ``keep * num_groups`` best of the batch (``"batch"``); best = highest score, then lowest index.
+    ``keep * num_groups`` (else ``num_kept``) best of the batch (``"batch"``); best = highest score, then lowest
+    index.
 
     Scores: ``|A|`` rounded to fp32 (``"smallest"``), ``-|A|`` (``"largest"``), or one fp32 uniform draw per
     completion from ``generator`` on the advantages' device (``"random"``, drawn even when nothing is kept).
@@ -101,15 +103,16 @@ def select_completions(
     if scope == "group":
         kept = [i for q in range(num_groups) for i in best(range(q * group_size, (q + 1) * group_size))[:keep]]
     else:
-        kept = best(range(n))[: keep * num_groups]
+        kept = best(range(n))[: keep * num_groups if num_kept is None else num_kept]
     return torch.tensor(sorted(kept), dtype=torch.long, device=advantages.device)
 
 
 def cppo_select(
     rewards: Tensor,
     group_size: int,
-    keep: int,
+    keep: int | None = None,
     *,
+    num_kept: int | None = None,
     scale: str = "group",
     unbiased: bool = True,
     eps: float = 1e-4,
@@ -119,7 +122,8 @@ def cppo_select(
 ) -> tuple[Tensor, Tensor]:
     """``(group_advantages(rewards, ...), select_completions(those fp32 advantages, ...))``."""
     adv = group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
-    return adv, select_completions(adv, group_size, keep, scope=scope, metric=metric, generator=generator)
+    sel = {"num_kept": num_kept, "scope": scope, "metric": metric, "generator": generator}
+    return adv, select_completions(adv, group_size, keep, **sel)
 
 
 # --------------------------------------------------------------------------------------------

@@ -183,7 +183,8 @@ def test_fp32_spread_of_2e19_gives_the_textbook_advantages(backend):
 @pytest.mark.parametrize("metric", ["smallest", "largest"])
 def test_selection_stores_are_bounded_whatever_the_scores(scope, metric):
     """NaN, inf and signed-zero scores (impossible after validation, so given straight to the backends): exactly
-    ``keep`` per group (group) or ``keep * Q`` (batch) valid ascending indices, and nothing written past the output.
+    ``keep`` per group (group) or a total of 7 (batch: no multiple of the Q = 3 groups) valid ascending indices,
+    and nothing written past the output.
 
     Regression: the Triton group kernel ranked by float comparisons, so NaN scores ranked 0, every completion was
     "kept" and G indices went into a keep-sized slot range (past the end of the output for the last group).
@@ -191,14 +192,14 @@ def test_selection_stores_are_bounded_whatever_the_scores(scope, metric):
     G, Q, keep = 8, 3, 3
     nan, inf = float("nan"), float("inf")
     adv = torch.tensor([nan, 1.0, nan, -inf, 0.5, nan, inf, 2.0] + [nan] * 8 + [0.0, -0.0, 1.0, nan, inf, -inf, 3, 3])
-    K = keep * Q
+    count, K = (keep, keep * Q) if scope == "group" else (7, 7)  # the backends' count: per group, or in all
     for name, impl in (("torch", _advantages_torch), ("triton", _advantages_triton)):
         if name == "torch":
-            idx = impl.select_completions(adv, G, keep, scope=scope, metric=metric, draws=None)
+            idx = impl.select_completions(adv, G, count, scope=scope, metric=metric, draws=None)
         else:
             buf = torch.full((K + 64,), -7, dtype=torch.long)  # the output, then a guard region
             launch = impl._launch_batch if scope == "batch" else functools.partial(impl._launch_group, std=adv)
-            launch(adv, adv, adv, buf[:K], Q, G, keep, 0.0, 0, scale="none", mode=impl.MODE_SELECT, metric=metric)
+            launch(adv, adv, adv, buf[:K], Q, G, count, 0.0, 0, scale="none", mode=impl.MODE_SELECT, metric=metric)
             assert torch.equal(buf[K:], torch.full((64,), -7)), f"{name}: wrote past the output"
             idx = buf[:K]
         assert idx.numel() == K and ((idx >= 0) & (idx < G * Q)).all(), (name, idx)
@@ -292,6 +293,73 @@ def test_cppo_select_is_the_composition(backend, data, keep_frac, scale, unbiase
     want_adv = group_advantages(rewards, g, **opts)
     want_idx = select_completions(want_adv, g, keep, **sel, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(adv, want_adv) and torch.equal(idx, want_idx)
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(),
+    fraction=st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0, 1)),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    metric=st.sampled_from(["smallest", "largest", "random"]),
+    seed=st.integers(0, 2**31),
+)
+def test_num_kept_matches_reference(backend, data, fraction, scale, metric, seed):
+    """``num_kept``: any count of the batch, 0 and N included, most of them no multiple of the number of groups;
+    binary and dyadic rewards tie heavily. A multiple of the groups keeps what ``keep`` keeps."""
+    rewards, g = data
+    n, q = rewards.numel(), rewards.numel() // g
+    count = round(fraction * n)
+    sel = {"num_kept": count, "scope": "batch", "metric": metric}
+    adv, idx = cppo_select(rewards, g, scale=scale, **sel, generator=torch.Generator().manual_seed(seed))
+    want_adv = ref_adv(rewards, g, scale=scale)
+    assert_adv_close(adv, want_adv, rewards, scale)
+    # the oracle's selection on the kernel's fp32 advantages (on dyadic rewards those are the oracle's own: below)
+    exact = reference.select_completions(adv, g, **sel, generator=torch.Generator().manual_seed(seed))
+    assert idx.dtype == torch.long and idx.numel() == count and torch.equal(idx, exact)
+    got = select_completions(adv, g, **sel, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(got, exact)
+    if count % q == 0:
+        per_group = select_completions(
+            adv, g, count // q, scope="batch", metric=metric, generator=torch.Generator().manual_seed(seed)
+        )
+        assert torch.equal(per_group, exact)
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 15, 31, 32])
+@pytest.mark.parametrize("metric", ["smallest", "largest", "random"])
+def test_num_kept_edge_counts(backend, count, metric):
+    """4 groups of 8 with many exact ties: 0, N = 32 and counts that are no multiple of 4."""
+    rewards = torch.tensor([0, 1] * 8 + [1, 1, 0, 0, 1, 0, 1, 1] + [0.5] * 8, dtype=torch.float32)  # [32]
+    gen, ref_gen = torch.Generator().manual_seed(count), torch.Generator().manual_seed(count)
+    adv, idx = cppo_select(rewards, 8, num_kept=count, scope="batch", metric=metric, generator=gen)
+    want_adv, want = reference.cppo_select(
+        rewards.double(), 8, num_kept=count, scope="batch", metric=metric, generator=ref_gen
+    )
+    assert torch.equal(adv, want_adv) and torch.equal(idx, want) and idx.numel() == count
+    assert torch.equal(gen.get_state(), ref_gen.get_state())  # the same draws consumed as the oracle
+
+
+def test_num_kept_count_is_not_a_triton_specialisation():
+    """The batch kernel takes ``keep_total`` at run time and the JIT does not specialise on it, so a new count (1,
+    one not divisible by 16, one divisible by 16) gives the same compile key: no new compile. Checked on CPU with
+    Triton's own argument binder for an sm_90 target (the one whose key picks the cached kernel); without the
+    ``do_not_specialize`` these counts give three keys (1 becomes a constant, multiples of 16 a divisibility hint).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = _advantages_triton._batch_kernel
+    options = getattr(kernel, "kwargs", None)  # the interpreter's twin keeps the @triton.jit options here
+    jit = JITFunction(kernel.fn, **options) if options is not None else kernel
+    binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
+    x, idx = torch.zeros(64), torch.zeros(64, dtype=torch.long)
+    constexprs = {"SCALE": 0, "MODE": 2, "METRIC": 0, "BLOCK_Q": 1, "BLOCK_G": 16, "BLOCK": 64, "BINS": 256}
+    keys = set()
+    for count in (1, 7, 16, 48, 64):
+        _, specialization, _ = binder(x, x, x, idx, 4, 16, 64, count, 1e-4, 1, **constexprs)
+        keys.add(repr(specialization))
+    assert len(keys) == 1, keys
 
 
 @pytest.mark.parametrize("scope", ["group", "batch"])
@@ -418,6 +486,10 @@ def test_triton_launch_counts(monkeypatch):
         calls.clear()
         cppo_select(rewards, 16, keep, scope=scope, scale=scale)
         assert calls == launches, (scope, scale, keep, calls)
+    for count, launches in {7: [("_launch_batch", fused)], 0: [("_launch_group", adv_only)]}.items():
+        calls.clear()
+        cppo_select(rewards, 16, num_kept=count, scope="batch")
+        assert calls == launches, (count, calls)
     for scale, launches in {
         "group": [("_launch_group", adv_only)],
         "batch": [std, ("_launch_group", adv_only)],
@@ -450,8 +522,17 @@ BAD = [
     (select_completions, (R8, 4, 2), {"scope": "global"}, "scope must be one of"),
     (select_completions, (R8, 4, 2), {"metric": "median"}, "metric must be one of"),
     (select_completions, (R8, 4, 2), {"metric": "random", "generator": 3}, "generator must be"),
+    (select_completions, (R8, 4), {"num_kept": 3}, "num_kept .* needs scope='batch', got scope='group'"),
+    (select_completions, (R8, 4, 1), {"num_kept": 3, "scope": "batch"}, "exactly one of keep"),
+    (select_completions, (R8, 4), {"scope": "batch"}, "exactly one of keep"),
+    (select_completions, (R8, 4), {"num_kept": 9, "scope": "batch"}, "num_kept must be <= 8"),
+    (select_completions, (R8, 4), {"num_kept": -1, "scope": "batch"}, "num_kept must be >= 0"),
+    (select_completions, (R8, 4), {"num_kept": 2.0, "scope": "batch"}, "num_kept must be an int"),
+    (select_completions, (R8, 4), {"num_kept": True, "scope": "batch"}, "num_kept must be an int"),
     (cppo_select, (torch.arange(6.0), 4, 2), {}, "rewards has 6 elements"),
     (cppo_select, (R8, 4, 5), {}, "keep must be <= 4"),
+    (cppo_select, (R8, 4), {"num_kept": 9, "scope": "batch"}, "num_kept must be <= 8"),
+    (cppo_select, (R8, 4), {"num_kept": 3, "scope": "group"}, "num_kept .* needs scope='batch'"),
     (cppo_select, (R8, 4, 2), {"metric": "random", "scope": "pool"}, "scope must be one of"),
     (cppo_select, (R8, 4, 2), {"scale": "z"}, "scale must be one of"),
     (cppo_select, (torch.tensor([1.0, float("-inf")]), 2, 1), {}, "rewards must be finite"),

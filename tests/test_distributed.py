@@ -152,6 +152,12 @@ def test_select_across_ranks_single_process_matches_cppo_kernels(scope):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="scope"):
         D.select_across_ranks(adv, 4, 2, scope="world", info=SINGLE)
+    if scope == "group":
+        with pytest.raises(ValueError, match="num_kept .* needs scope='batch'"):
+            D.select_across_ranks(adv, 4, num_kept=5, scope=scope, info=SINGLE)
+    else:  # any count of the pool, here no multiple of its 3 groups
+        got = D.select_across_ranks(adv, 4, num_kept=5, scope=scope, info=SINGLE)
+        assert torch.equal(got, reference.select_completions(adv, 4, num_kept=5, scope="batch"))
 
 
 def test_reduce_metrics_single_process_and_spec_errors():

@@ -61,16 +61,20 @@ def global_selection_equals_single_process_batch(info):
     local = _mine(adv, sizes, info)
     start = sum(sizes[: info.rank])
     errors = []  # collected, not raised, so that both ranks run the same collectives whatever fails
-    for keep in (0, 1, 2, 3, 4):
-        for metric in ("smallest", "largest"):
-            got = D.select_across_ranks(local, 4, keep, scope="global", metric=metric, info=info)
+    # keep per question, and num_kept: any count of the 20 over both ranks (3, 7, 13: no multiple of the 5 groups)
+    counts = [{"keep": k} for k in (0, 1, 2, 3, 4)] + [{"num_kept": c} for c in (0, 3, 7, 13, 20)]
+    for count in counts:
+        for metric in ("smallest", "largest", "random"):
+            gen = torch.Generator().manual_seed(11)  # seeded alike on both ranks, as the trainer does
+            got = D.select_across_ranks(local, 4, **count, scope="global", metric=metric, generator=gen, info=info)
             gathered, _ = D.all_gather_varlen(got + start, info=info)
-            want = reference.select_completions(adv, 4, keep, scope="batch", metric=metric)
+            ref_gen = torch.Generator().manual_seed(11)
+            want = reference.select_completions(adv, 4, **count, scope="batch", metric=metric, generator=ref_gen)
             want_mine = want[(want >= start) & (want < start + sizes[info.rank])] - start
             if not torch.equal(got, want_mine):
-                errors.append((keep, metric, got.tolist(), want_mine.tolist()))
+                errors.append((count, metric, got.tolist(), want_mine.tolist()))
             if not torch.equal(gathered, want):  # survivors over the ranks = the 1-process choice
-                errors.append((keep, metric, gathered.tolist(), want.tolist()))
+                errors.append((count, metric, gathered.tolist(), want.tolist()))
     assert not errors, errors
     # local scopes need no communication: they equal cppo_kernels on the local batch
     for scope in ("group", "batch"):

@@ -6,7 +6,8 @@ takes its contiguous share, so the ranks' questions concatenated in rank order a
 and so are their completions: the worker samples each question's G completions with a seed of (step, prompt) alone
 (:class:`PerQuestionRollout`), so they do not depend on which process draws the question. Selection then compares as
 follows: "group" equals 1-process "group"; "global" on 2 ranks equals 1-process "batch" over the concatenated batch;
-"batch" on 2 ranks pools per rank, so the 1-process run pools each half of its batch separately.
+"batch" on 2 ranks pools per rank, so the 1-process run pools each half of its batch separately. "global" also runs
+at P = 0.4, whose official count (10 of the step's 16 completions) is no multiple of its 4 questions.
 
 This file is also the worker: the first test runs it under ``torchrun --nproc-per-node 2`` (each rank writes
 ``rank<r>.json``: check name -> "ok" or the error); the second runs ``torchrun -m cppo train`` twice (CLI resume).
@@ -51,6 +52,7 @@ CONFIG = {
     "rollout_backend": "hf",
     "kernel_backend": "torch",
 }
+UNEVEN = 0.4  # pruning_rate: 4 questions drawn, 16 - int(6.4) = 10 kept over both ranks, no multiple of 4
 COMPARED = ("reward_mean", "completions", "completions_kept", "tokens_trained", "loss", "kl", "grad_norm")
 
 
@@ -157,21 +159,26 @@ def worker(out_dir: str) -> None:
     runs = {}
     packed = {"micro_batch_tokens": 400}
 
-    def two_process(parallelism: str, scope: str):
-        name = str(out / f"{parallelism}-{scope}")
-        trainer = _trainer(info, name, parallelism=parallelism, selection_scope=scope, **packed)
+    def two_process(parallelism: str, scope: str, pruning_rate: float = CONFIG["pruning_rate"]):
+        name = str(out / f"{parallelism}-{scope}-{pruning_rate}")
+        trainer = _trainer(
+            info, name, parallelism=parallelism, selection_scope=scope, pruning_rate=pruning_rate, **packed
+        )
         history = _run(trainer, 2)
         params = _params(trainer.model)
         flat = torch.cat([p.reshape(-1) for p in params.values()])
         gathered, _ = D.all_gather_varlen(flat, info=info)
-        runs[parallelism, scope] = (params, history)
+        runs[parallelism, scope, pruning_rate] = (params, history)
         assert torch.equal(gathered[: flat.numel()], gathered[flat.numel() :]), "the ranks' parameters differ"
-        assert history[-1]["completions"] == 16 and history[-1]["completions_kept"] == 8, history[-1]
-        assert history[-1]["micro_batches"] == 1 + 4, history[-1]  # fillers are not counted
+        kept = 16 - int(16 * pruning_rate)  # the official count (4 questions drawn at either rate)
+        assert history[-1]["completions"] == 16 and history[-1]["completions_kept"] == kept, history[-1]
+        if pruning_rate == CONFIG["pruning_rate"]:
+            assert history[-1]["micro_batches"] == 1 + 4, history[-1]  # fillers are not counted
 
     for scope in SCOPES:
         record(f"ddp_{scope}_ranks_agree", lambda scope=scope: two_process("ddp", scope))
     record("fsdp2_global_ranks_agree", lambda: two_process("fsdp2", "global"))
+    record("ddp_global_uneven_count_ranks_agree", lambda: two_process("ddp", "global", UNEVEN))
 
     def resume(parallelism: str):
         path = str(out / f"resume-{parallelism}")
@@ -182,7 +189,7 @@ def worker(out_dir: str) -> None:
         second.load_checkpoint(ckpt)
         assert second.step == 1
         history = _run(second, 1)
-        want_params, want_history = runs[parallelism, "global"]
+        want_params, want_history = runs[parallelism, "global", CONFIG["pruning_rate"]]
         _compare(_params(second.model), want_params, history, want_history[1:], atol=1e-7)
 
     record("ddp_resume_matches_uninterrupted", lambda: resume("ddp"))
@@ -190,23 +197,27 @@ def worker(out_dir: str) -> None:
     cppo.trainer.pack_all = pack_all
     D.barrier(info)
 
-    # phase 2, no communication: 1-process references, rank 0 for "group" and "global", rank 1 for "batch"
+    # phase 2, no communication: 1-process references, rank 0 for "group" and "global", rank 1 for "batch" and the
+    # uneven-count "global"
     single = D.DistInfo()
 
-    def reference(scope: str):
+    def reference(scope: str, pruning_rate: float = CONFIG["pruning_rate"]):
         one_scope = "batch" if scope == "global" else scope
-        trainer = _trainer(single, str(out / f"single-{scope}-{info.rank}"), selection_scope=one_scope)
+        name = str(out / f"single-{scope}-{pruning_rate}-{info.rank}")
+        trainer = _trainer(single, name, selection_scope=one_scope, pruning_rate=pruning_rate)
         if scope == "batch":
             trainer._select = _per_half_batch_select(trainer)
         history = _run(trainer, 2)
         want_params = _params(trainer.model)
         for parallelism in ("ddp", "fsdp2"):
-            if (parallelism, scope) in runs:
-                got_params, got_history = runs[parallelism, scope]
+            if (parallelism, scope, pruning_rate) in runs:
+                got_params, got_history = runs[parallelism, scope, pruning_rate]
                 _compare(got_params, want_params, got_history, history, atol=1e-5)
 
     for scope in ("group", "global") if info.rank == 0 else ("batch",):
         record(f"two_processes_match_one_{scope}", lambda scope=scope: reference(scope))
+    if info.rank == 1:
+        record("two_processes_match_one_global_uneven_count", lambda: reference("global", UNEVEN))
     D.barrier(info)
     D.close_distributed()
 
@@ -215,10 +226,11 @@ def worker(out_dir: str) -> None:
 # pytest side
 # --------------------------------------------------------------------------------------------
 
-CHECKS = [f"ddp_{s}_ranks_agree" for s in SCOPES] + ["fsdp2_global_ranks_agree"]
+CHECKS = [f"ddp_{s}_ranks_agree" for s in SCOPES] + ["fsdp2_global_ranks_agree", "ddp_global_uneven_count_ranks_agree"]
 CHECKS += ["ddp_resume_matches_uninterrupted", "fsdp2_resume_matches_uninterrupted"]
 # the 1-process comparisons run on one rank each
 OWNER = {"two_processes_match_one_group": 0, "two_processes_match_one_global": 0, "two_processes_match_one_batch": 1}
+OWNER["two_processes_match_one_global_uneven_count"] = 1
 
 
 def _torchrun(args: list[str], *, timeout: int) -> subprocess.CompletedProcess:

@@ -105,6 +105,7 @@ def test_the_official_count_at_other_rates():
     cfg = TrainConfig(**base, pruning_rate=0.3)  # 2 questions: 32 completions, int(9.6) = 9 pruned
     assert (cfg.questions_drawn, cfg.completions_per_step, cfg.kept_per_step, cfg.keep) == (2, 32, 23, 12)
     assert TrainConfig(**base, pruning_rate=0.3, selection_scope="group").kept_per_step == 24
+    assert TrainConfig(**base, pruning_rate=0.3, selection_scope="global").kept_per_step == 23  # 23 of 2 questions
     for p, questions in ((0.5, 2), (0.75, 4), (0.875, 8), (0.9375, 16)):  # the paper's rates: 16 kept of 16 / (1-P)
         cfg = TrainConfig(**base, pruning_rate=p)
         assert (cfg.questions_drawn, cfg.kept_per_step, cfg.keep) == (questions, 16, 16 // questions)

@@ -34,7 +34,6 @@ def test_overrides_are_yaml_scalars(tmp_path):
         (["not_a_key=1"], "not_a_key"),
         (["pruning_rate=1.0"], "pruning_rate"),
         (["pruning_rate=-0.1"], "pruning_rate"),
-        (["selection_scope=global", "group_size=16", "pruning_rate=0.3"], "selection_scope='global'"),
         (["reward_timeout=0"], "reward_timeout"),
         (["reward_timeout=.nan"], "reward_timeout"),
         (["gradient_checkpointing=maybe"], "gradient_checkpointing"),
