@@ -21,7 +21,7 @@ RUN_FILES = ("metrics.jsonl", "metrics.png")
 #: its length, and how (not what) it computes. Any other difference changes the run.
 RESUMABLE = frozenset(
     {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
-    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism"}
+    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
 )
 
 

@@ -264,3 +264,13 @@ def test_pickle_of_the_old_format_is_refused_too(run):
     torch.save(dict(state), run / "checkpoint-000002" / checkpoint.STATE_FILE)
     with pytest.raises(checkpoint.UnsafeCheckpoint, match="numpy"):
         checkpoint.read_state(str(run / "checkpoint-000002"))
+
+
+def test_settings_that_do_not_change_the_math_may_differ_on_resume():
+    """Gradient checkpointing (recomputation only), the skip limit, the length of the run and the output side may
+    change on resume; a setting that changes the run is named."""
+    saved = load_config("tiny-cpu").to_dict()
+    free = ("gradient_checkpointing=true", "max_skipped_updates=3", "num_steps=99", "eval_every=4", "log_every=2")
+    assert rundir.run_changes(saved, load_config("tiny-cpu", list(free))) == []
+    changed = rundir.run_changes(saved, load_config("tiny-cpu", [*free, "reward_timeout=2.0", "top_p=0.9"]))
+    assert [c.split(":")[0] for c in changed] == ["top_p", "reward_timeout"], changed
