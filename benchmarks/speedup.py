@@ -649,8 +649,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="ablation runs: prune P with METRIC (random: at random; largest: the largest |A|) instead of the "
         "smallest |A|, e.g. random@0.75; each is one more row and plot line, on the same questions and seed",
     )
-    add("--eval", type=int, metavar="N", help="greedy accuracy on the first N test problems before and during training")
-    add("--eval-points", type=int, metavar="K", help="with --eval: evaluate each run after K evenly spaced steps (4)")
+    add(
+        "--eval",
+        type=int,
+        metavar="N",
+        help="greedy accuracy on the first N test problems (the dataset's official check) before training and during "
+        "every run, evaluation time excluded from the training time; 95%% Wilson intervals",
+    )
+    add(
+        "--eval-points",
+        type=int,
+        metavar="K",
+        help="with --eval: evaluate each run after K evenly spaced steps, the last at its end (default: 4, at most "
+        "the shortest run's steps)",
+    )
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
     add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
     add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -347,3 +348,32 @@ def test_write_json_replaces_the_file_whole(speedup, tmp_path):
     speedup.write_json(path, [{"x": float("nan")}], {"eval": None})
     assert json.loads(path.read_text()) == {"meta": {"eval": None}, "rows": [{"x": None}]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acc.json"]  # no partial file left behind
+
+
+def test_the_reference_preset_plans_the_documented_run(speedup):
+    """smollm2-accuracy-cpu and the command line in its header: five runs on the same 32 questions, 8 completions
+    trained per step, two evaluation points each, the official prompt and rewards, pooled pruning."""
+    import yaml
+
+    from cppo.config import PRESET_DIR
+
+    text = (PRESET_DIR / "smollm2-accuracy-cpu.yaml").read_text()
+    raw = yaml.safe_load(text)
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "The reference run" in line) + 1
+    command = itertools.takewhile(lambda line: line.startswith("#   "), lines[start:])
+    argv = " ".join(line.lstrip("# ") for line in command).split("speedup.py ", 1)[1].split()
+    args = speedup.parse_args(argv)
+    assert (args.config, args.eval, args.eval_points, args.threads) == ("smollm2-accuracy-cpu", 300, 2, 1)
+    base = TrainConfig(**{**raw, "model": "tiny-qwen2"})  # the GGUF may be absent here: the settings only
+    assert base.system_prompt is None and base.rewards == ["format", "accuracy"] and base.selection_scope == "batch"
+    plans = speedup.plan_schedule(
+        base,
+        args.pruning_rates,
+        ablations=[speedup.parse_ablation(a) for a in args.ablations],
+        questions=args.questions,
+    )
+    assert [speedup.run_label(p) for p in plans] == ["P=0", "P=0.5", "P=0.75", "P=0.875", "P=0.75 random"]
+    assert [p.num_steps for p in plans] == [32, 16, 8, 4, 8] and {p.kept_per_step for p in plans} == {8}
+    assert [speedup.eval_steps(p.num_steps, args.eval_points) for p in plans][0] == [16, 32]
+    assert base.max_questions == args.questions and base.eval_limit == args.eval  # as a trainer preset: the GRPO row
