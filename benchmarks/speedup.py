@@ -26,8 +26,21 @@ one warm-up step on questions outside the measured set (``meta.warmup_seconds``)
 interleaved by default (``--schedule``) on one torch thread: all of them step through the questions together, so
 load from other processes falls on every rate alike; on a GPU they run one after another (one model in memory).
 
-Writes ``speedup.json`` (one row per rate plus a ``meta`` block: every setting of the base trainer config, the
-machine and the software) and ``speedup.png`` (stacked phase bars) to ``--out``, and prints a Markdown table.
+Ablations (``--selection-metric METRIC@P ...``, METRIC ``random`` or ``largest``): an extra run at pruning rate P
+that prunes at random, or the largest |A|, instead of the smallest, on the same questions and seed; its own row
+(every row has ``selection_metric``), speedups still against P = 0.
+
+Accuracy (``--eval N [--eval-points K]``): greedy accuracy on the first N problems of the dataset's test split under
+its official protocol (``Trainer.evaluate``: :mod:`cppo.evaluate`, the run's completion length), measured once before
+training (every run starts from the same model) and after K evenly spaced steps of every run, the last one its end.
+Evaluation is timed apart and left out of the training wall clock; each point records the training wall seconds so
+far. Rows gain ``accuracy_before`` / ``accuracy_after`` with 95% Wilson score intervals, ``accuracy_curve`` and
+``time_to_grpo_accuracy``: the training wall time at which the run's curve first reaches the lower end of GRPO's
+final 95% interval (None: never).
+
+Writes ``NAME.json`` (one row per run plus a ``meta`` block: every setting of the base trainer config, the machine
+and the software), ``NAME.png`` (stacked phase bars) and with ``--eval`` ``NAME-accuracy.png`` (accuracy against
+training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -54,7 +67,9 @@ from tqdm.auto import tqdm
 
 import cppo
 from cppo import TrainConfig
+from cppo.data import count_local_problems, load_problems
 from cppo.models import resolve_device
+from cppo.rundir import check_writable
 
 #: ``on_step(plan, metrics)`` after every measured step (progress).
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
@@ -85,48 +100,162 @@ TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
 COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
 #: Speedups reported by the paper (GSM8K, Qwen2.5-1.5B-Instruct, G = 16, whole training run vs GRPO).
 PAPER_SPEEDUP_GSM8K = {0.0: 1.0, 0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}
+#: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics).
+ABLATION_METRICS = ("random", "largest")
+#: The standard normal quantile of a two-sided 95% interval.
+Z95 = 1.959963984540054
+
+
+def parse_ablation(text: str) -> tuple[str, float]:
+    """``"random@0.75"`` -> ``("random", 0.75)``: an ablation run (``--selection-metric``) that prunes P with METRIC
+    (:data:`ABLATION_METRICS`). ValueError naming the flag for anything else (P = 0 prunes nothing to ablate)."""
+    metric, at, rate = str(text).partition("@")
+    try:
+        p = float(rate)
+    except ValueError:
+        p = math.nan
+    if not at or metric not in ABLATION_METRICS or not 0.0 < p < 1.0:
+        raise ValueError(
+            f"--selection-metric {text!r}: expected METRIC@P with METRIC in {'/'.join(ABLATION_METRICS)} and P in "
+            f"(0, 1), e.g. random@0.75 (the smallest |A|, CPPO itself, is every --pruning-rates run)"
+        )
+    return metric, p
 
 
 def plan_schedule(
-    base: TrainConfig, pruning_rates: Sequence[float], *, questions: int | None = None, least_times: int = 1
+    base: TrainConfig,
+    pruning_rates: Sequence[float],
+    *,
+    ablations: Sequence[tuple[str, float]] = (),
+    questions: int | None = None,
+    least_times: int = 1,
 ) -> list[TrainConfig]:
-    """One trainer config per rate: ``base`` at ``pruning_rate`` P with ``max_questions = questions`` (default:
-    ``least_times`` x the least count every rate divides) and ``num_steps`` steps of its ``questions_drawn``.
+    """One trainer config per rate, then one per ablation ``(selection_metric, P)``: ``base`` at ``pruning_rate`` P
+    (and that metric) with ``max_questions = questions`` (default: ``least_times`` x the least count every run
+    divides) and ``num_steps`` steps of its ``questions_drawn``.
 
-    ValueError naming the argument unless the rates are distinct and start with 0 (the GRPO baseline), each makes
-    a valid trainer config (keep >= 1), and ``questions`` is a multiple of every rate's questions per step.
+    ValueError naming the argument unless the rates are distinct and start with 0 (the GRPO baseline), the runs are
+    distinct, each makes a valid trainer config (keep >= 1), and ``questions`` is a multiple of every run's
+    questions per step.
     """
     rates = [float(p) for p in pruning_rates]
     if not rates or rates[0] != 0.0 or len(set(rates)) != len(rates):
         raise ValueError(f"--pruning-rates must be distinct and start with 0 (the GRPO baseline), got {rates}")
+    runs = [(base.selection_metric, p) for p in rates] + [(m, float(p)) for m, p in ablations]
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"--selection-metric repeats a run: {[f'{m}@{p:g}' for m, p in ablations]}")
     configs = []
-    for p in rates:
+    for i, (metric, p) in enumerate(runs):
         try:
-            configs.append(dataclasses.replace(base, pruning_rate=p))
+            configs.append(dataclasses.replace(base, pruning_rate=p, selection_metric=metric))
         except ValueError as e:
-            raise ValueError(f"--pruning-rates {p:g}: {e}") from None
+            flag = f"--pruning-rates {p:g}" if i < len(rates) else f"--selection-metric {metric}@{p:g}"
+            raise ValueError(f"{flag}: {e}") from None
     per_step = [c.questions_drawn for c in configs]
     least = math.lcm(*per_step)
     questions = least * least_times if questions is None else questions
     if questions < 1:
         raise ValueError(f"--questions must be >= 1, got {questions}")
     if questions % least:
+        drawn = {run_label(c): c.questions_drawn for c in configs}
         raise ValueError(
-            f"--questions must be a multiple of {least} (the questions one step draws at every pruning rate: "
-            f"{dict(zip(rates, per_step))}) so that every rate processes the same questions; got {questions}, "
-            f"e.g. use {-(-questions // least) * least}"
+            f"--questions must be a multiple of {least} (the questions one step draws in each run: {drawn}) so that "
+            f"every rate processes the same questions; got {questions}, e.g. use {-(-questions // least) * least}"
         )
     return [dataclasses.replace(c, num_steps=questions // c.questions_drawn, max_questions=questions) for c in configs]
 
 
+def run_label(config: TrainConfig) -> str:
+    """``P=0.75``, or ``P=0.75 random`` for a run that does not prune the smallest |A|."""
+    metric = config.selection_metric
+    return f"P={config.pruning_rate:g}" + ("" if metric == "smallest" else f" {metric}")
+
+
+def eval_steps(num_steps: int, points: int) -> list[int]:
+    """The steps after which a run of ``num_steps`` steps is evaluated: ``points`` evenly spaced ones, the k-th after
+    ``ceil(k * num_steps / points)`` steps (the same share of the questions in every run), the last one the end.
+    ValueError when ``points`` is not in [1, num_steps]."""
+    if not 1 <= points <= num_steps:
+        raise ValueError(f"--eval-points must be in [1, {num_steps}] (a run of {num_steps} steps), got {points}")
+    return [-(-k * num_steps // points) for k in range(1, points + 1)]
+
+
+def wilson_interval(correct: int, total: int, *, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``correct / total`` (95% with the default ``z``); ValueError unless
+    0 <= correct <= total and total >= 1."""
+    if not (total >= 1 and 0 <= correct <= total):
+        raise ValueError(f"a proportion needs 0 <= correct <= total and total >= 1, got {correct} / {total}")
+    phat, z2 = correct / total, z * z
+    centre = (phat + z2 / (2 * total)) / (1 + z2 / total)
+    half = z / (1 + z2 / total) * math.sqrt(phat * (1 - phat) / total + z2 / (4 * total * total))
+    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
+    return 0.0 if correct == 0 else lo, 1.0 if correct == total else hi  # exact at the ends, not 1 - 1e-16
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPoint:
+    """One accuracy measurement of a run: after ``step`` steps and ``train_seconds`` of training wall clock,
+    ``correct`` of ``total`` test problems right; ``eval_seconds`` it took (not training time)."""
+
+    train_seconds: float
+    step: int
+    correct: int
+    total: int
+    format_rate: float = float("nan")
+    eval_seconds: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+
+def time_to_reach(curve: Sequence[EvalPoint], target: float) -> float | None:
+    """The training wall seconds of the first point of ``curve`` whose accuracy is at least ``target``; None if none."""
+    return next((p.train_seconds for p in curve if p.accuracy >= target), None)
+
+
+def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_seconds: float) -> dict[str, Any]:
+    """A run's accuracy columns from its ``curve`` (the measurement before training first, the end of the run last;
+    empty: every column None): before and after with 95% Wilson intervals, the curve as ``[training wall seconds,
+    step, accuracy]``, the official format reward's rate, the seconds spent evaluating (before training excluded),
+    and the time to reach ``target`` (GRPO's final lower 95% bound) in seconds and as a share of ``grpo_seconds``."""
+    if not curve:
+        return dict.fromkeys(ACCURACY_KEYS)
+    first, last = curve[0], curve[-1]
+    reach = None if target is None else time_to_reach(curve, target)
+    return {
+        "eval_problems": last.total,
+        "accuracy_before": first.accuracy,
+        "accuracy_before_ci95": list(wilson_interval(first.correct, first.total)),
+        "accuracy_after": last.accuracy,
+        "accuracy_after_ci95": list(wilson_interval(last.correct, last.total)),
+        "accuracy_curve": [[p.train_seconds, p.step, p.accuracy] for p in curve],
+        "format_rate_before": first.format_rate,
+        "format_rate_after": last.format_rate,
+        "eval_seconds": sum(p.eval_seconds for p in curve[1:]),
+        "time_to_grpo_accuracy": reach,
+        "time_to_grpo_accuracy_fraction": None if reach is None else _ratio(reach, grpo_seconds),
+    }
+
+
+#: The columns :func:`accuracy_fields` adds to every row (None without ``--eval``).
+ACCURACY_KEYS = (
+    "eval_problems", "accuracy_before", "accuracy_before_ci95", "accuracy_after", "accuracy_after_ci95",
+    "accuracy_curve", "format_rate_before", "format_rate_after", "eval_seconds", "time_to_grpo_accuracy",
+    "time_to_grpo_accuracy_fraction",
+)  # fmt: skip
+
+
 @dataclasses.dataclass
 class RateRun:
-    """What one pruning rate measured: its planned trainer config and :func:`accumulate`'s sums over its steps."""
+    """What one run measured: its planned trainer config, :func:`accumulate`'s sums over its steps and, with
+    ``--eval``, its accuracy curve (the shared measurement before training first)."""
 
     config: TrainConfig
     sums: dict[str, Any]
     setup_seconds: float = 0.0
     cpu_seconds: float = float("nan")
+    curve: list[EvalPoint] = dataclasses.field(default_factory=list)
 
 
 def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[float]) -> dict[str, Any]:
@@ -164,12 +293,18 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     - ``speedup_total_cpu``: the same from the process's CPU seconds over the steps, a check on a shared machine
       (other processes' load slows wall clocks, not this process's CPU time; NaN/None where not measured);
     - ``generation_share``: generation seconds / total seconds of this rate;
-    - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none).
+    - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, and
+      for an ablation);
+    - ``selection_metric``: what the run prunes (``smallest`` |A|: CPPO; ``random`` / ``largest``: ablations);
+    - the accuracy columns of :func:`accuracy_fields` (None without an accuracy curve), the time to reach GRPO's
+      final accuracy measured against the lower end of its 95% interval.
     """
     if not runs:
         raise ValueError("runs must not be empty")
     if runs[0].config.pruning_rate != 0.0:
         raise ValueError(f"runs[0] must be the P = 0 baseline, got P = {runs[0].config.pruning_rate}")
+    grpo_end = runs[0].curve[-1] if runs[0].curve else None
+    target = None if grpo_end is None else wilson_interval(grpo_end.correct, grpo_end.total)[0]
     rows = []
     for i, run in enumerate(runs):
         c, sums, p = run.config, run.sums, run.config.pruning_rate
@@ -180,7 +315,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
         ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
         amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
         rows.append({
-            "pruning_rate": p, "keep": c.keep, "kept_per_step": c.kept_per_step, "group_size": c.group_size,
+            "pruning_rate": p, "selection_metric": c.selection_metric, "keep": c.keep,
+            "kept_per_step": c.kept_per_step, "group_size": c.group_size,
             "questions": c.max_questions,
             "questions_seen": sums["questions"], "questions_per_step": c.questions_drawn, "steps": c.num_steps,
             "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
@@ -191,14 +327,50 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
             "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
             "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
             "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
-            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p),
+            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p) if c.selection_metric == "smallest" else None,
             "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
+            **accuracy_fields(run.curve, target=target, grpo_seconds=base_total),
         })  # fmt: skip
     return rows
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
+
+
+def _rate_cell(row: dict[str, Any]) -> str:
+    """``0.75``, or ``0.75 random`` for an ablation row."""
+    metric = row.get("selection_metric", "smallest")
+    return f"{row['pruning_rate']:g}" + ("" if metric == "smallest" else f" {metric}")
+
+
+def _accuracy_cell(accuracy: float | None, ci: Sequence[float] | None) -> str:
+    return "-" if accuracy is None or ci is None else f"{100 * accuracy:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def format_accuracy_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The accuracy rows as a Markdown table: wall time and speedup of the whole run against P = 0, accuracy before
+    and after with 95% Wilson intervals, and when the run reached GRPO's final accuracy (``-``: never)."""
+    head = [
+        "P", "keep", "steps", "wall s", "speedup", "accuracy before (95% CI)", "accuracy after (95% CI)",
+        "time to GRPO's final accuracy", "eval s",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    for r in rows:
+        reach, share = r["time_to_grpo_accuracy"], r["time_to_grpo_accuracy_fraction"]
+        cells = [
+            _rate_cell(r),
+            f"{r['keep']}/{r['group_size']}",
+            str(r["steps"]),
+            f"{r['total_seconds']:.0f}",
+            _fmt(r["speedup_total"], ".2f", "x"),
+            _accuracy_cell(r["accuracy_before"], r["accuracy_before_ci95"]),
+            _accuracy_cell(r["accuracy_after"], r["accuracy_after_ci95"]),
+            "-" if reach is None else f"{reach:.0f} s ({_fmt(None if share is None else 100 * share, '.0f', '%')})",
+            _fmt(r["eval_seconds"], ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -212,7 +384,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         percent = {k: None if r[k] is None else 100 * r[k] for k in ("fraction_of_ideal", "generation_share")}
         cells = [
-            f"{r['pruning_rate']:g}",
+            _rate_cell(r),
             *(str(r[k]) for k in ("keep", "questions", "steps")),
             *(f"{r['phase_seconds'][k]:.2f}" for k in PHASES),
             *(f"{r[k]:.2f}" for k in ("total_seconds", "train_seconds")),
@@ -229,20 +401,35 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null."""
+    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null; the file is replaced whole."""
     safe = json.loads(json.dumps({"meta": meta, "rows": list(rows)}), parse_constant=lambda _: None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(safe, indent=2) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(safe, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)  # whole or not at all: an interrupted write leaves the old file
 
 
-def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Stacked bars of each phase's seconds per pruning rate, the speedups written above each bar."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg back-end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"P={r['pruning_rate']:g}\nkeep {r['keep']}/{r['group_size']}" for r in rows]
+    return plt
+
+
+def _save(plt, fig, path: pathlib.Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Stacked bars of each phase's seconds per pruning rate, the speedups written above each bar."""
+    plt = _pyplot()
+    labels = [f"P={_rate_cell(r)}\nkeep {r['keep']}/{r['group_size']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2.0), 5.0))
     bottom = [0.0] * len(rows)
     for phase in PHASES:
@@ -266,20 +453,69 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
     )
     handles, names = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], names[::-1], fontsize=7, loc="upper right")  # top of the stack first
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Accuracy against training wall clock, one line per run with 95% Wilson error bars at each point; GRPO's
+    final 95% interval shaded across (a run has reached GRPO's final accuracy once it is at or above the band's
+    lower edge)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    lo, hi = rows[0]["accuracy_after_ci95"]
+    ax.axhspan(100 * lo, 100 * hi, color="#dddddd", zorder=0, label="GRPO's final accuracy, 95% CI")
+    for r in rows:
+        n, curve = r["eval_problems"], r["accuracy_curve"]
+        x, y = [s for s, _, _ in curve], [100 * a for _, _, a in curve]
+        bounds = [wilson_interval(round(a * n), n) for _, _, a in curve]
+        yerr = [[v - 100 * b[0] for v, b in zip(y, bounds)], [100 * b[1] - v for v, b in zip(y, bounds)]]
+        dashed = r["selection_metric"] != "smallest"
+        label = f"P={_rate_cell(r)} (keep {r['keep']}/{r['group_size']}), {r['total_seconds']:.0f} s"
+        ax.errorbar(x, y, yerr=yerr, marker="o", markersize=4, capsize=3, ls="--" if dashed else "-", label=label)
+    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
+    ax.set_ylabel(f"greedy accuracy, % of {rows[0]['eval_problems']} test problems")
+    model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
+    ax.set_title(
+        f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "
+        f"error bars: 95% Wilson\n{model} on {meta.get('dataset', '?')}, {where}",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    _save(plt, fig, path)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def timed_step(trainer: Any, *, device: str) -> tuple[dict[str, float], float, float]:
     """One ``train_step``, the GPU synchronised around it: ``(metrics, wall seconds, this process's CPU seconds)``."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
-    sync()
+    _sync(device)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     metrics = trainer.train_step()
-    sync()
+    _sync(device)
     return metrics, time.perf_counter() - wall0, time.process_time() - cpu0
+
+
+def measure_accuracy(trainer: Any, *, problems: int, device: str, train_seconds: float, step: int) -> EvalPoint:
+    """Greedy accuracy of the trainer's policy now on the first ``problems`` test problems (``Trainer.evaluate``:
+    the dataset's official protocol, the run's completion length), timed apart from the training steps."""
+    _sync(device)
+    wall0 = time.perf_counter()
+    result = trainer.evaluate(limit=problems)
+    _sync(device)
+    if result["total"] != problems:
+        raise RuntimeError(f"--eval {problems}: the test split gave {result['total']} problems")
+    return EvalPoint(
+        train_seconds=train_seconds,
+        step=step,
+        correct=int(result["correct"]),
+        total=int(result["total"]),
+        format_rate=float(result["format_rate"]),
+        eval_seconds=time.perf_counter() - wall0,
+    )
 
 
 def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[int, int]]:
@@ -293,39 +529,77 @@ def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[
     return sorted(order, key=lambda ik: ((ik[1] + 0.5) / plans[ik[0]].num_steps, ik[0])) if interleave else order
 
 
-def run_plans(plans: Sequence[TrainConfig], *, device: str, interleave: bool, on_step: OnStep = None) -> list[RateRun]:
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """``--eval N --eval-points K``: N test problems, K points per run (see :func:`eval_steps`)."""
+
+    problems: int
+    points: int
+
+
+def run_plans(
+    plans: Sequence[TrainConfig],
+    *,
+    device: str,
+    interleave: bool,
+    on_step: OnStep = None,
+    evaluation: EvalPlan | None = None,
+    on_eval: Callable[[TrainConfig, EvalPoint], None] | None = None,
+) -> list[RateRun]:
     """Trains every planned config from a fresh model (same seed for all) in :func:`step_order`; a RateRun each.
 
     A rate's trainer is built before its first step (``setup_seconds``, not timed as a step) and freed after its
-    last. RuntimeError when a trainer draws other questions than its ``max_questions`` (the rates would not
-    compare; None: not checked).
+    last. With ``evaluation`` the first trainer built is evaluated before its first step (every run starts from
+    that model: the first point of every curve) and each run after its :func:`eval_steps`. RuntimeError when a
+    trainer draws other questions than its ``max_questions`` (the rates would not compare; None: not checked).
     """
     records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
+    curves: list[list[EvalPoint]] = [[] for _ in plans]
+    at = [set(eval_steps(p.num_steps, evaluation.points)) if evaluation else set() for p in plans]
     setup, trainers = [0.0] * len(plans), {}
+
+    def evaluate(i: int, step: int) -> EvalPoint:
+        seconds = sum(w for _, w, _ in records[i])
+        point = measure_accuracy(
+            trainers[i], problems=evaluation.problems, device=device, train_seconds=seconds, step=step
+        )
+        if on_eval is not None:
+            on_eval(plans[i], point)
+        return point
+
     with tempfile.TemporaryDirectory(prefix="cppo-speedup-") as tmp:
         for i, k in step_order(plans, interleave=interleave):
             if k == 0:
                 t0 = time.perf_counter()
                 trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
                 setup[i] = time.perf_counter() - t0
+                if evaluation is not None:  # the first run's model before training is every run's
+                    curves[i].append(next((c[0] for c in curves if c), None) or evaluate(i, 0))
             records[i].append(timed_step(trainers[i], device=device))
             if on_step is not None:
                 on_step(plans[i], records[i][-1][0])
+            if k + 1 in at[i]:
+                curves[i].append(evaluate(i, k + 1))
             if k == plans[i].num_steps - 1:
                 del trainers[i]
                 gc.collect()
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
-    runs = []
-    for plan, steps, t in zip(plans, records, setup):
-        sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
-        if plan.max_questions is not None and sums["questions"] != plan.max_questions:
-            raise RuntimeError(
-                f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
-                f"not the planned {plan.max_questions}: the rates would not see the same questions"
-            )
-        runs.append(RateRun(config=plan, sums=sums, setup_seconds=t, cpu_seconds=sum(c for _, _, c in steps)))
-    return runs
+    return [_finish(plan, steps, setup=t, curve=curve) for plan, steps, t, curve in zip(plans, records, setup, curves)]
+
+
+def _finish(
+    plan: TrainConfig, steps: list[tuple[dict[str, float], float, float]], *, setup: float, curve: list[EvalPoint]
+) -> RateRun:
+    """A run's :class:`RateRun` from its steps' ``(metrics, wall, cpu)``; RuntimeError when it drew other questions
+    than planned."""
+    sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
+    if plan.max_questions is not None and sums["questions"] != plan.max_questions:
+        raise RuntimeError(
+            f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
+            f"not the planned {plan.max_questions}: the rates would not see the same questions"
+        )
+    return RateRun(config=plan, sums=sums, setup_seconds=setup, cpu_seconds=sum(c for _, _, c in steps), curve=curve)
 
 
 #: Shortcut flags, each a ``--set`` of one trainer setting: (flag, setting, how the value becomes YAML, help).
@@ -366,10 +640,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         add(flag, dest=setting, **kind, help=f"--set {setting}=...: {text}")
     add("--pruning-rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="the first must be 0 (GRPO)")
     add("--questions", type=int, help="questions every rate processes (default: the least valid, x2 on CPU)")
+    add(
+        "--selection-metric",
+        dest="ablations",
+        nargs="+",
+        default=[],
+        metavar="METRIC@P",
+        help="ablation runs: prune P with METRIC (random: at random; largest: the largest |A|) instead of the "
+        "smallest |A|, e.g. random@0.75; each is one more row and plot line, on the same questions and seed",
+    )
+    add(
+        "--eval",
+        type=int,
+        metavar="N",
+        help="greedy accuracy on the first N test problems (the dataset's official check) before training and during "
+        "every run, evaluation time excluded from the training time; 95%% Wilson intervals",
+    )
+    add(
+        "--eval-points",
+        type=int,
+        metavar="K",
+        help="with --eval: evaluate each run after K evenly spaced steps, the last at its end (default: 4, at most "
+        "the shortest run's steps)",
+    )
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
     add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
     add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
-    add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for speedup.json and .png")
+    add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for NAME.json and the PNGs")
+    add("--name", default="speedup", help="file name stem: NAME.json, NAME.png, NAME-accuracy.png (with --eval)")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--dry-run", action="store_true", help="validate the whole plan: no model built, nothing trained or written")
@@ -401,13 +699,43 @@ def base_config(args: argparse.Namespace, *, need_cuda: bool = True) -> TrainCon
     return dataclasses.replace(config, device=str(device))
 
 
-def dry_run(args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule: str) -> dict[str, Any]:
-    """Validates the whole plan without building a model: the trainer config of every rate (``plan_schedule``
-    built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
-    data (read when local; a hub dataset is not downloaded) and the ``--out`` folder. Prints and returns the plan."""
-    from cppo.data import count_local_problems
-    from cppo.rundir import check_writable
+def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPlan | None:
+    """``--eval N --eval-points K`` checked against the plan (None without ``--eval``): N >= 1; K (default 4, at most
+    the shortest run's steps) in [1, the shortest run's steps]; a held-out test split (not the training file of a
+    .jsonl dataset) holding at least N problems, counted when it is local (a hub dataset is not downloaded here)."""
+    if args.eval is None:
+        if args.eval_points is not None:
+            raise ValueError("--eval-points needs --eval N (the test problems to evaluate on)")
+        return None
+    if args.eval < 1:
+        raise ValueError(f"--eval must be >= 1 (test problems), got {args.eval}")
+    shortest = min(plans, key=lambda c: c.num_steps)
+    points = min(4, shortest.num_steps) if args.eval_points is None else args.eval_points
+    if not 1 <= points <= shortest.num_steps:
+        raise ValueError(
+            f"--eval-points must be in [1, {shortest.num_steps}] (the steps of the shortest run, "
+            f"{run_label(shortest)}), got {points}"
+        )
+    base = plans[0]
+    if base.dataset.endswith(".jsonl") or (base.dataset_path is not None and os.path.isfile(base.dataset_path)):
+        raise ValueError(
+            f"--eval needs held-out test problems, but dataset {base.dataset!r} is one file: its test split would be "
+            "its training problems (use a folder with train.jsonl and test.jsonl as dataset_path)"
+        )
+    if base.dataset == "arith" or base.dataset_path is not None:
+        found = len(load_problems(base.dataset, split="test", dataset_path=base.dataset_path, max_questions=args.eval))
+        if found < args.eval:
+            raise ValueError(f"--eval {args.eval}: the test split of {base.dataset!r} has only {found} problems")
+    return EvalPlan(problems=args.eval, points=points)
 
+
+def dry_run(
+    args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule: str, evaluation: EvalPlan | None
+) -> dict[str, Any]:
+    """Validates the whole plan without building a model: the trainer config of every run (``plan_schedule``
+    built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
+    data (read when local; a hub dataset is not downloaded), the evaluation (:func:`check_eval` ran) and the ``--out``
+    folder. Prints and returns the plan."""
     check_writable(str(args.out), create=False)
     base = plans[0]
     problems = count_local_problems(base.dataset, dataset_path=base.dataset_path)
@@ -422,11 +750,14 @@ def dry_run(args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule:
         "schedule": schedule,
         "steps": len(order),
         "rates": [
-            {"pruning_rate": c.pruning_rate, "keep": c.keep, "questions_per_step": c.questions_drawn,
-             "steps": c.num_steps, "questions": c.max_questions}
+            {"pruning_rate": c.pruning_rate, "selection_metric": c.selection_metric, "keep": c.keep,
+             "questions_per_step": c.questions_drawn, "steps": c.num_steps, "questions": c.max_questions,
+             "eval_steps": eval_steps(c.num_steps, evaluation.points) if evaluation else []}
             for c in plans
         ],
+        "eval": dataclasses.asdict(evaluation) if evaluation else None,
         "out": str(args.out),
+        "files": list(output_files(args, evaluation=evaluation).values()),
     }  # fmt: skip
     print(json.dumps(plan, indent=1))
     return plan
@@ -478,47 +809,114 @@ def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def output_files(args: argparse.Namespace, *, evaluation: EvalPlan | None) -> dict[str, str]:
+    """What the run writes under ``--out``: ``json``, ``png`` (unless ``--no-plot``), ``accuracy_png`` (with
+    ``--eval``). ValueError unless ``--name`` is a plain file name stem."""
+    name = str(args.name)
+    if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"--name must be a file name stem (no folder), got {name!r}")
+    out = pathlib.Path(args.out)
+    files = {"json": out / f"{name}.json"}
+    if not args.no_plot:
+        files["png"] = out / f"{name}.png"
+        if evaluation is not None:
+            files["accuracy_png"] = out / f"{name}-accuracy.png"
+    return {k: str(v) for k, v in files.items()}
+
+
+def eval_meta(evaluation: EvalPlan | None, runs: Sequence[RateRun], config: TrainConfig) -> dict[str, Any] | None:
+    """The ``meta.eval`` block: what the accuracy columns mean and how they were measured (None without --eval)."""
+    if evaluation is None:
+        return None
+    return {
+        **dataclasses.asdict(evaluation),
+        "dataset": config.dataset,
+        "split": "test (the first N problems)",
+        "protocol": "Trainer.evaluate: greedy, the dataset's official check (cppo.evaluate), max_completion_length "
+        "new tokens",
+        "interval": "Wilson score interval, 95% (z = 1.96)",
+        "curve": "[training wall seconds so far (evaluation excluded), step, accuracy]; the first point is the one "
+        "measurement before training that every run starts from",
+        "time_to_grpo_accuracy": "training wall seconds of a run's first curve point at or above the lower end of "
+        "GRPO's (P = 0) final 95% interval; None: never",
+        "before_seconds": runs[0].curve[0].eval_seconds,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/speedup.json`` (with
+    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/NAME.json`` (with
     ``--dry-run``: the validated plan, see :func:`dry_run`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     config = base_config(args, need_cuda=not args.dry_run)
     on_cpu = config.device == "cpu"
-    plans = plan_schedule(config, args.pruning_rates, questions=args.questions, least_times=2 if on_cpu else 1)
+    ablations = [parse_ablation(a) for a in args.ablations]
+    plans = plan_schedule(
+        config, args.pruning_rates, ablations=ablations, questions=args.questions, least_times=2 if on_cpu else 1
+    )
     threads = args.threads if args.threads is not None else (1 if on_cpu else None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     schedule = args.schedule or ("interleaved" if on_cpu else "sequential")
+    evaluation = check_eval(args, plans)
+    files = output_files(args, evaluation=evaluation)
     if args.dry_run:
-        return dry_run(args, plans, schedule=schedule)
+        return dry_run(args, plans, schedule=schedule, evaluation=evaluation)
+    check_writable(str(args.out))  # before the run, not after it
     if config.kernel_backend == "triton" and on_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
     if threads is not None:
         torch.set_num_threads(threads)
     meta = collect_meta(config, argv=argv)
     meta.update(preset=args.preset, config=args.config, schedule=schedule, questions=plans[0].max_questions)
+    meta["ablations"] = list(args.ablations)
+    runs, meta["warmup_seconds"] = measure(args, plans, schedule=schedule, evaluation=evaluation)
+    meta["eval"] = eval_meta(evaluation, runs, config)
+    rows = build_rows(runs)
+    write_json(pathlib.Path(files["json"]), rows, meta)
+    if "png" in files:
+        plot(pathlib.Path(files["png"]), rows, meta)
+    if "accuracy_png" in files:
+        plot_accuracy(pathlib.Path(files["accuracy_png"]), rows, meta)
+    print(format_table(rows))
+    if evaluation is not None:
+        print("\n" + format_accuracy_table(rows))
+    print("\nwrote " + ", ".join(files.values()))
+    return {"meta": meta, "rows": rows}
+
+
+def measure(
+    args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule: str, evaluation: EvalPlan | None
+) -> tuple[list[RateRun], float | None]:
+    """The warm-up step (unless ``--no-warmup``: its seconds, else None), then :func:`run_plans` with a progress
+    bar; an accuracy point is written out as soon as it is measured."""
+    device = plans[0].device
     bar = tqdm(total=sum(p.num_steps for p in plans), unit="step", desc="speedup", disable=args.no_progress)
-    meta["warmup_seconds"] = None
+    warmup = None
     if args.warmup:  # one P = 0 step with another seed (another model, other questions), not counted
         bar.set_postfix_str("warm-up")
-        warm = dataclasses.replace(plans[0], num_steps=1, max_questions=None, seed=config.seed + 1)
-        meta["warmup_seconds"] = run_plans([warm], device=config.device, interleave=False)[0].sums["total_seconds"]
+        warm = dataclasses.replace(plans[0], num_steps=1, max_questions=None, seed=plans[0].seed + 1)
+        warmup = run_plans([warm], device=device, interleave=False)[0].sums["total_seconds"]
 
     def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
-        bar.set_postfix_str(f"P={plan.pruning_rate:g} keep {plan.keep}/{plan.group_size}", refresh=False)
+        bar.set_postfix_str(f"{run_label(plan)} keep {plan.keep}/{plan.group_size}", refresh=False)
         bar.update(1)
 
-    runs = run_plans(plans, device=config.device, interleave=schedule == "interleaved", on_step=on_step)
+    def on_eval(plan: TrainConfig, point: EvalPoint) -> None:
+        where = f"{run_label(plan)} step {point.step}/{plan.num_steps}, {point.train_seconds:.0f} s of training"
+        where = "before training (every run's start)" if point.step == 0 else where
+        bar.write(
+            f"eval {where}: {point.correct}/{point.total} = {100 * point.accuracy:.1f}% "
+            f"(format {100 * point.format_rate:.0f}%; {point.eval_seconds:.0f} s)"
+        )
+        sys.stdout.flush()  # a long run's log shows each point when it is measured
+
+    interleave = schedule == "interleaved"
+    runs = run_plans(
+        plans, device=device, interleave=interleave, on_step=on_step, evaluation=evaluation, on_eval=on_eval
+    )
     bar.close()
-    rows = build_rows(runs)
-    out = pathlib.Path(args.out)
-    write_json(out / "speedup.json", rows, meta)
-    if not args.no_plot:
-        plot(out / "speedup.png", rows, meta)
-    print(format_table(rows))
-    print(f"\nwrote {out / 'speedup.json'}" + ("" if args.no_plot else f" and {out / 'speedup.png'}"))
-    return {"meta": meta, "rows": rows}
+    return runs, warmup
 
 
 if __name__ == "__main__":
