@@ -188,8 +188,10 @@ def test_schedule_adds_ablation_runs_on_the_same_questions(speedup):
         speedup.plan_schedule(base, [0, 0.75], ablations=[("random", 0.75)] * 2)
     with pytest.raises(ValueError, match=r"--questions must be a multiple of 4 .*'P=0.75 random': 4"):
         speedup.plan_schedule(base, [0, 0.5], ablations=[("random", 0.75)], questions=6)
-    with pytest.raises(ValueError, match=r"--selection-metric random@0.99: "):
-        speedup.plan_schedule(_config("group_size=8", "selection_scope=global"), [0], ablations=[("random", 0.99)])
+    # the pooled scopes keep the official count at any rate (cppo_kernels' num_kept), global scope included
+    glob = _config("group_size=8", "selection_scope=global")
+    high = speedup.plan_schedule(glob, [0], ablations=[("random", 0.99)], questions=100)[1]
+    assert (high.questions_drawn, high.kept_per_step, high.num_steps) == (100, 800 - int(800 * 0.99), 1)
 
 
 # --------------------------------------------------------------------------------------------
