@@ -40,29 +40,38 @@ final 95% interval (None: never).
 
 Writes ``NAME.json`` (one row per run plus a ``meta`` block: every setting of the base trainer config, the machine
 and the software), ``NAME.png`` (stacked phase bars) and with ``--eval`` ``NAME-accuracy.png`` (accuracy against
-training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables.
+training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables. This file plans and
+runs; the rows, tables, JSON, PNGs and metadata are pure functions in ``benchmarks/speedup_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import importlib.util
 import json
 import math
 import os
 import pathlib
-import platform
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from speedup_report import (
+    EvalPoint,
+    RateRun,
+    accumulate,
+    build_rows,
+    collect_meta,
+    format_accuracy_table,
+    format_table,
+    plot,
+    plot_accuracy,
+    write_json,
+)
 from tqdm.auto import tqdm
 
 import cppo
@@ -81,29 +90,8 @@ PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
 #: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
-#: Phase in the results -> (the trainer metric with its seconds in one step, plot label, plot colour): greys for
-#: the phases pruning leaves alone, colours for the training phases; ``other`` is the rest of a step's wall clock.
-PHASE_TABLE = {
-    "generation": ("time/generate", "generation", "#9e9e9e"),
-    "reward": ("time/reward", "reward", "#bdbdbd"),
-    "selection": ("time/select", "selection", "#e0e0e0"),
-    "old_ref_logprobs": ("time/logprobs", "old/ref log-probs", "#1f77b4"),
-    "policy_fwd_bwd": ("time/update", "policy fwd+bwd", "#ff7f0e"),
-    "optimizer": ("time/optimizer", "optimizer", "#2ca02c"),
-    "other": (None, "other", "#d6d6f5"),
-}
-PHASES = tuple(PHASE_TABLE)
-PHASE_METRICS = {phase: metric for phase, (metric, _, _) in PHASE_TABLE.items() if metric}
-#: The phases whose work CPPO prunes: their sum is ``train_seconds``.
-TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
-#: Step metrics summed over a rate's steps (``questions`` is reported as ``questions_seen``).
-COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
-#: Speedups reported by the paper (GSM8K, Qwen2.5-1.5B-Instruct, G = 16, whole training run vs GRPO).
-PAPER_SPEEDUP_GSM8K = {0.0: 1.0, 0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}
 #: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics).
 ABLATION_METRICS = ("random", "largest")
-#: The standard normal quantile of a two-sided 95% interval.
-Z95 = 1.959963984540054
 
 
 def parse_ablation(text: str) -> tuple[str, float]:
@@ -178,311 +166,6 @@ def eval_steps(num_steps: int, points: int) -> list[int]:
     if not 1 <= points <= num_steps:
         raise ValueError(f"--eval-points must be in [1, {num_steps}] (a run of {num_steps} steps), got {points}")
     return [-(-k * num_steps // points) for k in range(1, points + 1)]
-
-
-def wilson_interval(correct: int, total: int, *, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion ``correct / total`` (95% with the default ``z``); ValueError unless
-    0 <= correct <= total and total >= 1."""
-    if not (total >= 1 and 0 <= correct <= total):
-        raise ValueError(f"a proportion needs 0 <= correct <= total and total >= 1, got {correct} / {total}")
-    phat, z2 = correct / total, z * z
-    centre = (phat + z2 / (2 * total)) / (1 + z2 / total)
-    half = z / (1 + z2 / total) * math.sqrt(phat * (1 - phat) / total + z2 / (4 * total * total))
-    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
-    return 0.0 if correct == 0 else lo, 1.0 if correct == total else hi  # exact at the ends, not 1 - 1e-16
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalPoint:
-    """One accuracy measurement of a run: after ``step`` steps and ``train_seconds`` of training wall clock,
-    ``correct`` of ``total`` test problems right; ``eval_seconds`` it took (not training time)."""
-
-    train_seconds: float
-    step: int
-    correct: int
-    total: int
-    format_rate: float = float("nan")
-    eval_seconds: float = 0.0
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total
-
-
-def time_to_reach(curve: Sequence[EvalPoint], target: float) -> float | None:
-    """The training wall seconds of the first point of ``curve`` whose accuracy is at least ``target``; None if none."""
-    return next((p.train_seconds for p in curve if p.accuracy >= target), None)
-
-
-def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_seconds: float) -> dict[str, Any]:
-    """A run's accuracy columns from its ``curve`` (the measurement before training first, the end of the run last;
-    empty: every column None): before and after with 95% Wilson intervals, the curve as ``[training wall seconds,
-    step, accuracy]``, the official format reward's rate, the seconds spent evaluating (before training excluded),
-    and the time to reach ``target`` (GRPO's final lower 95% bound) in seconds and as a share of ``grpo_seconds``."""
-    if not curve:
-        return dict.fromkeys(ACCURACY_KEYS)
-    first, last = curve[0], curve[-1]
-    reach = None if target is None else time_to_reach(curve, target)
-    return {
-        "eval_problems": last.total,
-        "accuracy_before": first.accuracy,
-        "accuracy_before_ci95": list(wilson_interval(first.correct, first.total)),
-        "accuracy_after": last.accuracy,
-        "accuracy_after_ci95": list(wilson_interval(last.correct, last.total)),
-        "accuracy_curve": [[p.train_seconds, p.step, p.accuracy] for p in curve],
-        "format_rate_before": first.format_rate,
-        "format_rate_after": last.format_rate,
-        "eval_seconds": sum(p.eval_seconds for p in curve[1:]),
-        "time_to_grpo_accuracy": reach,
-        "time_to_grpo_accuracy_fraction": None if reach is None else _ratio(reach, grpo_seconds),
-    }
-
-
-#: The columns :func:`accuracy_fields` adds to every row (None without ``--eval``).
-ACCURACY_KEYS = (
-    "eval_problems", "accuracy_before", "accuracy_before_ci95", "accuracy_after", "accuracy_after_ci95",
-    "accuracy_curve", "format_rate_before", "format_rate_after", "eval_seconds", "time_to_grpo_accuracy",
-    "time_to_grpo_accuracy_fraction",
-)  # fmt: skip
-
-
-@dataclasses.dataclass
-class RateRun:
-    """What one run measured: its planned trainer config, :func:`accumulate`'s sums over its steps and, with
-    ``--eval``, its accuracy curve (the shared measurement before training first)."""
-
-    config: TrainConfig
-    sums: dict[str, Any]
-    setup_seconds: float = 0.0
-    cpu_seconds: float = float("nan")
-    curve: list[EvalPoint] = dataclasses.field(default_factory=list)
-
-
-def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[float]) -> dict[str, Any]:
-    """Sums a rate's step metrics (``phase_seconds``, ``total_seconds``, :data:`COUNTERS`; averages ``reward_mean``
-    and ``accuracy``). ``other`` is each step's wall clock minus its named phases (never below 0). ValueError when a
-    metric the benchmark needs is missing from a step.
-    """
-    steps, nan = list(zip(steps_metrics, step_walls, strict=True)), float("nan")
-    missing = sorted({k for m, _ in steps for k in (*PHASE_METRICS.values(), *COUNTERS) if k not in m})
-    if missing:
-        raise ValueError(f"train_step metrics lack {missing}; the benchmark needs them")
-    phases = {phase: sum(float(m[key]) for m, _ in steps) for phase, key in PHASE_METRICS.items()}
-    phases["other"] = sum(max(0.0, w - sum(float(m[key]) for key in PHASE_METRICS.values())) for m, w in steps)
-    counters = {key: sum(int(round(float(m[key]))) for m, _ in steps) for key in COUNTERS}
-    means = {k: sum(float(m.get(k, nan)) for m, _ in steps) / (len(steps) or nan) for k in ("reward_mean", "accuracy")}
-    return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means}
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
-    """Result rows, one per rate, with speedups against the first run (which must be P = 0).
-
-    - ``keep``, ``kept_per_step``, ``questions_per_step``, ``steps``, ``questions``: the rate's ``TrainConfig.keep``
-      (per question), ``kept_per_step`` (the step's official count), ``questions_drawn``, ``num_steps`` and
-      ``max_questions``; ``questions_seen``: what its steps reported;
-    - ``train_seconds``: old/ref log-probs + policy forward/backward + optimizer;
-    - ``speedup_train`` / ``speedup_total``: P = 0's train / total seconds over this rate's;
-    - ``ideal_speedup_train``: 1 / (1 - P); ``fraction_of_ideal``: speedup_train / ideal;
-    - ``amdahl_speedup_total``: Amdahl's law for pruning the training alone: the whole-run speedup if the
-      training phases shrank by (1 - P) and everything else cost what it cost at P = 0. A measured speedup above
-      it means the unpruned phases got cheaper too (allocation's bigger generation batches);
-    - ``speedup_total_cpu``: the same from the process's CPU seconds over the steps, a check on a shared machine
-      (other processes' load slows wall clocks, not this process's CPU time; NaN/None where not measured);
-    - ``generation_share``: generation seconds / total seconds of this rate;
-    - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, and
-      for an ablation);
-    - ``selection_metric``: what the run prunes (``smallest`` |A|: CPPO; ``random`` / ``largest``: ablations);
-    - the accuracy columns of :func:`accuracy_fields` (None without an accuracy curve), the time to reach GRPO's
-      final accuracy measured against the lower end of its 95% interval.
-    """
-    if not runs:
-        raise ValueError("runs must not be empty")
-    if runs[0].config.pruning_rate != 0.0:
-        raise ValueError(f"runs[0] must be the P = 0 baseline, got P = {runs[0].config.pruning_rate}")
-    grpo_end = runs[0].curve[-1] if runs[0].curve else None
-    target = None if grpo_end is None else wilson_interval(grpo_end.correct, grpo_end.total)[0]
-    rows = []
-    for i, run in enumerate(runs):
-        c, sums, p = run.config, run.sums, run.config.pruning_rate
-        phases = {k: float(sums["phase_seconds"].get(k, 0.0)) for k in PHASES}
-        train, total = sum(phases[k] for k in TRAIN_PHASES), sums["total_seconds"]
-        if i == 0:
-            base_train, base_total, base_cpu = train, total, run.cpu_seconds
-        ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
-        amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
-        rows.append({
-            "pruning_rate": p, "selection_metric": c.selection_metric, "keep": c.keep,
-            "kept_per_step": c.kept_per_step, "group_size": c.group_size,
-            "questions": c.max_questions,
-            "questions_seen": sums["questions"], "questions_per_step": c.questions_drawn, "steps": c.num_steps,
-            "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
-            "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
-            **{k: sums[k] for k in COUNTERS[:-1]},
-            "speedup_train": speedup_train, "speedup_total": 1.0 if i == 0 else _ratio(base_total, total),
-            "ideal_speedup_train": ideal,
-            "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
-            "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
-            "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
-            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p) if c.selection_metric == "smallest" else None,
-            "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
-            **accuracy_fields(run.curve, target=target, grpo_seconds=base_total),
-        })  # fmt: skip
-    return rows
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
-
-
-def _rate_cell(row: dict[str, Any]) -> str:
-    """``0.75``, or ``0.75 random`` for an ablation row."""
-    metric = row.get("selection_metric", "smallest")
-    return f"{row['pruning_rate']:g}" + ("" if metric == "smallest" else f" {metric}")
-
-
-def _accuracy_cell(accuracy: float | None, ci: Sequence[float] | None) -> str:
-    return "-" if accuracy is None or ci is None else f"{100 * accuracy:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-
-
-def format_accuracy_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The accuracy rows as a Markdown table: wall time and speedup of the whole run against P = 0, accuracy before
-    and after with 95% Wilson intervals, and when the run reached GRPO's final accuracy (``-``: never)."""
-    head = [
-        "P", "keep", "steps", "wall s", "speedup", "accuracy before (95% CI)", "accuracy after (95% CI)",
-        "time to GRPO's final accuracy", "eval s",
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
-    for r in rows:
-        reach, share = r["time_to_grpo_accuracy"], r["time_to_grpo_accuracy_fraction"]
-        cells = [
-            _rate_cell(r),
-            f"{r['keep']}/{r['group_size']}",
-            str(r["steps"]),
-            f"{r['total_seconds']:.0f}",
-            _fmt(r["speedup_total"], ".2f", "x"),
-            _accuracy_cell(r["accuracy_before"], r["accuracy_before_ci95"]),
-            _accuracy_cell(r["accuracy_after"], r["accuracy_after_ci95"]),
-            "-" if reach is None else f"{reach:.0f} s ({_fmt(None if share is None else 100 * share, '.0f', '%')})",
-            _fmt(r["eval_seconds"], ".0f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (seconds summed over the run; speedups against P = 0)."""
-    head = [
-        "P", "keep", "questions", "steps", "gen s", "reward s", "select s", "old/ref logp s", "policy fwd+bwd s",
-        "optim s", "other s", "total s", "train s", "tokens trained", "speedup train", "ideal", "% of ideal",
-        "speedup total", "Amdahl (train only)", "gen share", "paper (GSM8K)",
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
-    for r in rows:
-        percent = {k: None if r[k] is None else 100 * r[k] for k in ("fraction_of_ideal", "generation_share")}
-        cells = [
-            _rate_cell(r),
-            *(str(r[k]) for k in ("keep", "questions", "steps")),
-            *(f"{r['phase_seconds'][k]:.2f}" for k in PHASES),
-            *(f"{r[k]:.2f}" for k in ("total_seconds", "train_seconds")),
-            str(r["tokens_trained"]),
-            _fmt(r["speedup_train"], ".2f", "x"),
-            f"{r['ideal_speedup_train']:.2f}x",
-            _fmt(percent["fraction_of_ideal"], ".0f", "%"),
-            *(_fmt(r[k], ".2f", "x") for k in ("speedup_total", "amdahl_speedup_total")),
-            _fmt(percent["generation_share"], ".0f", "%"),
-            _fmt(r["paper_speedup_gsm8k"], ".2f", "x"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null; the file is replaced whole."""
-    safe = json.loads(json.dumps({"meta": meta, "rows": list(rows)}), parse_constant=lambda _: None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(safe, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, path)  # whole or not at all: an interrupted write leaves the old file
-
-
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg back-end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: pathlib.Path) -> None:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Stacked bars of each phase's seconds per pruning rate, the speedups written above each bar."""
-    plt = _pyplot()
-    labels = [f"P={_rate_cell(r)}\nkeep {r['keep']}/{r['group_size']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2.0), 5.0))
-    bottom = [0.0] * len(rows)
-    for phase in PHASES:
-        heights = [r["phase_seconds"][phase] for r in rows]
-        _, label, color = PHASE_TABLE[phase]
-        ax.bar(labels, heights, bottom=bottom, label=label, color=color, edgecolor="white", linewidth=0.5)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    for x, (r, top) in enumerate(zip(rows, bottom)):
-        text = f"train {_fmt(r['speedup_train'], '.2f', 'x')} (ideal {r['ideal_speedup_train']:.2f}x)"
-        text += f"\ntotal {_fmt(r['speedup_total'], '.2f', 'x')}"
-        if r["paper_speedup_gsm8k"] is not None and r["pruning_rate"] > 0:
-            text += f" (paper {r['paper_speedup_gsm8k']:.2f}x)"
-        ax.annotate(text, (x, top), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
-    ax.set_ylim(0, max(bottom) * 1.22 if max(bottom) > 0 else 1.0)
-    ax.set_ylabel("seconds (summed over the run)")
-    model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
-    ax.set_title(
-        f"CPPO vs GRPO on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}, "
-        f"{meta.get('max_completion_length', '?')} new tokens\n{model} on {where}",
-        fontsize=9,
-    )
-    handles, names = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], names[::-1], fontsize=7, loc="upper right")  # top of the stack first
-    _save(plt, fig, path)
-
-
-def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Accuracy against training wall clock, one line per run with 95% Wilson error bars at each point; GRPO's
-    final 95% interval shaded across (a run has reached GRPO's final accuracy once it is at or above the band's
-    lower edge)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.0, 5.0))
-    lo, hi = rows[0]["accuracy_after_ci95"]
-    ax.axhspan(100 * lo, 100 * hi, color="#dddddd", zorder=0, label="GRPO's final accuracy, 95% CI")
-    for r in rows:
-        n, curve = r["eval_problems"], r["accuracy_curve"]
-        x, y = [s for s, _, _ in curve], [100 * a for _, _, a in curve]
-        bounds = [wilson_interval(round(a * n), n) for _, _, a in curve]
-        yerr = [[v - 100 * b[0] for v, b in zip(y, bounds)], [100 * b[1] - v for v, b in zip(y, bounds)]]
-        dashed = r["selection_metric"] != "smallest"
-        label = f"P={_rate_cell(r)} (keep {r['keep']}/{r['group_size']}), {r['total_seconds']:.0f} s"
-        ax.errorbar(x, y, yerr=yerr, marker="o", markersize=4, capsize=3, ls="--" if dashed else "-", label=label)
-    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
-    ax.set_ylabel(f"greedy accuracy, % of {rows[0]['eval_problems']} test problems")
-    model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
-    ax.set_title(
-        f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "
-        f"error bars: 95% Wilson\n{model} on {meta.get('dataset', '?')}, {where}",
-        fontsize=9,
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    _save(plt, fig, path)
 
 
 def _sync(device: str) -> None:
@@ -761,52 +444,6 @@ def dry_run(
     }  # fmt: skip
     print(json.dumps(plan, indent=1))
     return plan
-
-
-def git_commit(repo: pathlib.Path = REPO) -> tuple[str, bool | None]:
-    """``(HEAD commit, working tree dirty)``, ``("unknown", None)`` outside a git checkout."""
-    try:
-        out = [
-            subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, check=True, timeout=10).stdout
-            for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain"])
-        ]
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-    return out[0].strip() or "unknown", bool(out[1].strip())
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
-
-
-def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how the numbers were measured: every setting of the base trainer config, the machine, the software."""
-    triton = importlib.import_module("triton") if importlib.util.find_spec("triton") else None
-    commit, dirty = git_commit()
-    return {
-        **config.to_dict(),
-        "device_name": _device_name(config.device),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "triton": getattr(triton, "__version__", None),
-        "python": platform.python_version(),
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": list(argv),
-        "timing": (
-            "wall clock summed over every measured train_step; train = old/ref log-probs + policy forward/backward"
-            " + optimizer; total = sum of train_step wall clocks; model build and warm-up excluded"
-        ),
-    }
 
 
 def output_files(args: argparse.Namespace, *, evaluation: EvalPlan | None) -> dict[str, str]:

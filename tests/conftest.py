@@ -39,3 +39,28 @@ def shared_dir():
     if not SHARED.is_dir():
         pytest.skip(f"../shared is absent ({SHARED}): data and model tests need it")
     return SHARED
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def speedup():
+    """``benchmarks/speedup.py`` as a module (``benchmarks/`` on the path, as when it runs as a script)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("benchmarks_speedup", BENCHMARKS / "speedup.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def report(speedup):
+    """``benchmarks/speedup_report.py``: the rows and the report of the speedup benchmark."""
+    import speedup_report
+
+    return speedup_report

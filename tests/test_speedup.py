@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import pathlib
@@ -17,16 +16,6 @@ from cppo import TrainConfig, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "speedup.py"
-
-
-@pytest.fixture(scope="module")
-def speedup():
-    spec = importlib.util.spec_from_file_location("benchmarks_speedup", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 def _config(*overrides):
@@ -231,12 +220,12 @@ def _metrics(**seconds):
     return m | seconds
 
 
-def test_accumulate_sums_phases_and_other(speedup):
+def test_accumulate_sums_phases_and_other(report):
     steps = [
         _metrics(**{"time/generate": 1.0, "time/logprobs": 0.5, "time/update": 1.0, "time/optimizer": 0.25}),
         _metrics(**{"time/generate": 2.0, "time/reward": 0.5, "time/select": 0.25}),
     ]
-    acc = speedup.accumulate(steps, [3.0, 2.5])
+    acc = report.accumulate(steps, [3.0, 2.5])
     ph = acc["phase_seconds"]
     assert ph["generation"] == 3.0 and ph["reward"] == 0.5 and ph["selection"] == 0.25
     assert ph["old_ref_logprobs"] == 0.5 and ph["policy_fwd_bwd"] == 1.0 and ph["optimizer"] == 0.25
@@ -246,32 +235,32 @@ def test_accumulate_sums_phases_and_other(speedup):
     assert acc["reward_mean"] == 0.5 and acc["accuracy"] == 0.25
 
 
-def test_accumulate_rejects_missing_metric(speedup):
+def test_accumulate_rejects_missing_metric(report):
     m = _metrics()
     del m["time/logprobs"]
     with pytest.raises(ValueError, match="time/logprobs"):
-        speedup.accumulate([m], [1.0])
+        report.accumulate([m], [1.0])
     with pytest.raises(ValueError):
-        speedup.accumulate([_metrics()], [1.0, 2.0])
+        report.accumulate([_metrics()], [1.0, 2.0])
 
 
-def _run(speedup, p, *, gen, train, steps=1):
+def _run(report, p, *, gen, train, steps=1):
     config = TrainConfig(group_size=16, pruning_rate=p, allocation=False, questions_per_step=16 // steps)
     config = dataclasses.replace(config, num_steps=steps, max_questions=16)
-    phases = dict.fromkeys(speedup.PHASES, 0.0)
+    phases = dict.fromkeys(report.PHASES, 0.0)
     phases |= {"generation": gen, "old_ref_logprobs": train / 4, "policy_fwd_bwd": train / 2, "optimizer": train / 4}
     sums = {"phase_seconds": phases, "total_seconds": gen + train, "tokens_trained": 100 * config.keep}
     sums |= {"tokens_forward": 0, "completions": 256, "completions_kept": 16 * config.keep, "questions": 16}
-    return speedup.RateRun(config=config, sums=sums | {"reward_mean": 0.5, "accuracy": float("nan")})
+    return report.RateRun(config=config, sums=sums | {"reward_mean": 0.5, "accuracy": float("nan")})
 
 
-def test_build_rows_speedups(speedup):
+def test_build_rows_speedups(report):
     runs = [
-        _run(speedup, 0.0, gen=10.0, train=16.0, steps=16),
-        _run(speedup, 0.75, gen=8.0, train=5.0, steps=4),
-        _run(speedup, 0.8, gen=10.0, train=4.0, steps=4),
+        _run(report, 0.0, gen=10.0, train=16.0, steps=16),
+        _run(report, 0.75, gen=8.0, train=5.0, steps=4),
+        _run(report, 0.8, gen=10.0, train=4.0, steps=4),
     ]
-    rows = speedup.build_rows(runs)
+    rows = report.build_rows(runs)
     base, cppo, other = rows
     assert base["speedup_train"] == 1.0 and base["speedup_total"] == 1.0 and base["ideal_speedup_train"] == 1.0
     assert base["amdahl_speedup_total"] == 1.0 and base["paper_speedup_gsm8k"] == 1.0
@@ -290,43 +279,43 @@ def test_build_rows_speedups(speedup):
     assert [r["completions_kept"] for r in rows] == [256, 64, 64] and rows[2]["questions_seen"] == 16
 
 
-def test_build_rows_needs_the_baseline_first(speedup):
+def test_build_rows_needs_the_baseline_first(report):
     with pytest.raises(ValueError, match="P = 0"):
-        speedup.build_rows([_run(speedup, 0.5, gen=1.0, train=1.0)])
+        report.build_rows([_run(report, 0.5, gen=1.0, train=1.0)])
     with pytest.raises(ValueError, match="empty"):
-        speedup.build_rows([])
+        report.build_rows([])
 
 
-def test_build_rows_zero_time_gives_none_not_inf(speedup):
-    rows = speedup.build_rows([_run(speedup, 0.0, gen=1.0, train=2.0), _run(speedup, 0.5, gen=1.0, train=0.0)])
+def test_build_rows_zero_time_gives_none_not_inf(report):
+    rows = report.build_rows([_run(report, 0.0, gen=1.0, train=2.0), _run(report, 0.5, gen=1.0, train=0.0)])
     assert rows[1]["speedup_train"] is None and rows[1]["fraction_of_ideal"] is None
-    assert "| 0.5 |" in speedup.format_table(rows)
+    assert "| 0.5 |" in report.format_table(rows)
 
 
-def test_writers(speedup, tmp_path):
-    rows = speedup.build_rows([_run(speedup, 0.0, gen=3.0, train=4.0), _run(speedup, 0.5, gen=3.0, train=2.0)])
+def test_writers(report, speedup, tmp_path):
+    rows = report.build_rows([_run(report, 0.0, gen=3.0, train=4.0), _run(report, 0.5, gen=3.0, train=2.0)])
     rows[1]["reward_mean"] = float("nan")
-    table = speedup.format_table(rows).splitlines()
+    table = report.format_table(rows).splitlines()
     assert len(table) == 4 and table[0].startswith("| P | keep |")
     assert table[3].split("|")[15].strip() == "2.00x"  # speedup train
     assert "1.81x" in table[3]
-    speedup.write_json(tmp_path / "speedup.json", rows, {"device": "cpu", "x": float("inf")})
+    report.write_json(tmp_path / "speedup.json", rows, {"device": "cpu", "x": float("inf")})
     data = json.loads((tmp_path / "speedup.json").read_text())
     assert data["meta"] == {"device": "cpu", "x": None} and data["rows"][1]["reward_mean"] is None
     assert data["rows"][0]["cpu_seconds"] is None and data["rows"][0]["pruning_rate"] == 0.0
-    speedup.plot(tmp_path / "speedup.png", rows, {"device": "cpu", "model": "m"})
+    report.plot(tmp_path / "speedup.png", rows, {"device": "cpu", "model": "m"})
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_git_commit_outside_a_repo(speedup, tmp_path):
-    assert speedup.git_commit(tmp_path) == ("unknown", None)
-    commit, _ = speedup.git_commit()
+def test_git_commit_outside_a_repo(report, tmp_path):
+    assert report.git_commit(tmp_path) == ("unknown", None)
+    commit, _ = report.git_commit()
     assert commit == "unknown" or len(commit) == 40
 
 
-def test_ideal_is_one_over_one_minus_p(speedup):
+def test_ideal_is_one_over_one_minus_p(report, speedup):
     for p in speedup.DEFAULT_RATES[1:]:
-        rows = speedup.build_rows([_run(speedup, 0.0, gen=1.0, train=1.0), _run(speedup, p, gen=1.0, train=1.0)])
+        rows = report.build_rows([_run(report, 0.0, gen=1.0, train=1.0), _run(report, p, gen=1.0, train=1.0)])
         assert math.isclose(rows[1]["ideal_speedup_train"], 1.0 / (1.0 - p))
 
 
@@ -380,7 +369,7 @@ def test_run_plans_checks_the_trainer_draws_the_planned_questions(speedup, monke
 # --------------------------------------------------------------------------------------------
 
 
-def test_main_smoke(speedup, tmp_path, capsys):
+def test_main_smoke(report, speedup, tmp_path, capsys):
     argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.5", "--questions", "2"]
     argv += ["--set", "max_completion_length=4", "--backend", "torch", "--out", str(tmp_path), "--no-progress"]
     result = speedup.main(argv)
@@ -403,8 +392,8 @@ def test_main_smoke(speedup, tmp_path, capsys):
         assert r["questions"] == r["questions_seen"] == 2 and r["group_size"] == 4
         assert r["completions"] == 8 and r["completions_kept"] == 2 * r["keep"]
         assert 2 * r["completions_kept"] <= r["tokens_trained"] <= 2 * r["completions_kept"] * 4  # mu = 2, 1..4 tokens
-        assert set(r["phase_seconds"]) == set(speedup.PHASES) and all(v >= 0 for v in r["phase_seconds"].values())
-        assert r["train_seconds"] == pytest.approx(sum(r["phase_seconds"][k] for k in speedup.TRAIN_PHASES))
+        assert set(r["phase_seconds"]) == set(report.PHASES) and all(v >= 0 for v in r["phase_seconds"].values())
+        assert r["train_seconds"] == pytest.approx(sum(r["phase_seconds"][k] for k in report.TRAIN_PHASES))
         assert r["total_seconds"] == pytest.approx(sum(r["phase_seconds"].values()), rel=1e-6)
         assert r["train_seconds"] > 0 and r["phase_seconds"]["generation"] > 0 and r["cpu_seconds"] > 0
     assert rows[0]["speedup_train"] == rows[0]["speedup_total"] == rows[0]["ideal_speedup_train"] == 1.0

@@ -5,12 +5,10 @@ seconds-long --eval run on a tiny model."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 
@@ -24,16 +22,6 @@ TINY = (
 )
 
 
-@pytest.fixture(scope="module")
-def speedup():
-    spec = importlib.util.spec_from_file_location("benchmarks_speedup_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
 def _config(*overrides):
     return load_config("speedup-cpu", ["device=cpu", *overrides])
 
@@ -44,28 +32,28 @@ def _config(*overrides):
 
 
 @pytest.mark.parametrize(("correct", "total"), [(0, 10), (5, 10), (10, 10), (74, 300), (1, 1), (150, 300)])
-def test_wilson_bounds_solve_the_score_equation(speedup, correct, total):
+def test_wilson_bounds_solve_the_score_equation(report, correct, total):
     """Each Wilson bound b is a root of n (p_hat - b)^2 = z^2 b (1 - b): where the score test stops rejecting."""
-    lo, hi = speedup.wilson_interval(correct, total)
-    phat, z = correct / total, speedup.Z95
+    lo, hi = report.wilson_interval(correct, total)
+    phat, z = correct / total, report.Z95
     assert 0.0 <= lo <= phat <= hi <= 1.0
     for b in (lo, hi):
         assert total * (phat - b) ** 2 == pytest.approx(z * z * b * (1 - b), abs=1e-12)
     assert (lo == 0.0) == (correct == 0) and (hi == 1.0) == (correct == total)
 
 
-def test_wilson_textbook_values(speedup):
-    assert speedup.wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
-    assert speedup.wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
-    assert speedup.Z95 == pytest.approx(1.959964, abs=1e-6)
-    narrow, wide = speedup.wilson_interval(150, 300), speedup.wilson_interval(5, 10)
+def test_wilson_textbook_values(report):
+    assert report.wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert report.wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert report.Z95 == pytest.approx(1.959964, abs=1e-6)
+    narrow, wide = report.wilson_interval(150, 300), report.wilson_interval(5, 10)
     assert narrow[1] - narrow[0] < wide[1] - wide[0]
 
 
 @pytest.mark.parametrize(("correct", "total"), [(0, 0), (3, 2), (-1, 5)])
-def test_wilson_rejects_impossible_counts(speedup, correct, total):
+def test_wilson_rejects_impossible_counts(report, correct, total):
     with pytest.raises(ValueError, match="0 <= correct <= total"):
-        speedup.wilson_interval(correct, total)
+        report.wilson_interval(correct, total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,58 +78,58 @@ def test_eval_points_fall_on_the_same_questions_at_every_rate(speedup):
     assert seen == {(8, 16, 24, 32)}
 
 
-def _point(speedup, seconds, step, correct, total=100, **kw):
-    return speedup.EvalPoint(train_seconds=seconds, step=step, correct=correct, total=total, **kw)
+def _point(report, seconds, step, correct, total=100, **kw):
+    return report.EvalPoint(train_seconds=seconds, step=step, correct=correct, total=total, **kw)
 
 
-def test_time_to_reach_is_the_first_point_at_or_above_the_target(speedup):
-    curve = [_point(speedup, 0.0, 0, 20), _point(speedup, 10.0, 2, 35), _point(speedup, 20.0, 4, 30)]
-    assert speedup.time_to_reach(curve, 0.35) == 10.0  # reaching it exactly counts
-    assert speedup.time_to_reach(curve, 0.3) == 10.0
-    assert speedup.time_to_reach(curve, 0.2) == 0.0  # the start already there
-    assert speedup.time_to_reach(curve, 0.36) is None
-    assert speedup.time_to_reach([], 0.1) is None
+def test_time_to_reach_is_the_first_point_at_or_above_the_target(report):
+    curve = [_point(report, 0.0, 0, 20), _point(report, 10.0, 2, 35), _point(report, 20.0, 4, 30)]
+    assert report.time_to_reach(curve, 0.35) == 10.0  # reaching it exactly counts
+    assert report.time_to_reach(curve, 0.3) == 10.0
+    assert report.time_to_reach(curve, 0.2) == 0.0  # the start already there
+    assert report.time_to_reach(curve, 0.36) is None
+    assert report.time_to_reach([], 0.1) is None
 
 
-def test_accuracy_fields(speedup):
+def test_accuracy_fields(report):
     curve = [
-        _point(speedup, 0.0, 0, 20, format_rate=0.0, eval_seconds=7.0),
-        _point(speedup, 12.5, 2, 30, eval_seconds=3.0),
-        _point(speedup, 30.0, 4, 45, format_rate=0.25, eval_seconds=4.0),
+        _point(report, 0.0, 0, 20, format_rate=0.0, eval_seconds=7.0),
+        _point(report, 12.5, 2, 30, eval_seconds=3.0),
+        _point(report, 30.0, 4, 45, format_rate=0.25, eval_seconds=4.0),
     ]
-    f = speedup.accuracy_fields(curve, target=0.3, grpo_seconds=50.0)
-    assert set(f) == set(speedup.ACCURACY_KEYS)
+    f = report.accuracy_fields(curve, target=0.3, grpo_seconds=50.0)
+    assert set(f) == set(report.ACCURACY_KEYS)
     assert (f["eval_problems"], f["accuracy_before"], f["accuracy_after"]) == (100, 0.2, 0.45)
-    assert f["accuracy_before_ci95"] == list(speedup.wilson_interval(20, 100))
-    assert f["accuracy_after_ci95"] == list(speedup.wilson_interval(45, 100))
+    assert f["accuracy_before_ci95"] == list(report.wilson_interval(20, 100))
+    assert f["accuracy_after_ci95"] == list(report.wilson_interval(45, 100))
     assert f["accuracy_curve"] == [[0.0, 0, 0.2], [12.5, 2, 0.3], [30.0, 4, 0.45]]
     assert (f["format_rate_before"], f["format_rate_after"]) == (0.0, 0.25)
     assert f["eval_seconds"] == 7.0  # this run's own points; the shared one before training is in meta
     assert (f["time_to_grpo_accuracy"], f["time_to_grpo_accuracy_fraction"]) == (12.5, 0.25)
-    never = speedup.accuracy_fields(curve, target=0.5, grpo_seconds=50.0)
+    never = report.accuracy_fields(curve, target=0.5, grpo_seconds=50.0)
     assert never["time_to_grpo_accuracy"] is None and never["time_to_grpo_accuracy_fraction"] is None
-    assert speedup.accuracy_fields([], target=0.3, grpo_seconds=50.0) == dict.fromkeys(speedup.ACCURACY_KEYS)
+    assert report.accuracy_fields([], target=0.3, grpo_seconds=50.0) == dict.fromkeys(report.ACCURACY_KEYS)
 
 
-def _run(speedup, p, *, total, curve, metric="smallest"):
+def _run(report, p, *, total, curve, metric="smallest"):
     config = TrainConfig(group_size=8, pruning_rate=p, selection_metric=metric, questions_per_step=1)
     config = dataclasses.replace(config, num_steps=8 // config.questions_drawn, max_questions=8)
-    phases = dict.fromkeys(speedup.PHASES, 0.0) | {"generation": total / 2, "policy_fwd_bwd": total / 2}
+    phases = dict.fromkeys(report.PHASES, 0.0) | {"generation": total / 2, "policy_fwd_bwd": total / 2}
     sums = {"phase_seconds": phases, "total_seconds": total, "tokens_trained": 10, "tokens_forward": 30}
     sums |= {"completions": 64, "completions_kept": 8, "questions": 8, "reward_mean": 0.1, "accuracy": 0.1}
-    return speedup.RateRun(config=config, sums=sums, curve=curve)
+    return report.RateRun(config=config, sums=sums, curve=curve)
 
 
-def test_build_rows_times_every_run_against_grpos_final_interval(speedup):
-    before = _point(speedup, 0.0, 0, 100, total=300)
-    grpo = [before, _point(speedup, 40.0, 4, 120, total=300), _point(speedup, 80.0, 8, 150, total=300)]
-    lo = speedup.wilson_interval(150, 300)[0]  # 0.4436...: what a run must reach
-    cppo_curve = [before, _point(speedup, 10.0, 1, 135, total=300), _point(speedup, 20.0, 2, 140, total=300)]
-    random_curve = [before, _point(speedup, 10.0, 1, 110, total=300), _point(speedup, 20.0, 2, 120, total=300)]
-    rows = speedup.build_rows([
-        _run(speedup, 0.0, total=80.0, curve=grpo),
-        _run(speedup, 0.75, total=20.0, curve=cppo_curve),
-        _run(speedup, 0.75, total=20.0, curve=random_curve, metric="random"),
+def test_build_rows_times_every_run_against_grpos_final_interval(report, speedup):
+    before = _point(report, 0.0, 0, 100, total=300)
+    grpo = [before, _point(report, 40.0, 4, 120, total=300), _point(report, 80.0, 8, 150, total=300)]
+    lo = report.wilson_interval(150, 300)[0]  # 0.4436...: what a run must reach
+    cppo_curve = [before, _point(report, 10.0, 1, 135, total=300), _point(report, 20.0, 2, 140, total=300)]
+    random_curve = [before, _point(report, 10.0, 1, 110, total=300), _point(report, 20.0, 2, 120, total=300)]
+    rows = report.build_rows([
+        _run(report, 0.0, total=80.0, curve=grpo),
+        _run(report, 0.75, total=20.0, curve=cppo_curve),
+        _run(report, 0.75, total=20.0, curve=random_curve, metric="random"),
     ])  # fmt: skip
     assert 133 / 300 < lo < 135 / 300
     assert [r["selection_metric"] for r in rows] == ["smallest", "smallest", "random"]
@@ -150,15 +138,15 @@ def test_build_rows_times_every_run_against_grpos_final_interval(speedup):
     assert [r["paper_speedup_gsm8k"] for r in rows] == [1.0, 3.27, None]  # the paper has no random pruning
     assert {r["accuracy_before"] for r in rows} == {100 / 300}
     assert rows[2]["speedup_total"] == 4.0
-    table = speedup.format_accuracy_table(rows).splitlines()
+    table = report.format_accuracy_table(rows).splitlines()
     assert table[0].startswith("| P | keep | steps | wall s | speedup |") and len(table) == 5
     assert "| 0.75 random | 2/8 |" in table[4] and table[4].split("|")[8].strip() == "-"
     assert "10 s (12%)" in table[3] and "46.7% [" in table[3]
 
 
-def test_rows_without_eval_have_the_accuracy_columns_empty(speedup):
-    rows = speedup.build_rows([_run(speedup, 0.0, total=8.0, curve=[]), _run(speedup, 0.5, total=4.0, curve=[])])
-    assert all(r[k] is None for r in rows for k in speedup.ACCURACY_KEYS)
+def test_rows_without_eval_have_the_accuracy_columns_empty(report):
+    rows = report.build_rows([_run(report, 0.0, total=8.0, curve=[]), _run(report, 0.5, total=4.0, curve=[])])
+    assert all(r[k] is None for r in rows for k in report.ACCURACY_KEYS)
     assert [r["selection_metric"] for r in rows] == ["smallest", "smallest"]
 
 
@@ -277,7 +265,7 @@ class _FakeTrainer:
         return {"correct": 10 + self.step, "total": limit, "format_rate": 0.0, "accuracy": (10 + self.step) / limit}
 
 
-def test_run_plans_evaluates_before_and_at_the_points_on_the_training_clock(speedup, monkeypatch):
+def test_run_plans_evaluates_before_and_at_the_points_on_the_training_clock(report, speedup, monkeypatch):
     import cppo
 
     monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
@@ -344,10 +332,10 @@ def test_main_with_eval_smoke(speedup, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["speedup.json"]
 
 
-def test_write_json_replaces_the_file_whole(speedup, tmp_path):
+def test_write_json_replaces_the_file_whole(report, tmp_path):
     path = tmp_path / "acc.json"
     path.write_text("old")
-    speedup.write_json(path, [{"x": float("nan")}], {"eval": None})
+    report.write_json(path, [{"x": float("nan")}], {"eval": None})
     assert json.loads(path.read_text()) == {"meta": {"eval": None}, "rows": [{"x": None}]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acc.json"]  # no partial file left behind
 

@@ -4,45 +4,17 @@ import copy
 
 import pytest
 import torch
+from tiny_run import tiny_config
 
-from cppo import TrainConfig, Trainer
+from cppo import Trainer
 from cppo.models import decoder, lm_head
 from cppo.rewards import digits_reward
 from cppo_kernels import LossConfig, reference
-
-TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.fixture(autouse=True)
 def _torch_kernels(monkeypatch):
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
-
-
-def tiny_config(tmp_path, **overrides) -> TrainConfig:
-    options = dict(
-        model="tiny-qwen2",
-        model_config=TINY,
-        device="cpu",
-        dataset="arith",
-        max_questions=64,
-        system_prompt="Answer.",
-        max_prompt_length=48,
-        max_completion_length=8,
-        group_size=4,
-        questions_per_step=2,
-        micro_batch_tokens=96,
-        mu=2,
-        beta=0.04,
-        lr=1e-2,
-        warmup_ratio=0.0,
-        num_steps=4,
-        rewards=["digits"],
-        rollout_backend="hf",
-        kernel_backend="torch",
-        output_dir=str(tmp_path),
-    )
-    options.update(overrides)
-    return TrainConfig(**options)
 
 
 def record_rollouts(trainer):
