@@ -760,7 +760,7 @@ def _nvidia_smi(field: str) -> str | None:
 def environment(commit: str | None) -> dict:
     """The machine and software: GPU, driver, CUDA, versions, the git commit (``commit`` when given)."""
     import torch
-    from speedup import git_commit
+    from speedup_report import git_commit
 
     found, dirty = git_commit(REPO)
     versions = {}

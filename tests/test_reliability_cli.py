@@ -2,10 +2,8 @@
 exit code 2, found before the model loads; a run never mixes with another; ``--help``, progress, ``--dry-run``."""
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
-import sys
 import warnings
 
 import pytest
@@ -203,16 +201,6 @@ def test_dry_run_checks_what_train_checks_and_writes_nothing(tmp_path, capsys, n
     assert train_cli(tmp_path, "--dry-run") == 2
     assert "already holds a run" in capsys.readouterr().err
     assert train_cli(tmp_path / "x.yaml" / "run", "--dry-run", settings=("lr=nan",)) == 2
-
-
-@pytest.fixture
-def speedup():
-    spec = importlib.util.spec_from_file_location("speedup_dry_run", REPO / "benchmarks" / "speedup.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 def test_speedup_dry_run_validates_the_whole_plan_without_a_model(speedup, tmp_path, monkeypatch, capsys):
