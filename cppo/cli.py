@@ -132,7 +132,7 @@ def _dry_run(args, config: TrainConfig) -> int:
     problems = count_local_problems(
         config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
     )
-    steps = config.num_steps or (max(1, config.num_epochs * problems // config.questions_drawn) if problems else None)
+    steps = config.steps_for(problems) if problems else config.num_steps
     plan = {
         "dry_run": "ok",
         "output_dir": config.output_dir,

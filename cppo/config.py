@@ -180,6 +180,10 @@ class TrainConfig:
         # round() first so that e.g. 2 / (1 - 0.75) = 8.000000001 does not become 9
         return math.ceil(round(self.questions_per_step / (1.0 - self.pruning_rate), 9))
 
+    def steps_for(self, problems: int) -> int:
+        """Training steps over ``problems`` questions: ``num_steps``, else ``num_epochs`` passes (at least 1)."""
+        return self.num_steps or max(1, self.num_epochs * problems // self.questions_drawn)
+
     @property
     def loss_config(self) -> LossConfig:
         """The options of ``fused_cppo_loss``, with entropy (a step metric); ``LossConfig`` validates them."""

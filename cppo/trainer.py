@@ -81,7 +81,7 @@ class Trainer:
         self.reward_fns = get_rewards(config.rewards)
         math_grading.verifier(timeout=config.reward_timeout)
         self.sampler = QuestionSampler(len(self.problems), seed=config.seed, rank=self.rank, world_size=self.world_size)
-        self.num_steps = config.num_steps or max(1, config.num_epochs * len(self.problems) // config.questions_drawn)
+        self.num_steps = config.steps_for(len(self.problems))
         self._build_models()
         # after wrapping: FSDP2 replaces the parameters with sharded ones
         self.optimizer = make_optimizer(self.model, config)
