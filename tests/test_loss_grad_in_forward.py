@@ -340,7 +340,7 @@ def test_half_precision_gemm_path_on_cpu(dtype, monkeypatch):
     _assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert got.dtype == dtype
-        _assert_close(name, got, exp, 2**-6, 1e-6)
+        _assert_close(name, got, exp, 2**-6 if dtype == torch.bfloat16 else 2**-9, 1e-6)  # 8 / 11 mantissa bits
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMMs with fp32 outputs)")

@@ -107,7 +107,9 @@ def plan(argv: list[str], data: pathlib.Path) -> tuple[str, list[str], str]:
             return "run", [sys.executable, "-m", "torch.distributed.run", *argv[1:]], ""
         if args[0] == "train":  # GPU-sized or several nodes: the config, data and output folder, not the training
             check = [a for a in args if a != "--resume"]  # the run to resume does not exist here
-            return "check", [sys.executable, "-m", "cppo", *check, "--dry-run"], "needs GPUs or several nodes"
+            # a fresh output folder: a run the README's line left in the checkout must not decide the test
+            check += ["--set", f"output_dir={data}/readme-run", "--dry-run"]
+            return "check", [sys.executable, "-m", "cppo", *check], "needs GPUs or several nodes"
     raise AssertionError(f"README command with no rule in {__file__}: {line}")
 
 

@@ -84,8 +84,8 @@ def cases(tmp: pathlib.Path) -> dict[str, tuple[list[str], list[str]]]:
         "output_dir unwritable": ([*train, f"output_dir={tmp / 'file' / 'run'}"], ["output_dir", "not writable"]),
         "missing model folder": ([*train, f"model={tmp / 'no' / 'such' / 'model'}"], ["model", "does not exist"]),
         "missing checkpoint to eval": (
-            ["eval", "--model", "runs/tiny-cpu/checkpoint-000008"],
-            ["'runs/tiny-cpu/checkpoint-000008' does not exist"],
+            ["eval", "--model", str(tmp / "runs" / "tiny-cpu" / "checkpoint-000008")],
+            [f"'{tmp / 'runs' / 'tiny-cpu' / 'checkpoint-000008'}' does not exist"],
         ),
         "typo'd dataset (train)": ([*train, "dataset=gsm8kk"], ["did you mean 'gsm8k'", "'arith'", "'math500'"]),
         "typo'd dataset (eval)": (["eval", "--model", "tiny-qwen2", "--dataset", "math5000"], ["'math500'"]),
