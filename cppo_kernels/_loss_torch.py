@@ -3,7 +3,7 @@ gradient-in-forward path of :func:`cppo_kernels.fused_cppo_loss` (CPU BLAS on th
 
 Same interface as ``_loss_triton`` (``logprobs_fwd`` / ``logprobs_bwd``) plus ``logprobs_fwd_grads``, over packed
 rows already validated by :mod:`cppo_kernels.loss`; fp32 logits and accumulation (bf16/fp16 weights are upcast once
-per call on the CPU; on CUDA they feed half-precision cuBLAS GEMMs with fp32 outputs); never a ``[T, V]``
+per call, except CUDA bf16 ones, which feed bf16 cuBLAS GEMMs with fp32 outputs); never a ``[T, V]``
 allocation.
 
 - Forward: a fixed chunk of :func:`chunk_tokens` tokens (256 on the CPU) at a time against the whole vocabulary:
@@ -53,19 +53,30 @@ def _fp32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def half_gemms(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the forward multiplies by the weight in its own dtype (tensor-core GEMMs, fp32 outputs): CUDA bf16
+    only, on a torch with :data:`_MM_OUT_DTYPE`. fp16 goes through fp32: its range is too small for the weight
+    gradient's scaled operand ``h * -g / temperature`` (a ratio up to e^20 overflows it, a tiny ``g`` underflows)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and _MM_OUT_DTYPE
+
+
+#: ``torch.mm(a, b, out_dtype=torch.float32)`` for half-precision operands: torch >= 2.8 (older: fp32 GEMMs).
+_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+
+
 def _compute_weight(weight: Tensor) -> Tensor:
-    """The weight the forward multiplies by: itself on CUDA (half-precision GEMMs, fp32 outputs) or in fp32, else an
-    fp32 copy (one per call)."""
-    return weight if weight.is_cuda or weight.dtype == torch.float32 else weight.float()
+    """The weight the forward multiplies by: itself in fp32 or for :func:`half_gemms`, else an fp32 copy (one per
+    call)."""
+    return weight if weight.dtype == torch.float32 or half_gemms(weight.device, weight.dtype) else weight.float()
 
 
 def _half_gemm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """fp32 ``a @ b`` of CUDA bf16/fp16 operands: one cuBLAS tensor-core GEMM with fp32 accumulation and output."""
+    """fp32 ``a @ b`` of CUDA bf16 operands: one cuBLAS tensor-core GEMM with fp32 accumulation and output."""
     return torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
 def _matmul(a: Tensor, b: Tensor, out: Tensor, *, accumulate: bool = False, alpha: float = 1.0) -> Tensor:
-    """``out (+)= alpha * a @ b`` into fp32 ``out``: in place for fp32 operands; for CUDA bf16/fp16 operands
+    """``out (+)= alpha * a @ b`` into fp32 ``out``: in place for fp32 operands; for CUDA bf16 operands
     :func:`_half_gemm` (into ``out``, or into an fp32 temporary the size of ``out`` that is then added)."""
     if a.dtype == torch.float32:
         return out.addmm_(a, b, beta=1.0 if accumulate else 0.0, alpha=alpha)

@@ -192,8 +192,9 @@ def _layout(xname: str, x: Tensor, cu_seqlens, mask, checks: _Checks) -> _Layout
         raise ValueError(f"mask must be bool, integer or floating (0/1 values), got {mask.dtype}")
     _shape("mask", mask, lead, "[B, L]")
     if mask.dtype != torch.bool:
+        dtype = mask.dtype
         if mask.numel():  # NaN is neither 0 nor 1
-            checks.add(((mask != 0) & (mask != 1)).any(), lambda: f"mask ({mask.dtype}) must hold only 0 and 1")
+            checks.add(((mask != 0) & (mask != 1)).any(), lambda: f"mask ({dtype}) must hold only 0 and 1")
         mask = mask != 0
     flat, cu = _packed_from_padded(mask)
     return _Layout(lead, "[B, L]", cu, flat)

@@ -639,8 +639,8 @@ def _good_padded():
 BAD_PADDED = {
     "hidden 2-D with mask": (dict(hidden=torch.randn(8, 16)), "hidden"),
     "mask shape": (dict(mask=torch.ones(2, 5, dtype=torch.bool)), "mask"),
-    "mask float not 0/1": (dict(mask=torch.full((2, 4), 0.5)), "mask .*must hold only 0 and 1"),
-    "mask float nan": (dict(mask=torch.full((2, 4), float("nan"))), "mask .*must hold only 0 and 1"),
+    "mask float not 0/1": (dict(mask=torch.full((2, 4), 0.5)), r"mask \(torch.float32\) must hold only 0 and 1"),
+    "mask float nan": (dict(mask=torch.full((2, 4), float("nan"))), r"mask \(torch.float32\) must hold only 0 and 1"),
     "mask complex": (dict(mask=torch.ones(2, 4, dtype=torch.complex64)), "mask must be bool, integer or floating"),
     "mask values": (dict(mask=torch.full((2, 4), 2)), "mask"),
     "targets shape": (dict(targets=torch.zeros(2, 3, dtype=torch.long)), "targets"),

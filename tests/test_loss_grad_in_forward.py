@@ -320,10 +320,19 @@ def test_explicit_mode_on_the_triton_backend(monkeypatch):
         _assert_close(name, got, exp, 1e-4)
 
 
+def test_only_cuda_bf16_takes_half_precision_gemms():
+    """fp16 would overflow the weight gradient's scaled operand (ratios up to e^20): it runs fp32 GEMMs."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _loss_torch.half_gemms(cuda, torch.bfloat16) == _loss_torch._MM_OUT_DTYPE
+    assert not any(_loss_torch.half_gemms(cuda, d) for d in (torch.float16, torch.float32))
+    assert not any(_loss_torch.half_gemms(cpu, d) for d in (torch.bfloat16, torch.float16, torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gemm_path_on_cpu(dtype, monkeypatch):
-    """The CUDA bf16/fp16 branch (weights kept in their dtype, GEMMs with fp32 outputs, the dz operand rounded to the
-    weight's dtype), run on the CPU with the one cuBLAS call emulated: it matches the two-pass path."""
+    """The CUDA bf16 branch (fp16 too, should the rule ever allow it: weights kept in their dtype, GEMMs with fp32
+    outputs, the dz operand rounded to the weight's dtype), run on the CPU with the one cuBLAS call emulated: it
+    matches the two-pass path."""
     monkeypatch.setattr(_loss_torch, "_compute_weight", lambda weight: weight)
     gemms = []
     monkeypatch.setattr(
