@@ -102,6 +102,8 @@ def _train(args) -> int:
             else []
         )
         trainer = Trainer(config, info=info)
+        if args.overwrite:
+            rundir.clear_run(config.output_dir, info=info)
         if candidates:
             path = rundir.resume(trainer, candidates)
             distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
@@ -121,8 +123,12 @@ def _dry_run(args, config: TrainConfig) -> int:
     from . import rundir
     from .data import count_local_problems
     from .distributed import DistInfo
+    from .rewards import get_rewards
 
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
     rundir.check_writable(config.output_dir, create=False)
+    get_rewards(config.rewards)
     if not (args.resume or args.overwrite):
         rundir.refuse_existing_run(config.output_dir)
     resume_from = None

@@ -69,8 +69,8 @@ def refuse_existing_run(output_dir: str) -> None:
 
 def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -> None:
     """Before anything loads: ``output_dir`` must be writable and, unless ``resume`` or ``overwrite``, hold no run.
-    Then rank 0 deletes the old run's files and checkpoints (``overwrite``; nothing else in the folder) and what
-    killed saves left (:func:`cppo.checkpoint.remove_leftovers`). Call it on every rank."""
+    Then rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`). The old run itself goes
+    only in :func:`clear_run`, once the new one has loaded. Call it on every rank."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
     check_writable(output_dir)
@@ -78,11 +78,18 @@ def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -
         refuse_existing_run(output_dir)
     barrier(info)  # every rank has looked before rank 0 changes anything
     if info.is_main:
-        if overwrite:
-            for name in existing_run(output_dir):
-                checkpoint.remove(os.path.join(output_dir, name))
         for name in checkpoint.remove_leftovers(output_dir):
             logger.warning("%s: cleaned up %s, left by a save that was killed", output_dir, name)
+    barrier(info)
+
+
+def clear_run(output_dir: str, *, info: DistInfo) -> None:
+    """``--overwrite``: rank 0 deletes the old run's files and checkpoints (nothing else in the folder). Called after
+    the new run's settings, rewards and model have all loaded, so a typo never costs the old run. Every rank."""
+    barrier(info)
+    if info.is_main:
+        for name in existing_run(output_dir):
+            checkpoint.remove(os.path.join(output_dir, name))
     barrier(info)
 
 

@@ -164,6 +164,17 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path, capsys, monkey
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_overwrite_with_a_bad_setting_keeps_the_old_run(tmp_path, capsys, dry_run, no_model):
+    """The old run is deleted only once the new one's settings, rewards and model have loaded: a typo costs nothing."""
+    log = fake_run(tmp_path)
+    flags = ("--overwrite", "--dry-run") if dry_run else ("--overwrite",)
+    assert train_cli(tmp_path, *flags, settings=("rewards=[accuracyy]",)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "rewards: unknown reward 'accuracyy'" in line
+    assert (tmp_path / "metrics.jsonl").read_bytes() == log and (tmp_path / "checkpoint-000008" / "model").is_dir()
+
+
 def test_the_trainer_checks_output_dir_before_the_model_loads(tmp_path, no_model):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="output_dir .* is a file"):
