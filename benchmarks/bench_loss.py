@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from bench_args import check_output_file, count
 
 from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
 
@@ -353,14 +354,17 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--tokens", type=int, default=None, help="T (default 2048; on CUDA also 16384)")
-    ap.add_argument("--hidden", type=int, default=None, help="H (default 896; 1536 for the large CUDA case)")
-    ap.add_argument("--vocab", type=int, default=151_936, help="V")
+    ap.add_argument("--tokens", type=count(1), default=None, help="T (default 2048; on CUDA also 16384)")
+    ap.add_argument("--hidden", type=count(1), default=None, help="H (default 896; 1536 for the large CUDA case)")
+    ap.add_argument("--vocab", type=count(1), default=151_936, help="V")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
+    ap.add_argument("--repeats", type=count(1), default=3)
+    ap.add_argument("--warmup", type=count(0), default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "loss.json", help="JSON; the PNG goes next to it")
     args = ap.parse_args()
+    check_output_file(ap, "--out", args.out)
+    if args.tokens is not None and args.tokens % SEQ_LEN:
+        ap.error(f"--tokens must be a multiple of {SEQ_LEN} (the benchmark's sequence length), got {args.tokens}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench_args import check_output_file, count
+
 GROUP_SIZE = 16
 KEEP = 4
 NUM_GROUPS = (64, 1024, 4096)
@@ -53,12 +55,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     p.add_argument("--backend", default="torch,triton", help="comma-separated subset of torch,triton")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--interpreter-repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
+    p.add_argument("--warmup", type=count(0), default=2)
+    p.add_argument("--repeats", type=count(1), default=15)
+    p.add_argument("--interpreter-repeats", type=count(1), default=2)
+    p.add_argument("--threads", type=count(1), default=1, help="torch CPU threads (1: steadier on a shared machine)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "select.json")
-    return p.parse_args()
+    args = p.parse_args()
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if not backends or set(backends) - {"torch", "triton"}:
+        p.error(f"--backend must be a comma-separated subset of torch,triton, got {args.backend!r}")
+    check_output_file(p, "--out", args.out)
+    return args
 
 
 def make_cases(num_groups: int, device: str) -> list[Case]:
@@ -211,8 +218,6 @@ def meta(device: str) -> dict:
 def main() -> None:
     args = parse_args()
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    if not backends or set(backends) - {"torch", "triton"}:
-        sys.exit(f"--backend must be a comma-separated subset of torch,triton, got {args.backend!r}")
 
     import torch
 

@@ -1021,6 +1021,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"--deadline must be a positive number of seconds, got {args.deadline:g}")
     if args.part and args.out is None:
         ap.error("--part needs --out")
+    if args.out is not None:  # the nearest existing folder on its path: a file there would stop the kit at mkdir
+        existing = args.out
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            ap.error(f"--out {str(args.out)!r} must be a folder, but {str(existing)!r} is a file")
     args.parts = [p for p in PARTS if p in parts]
     return args
 

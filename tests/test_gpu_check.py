@@ -272,6 +272,14 @@ def test_bad_arguments_are_refused_naming_the_flag(kit, capsys, argv, match):
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_out_that_is_or_lies_under_a_file_is_refused(kit, capsys, tmp_path, below):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        kit.parse_args(["--out", str(tmp_path / "file" / below)])
+    assert e.value.code == 2 and f"'{tmp_path / 'file'}' is a file" in capsys.readouterr().err
+
+
 def test_parts_run_in_their_order(kit):
     assert kit.parse_args(["--parts", "e2e, tests"]).parts == ["tests", "e2e"]
     assert kit.parse_args([]).parts == list(kit.PARTS)
