@@ -496,8 +496,6 @@ def part_loss(plan: Plan, out: pathlib.Path, report: Report, until: float) -> No
     device = torch.device(plan.device)
     for T, H, V, dtype_name in plan.loss_shapes:
         _seconds_left(until)
-        # bench_loss's methods leave CPPO_KERNELS_BACKEND set: both make_inputs calls of a shape must see it unset
-        os.environ.pop("CPPO_KERNELS_BACKEND", None)
         key = f"T={T} H={H} V={V} {dtype_name}"
         dtype = getattr(torch, dtype_name)
         accuracy = loss_accuracy(bench_loss.make_inputs(T, H, V, dtype, device))
