@@ -46,6 +46,8 @@ MODEL_DIR = "model"  # save_pretrained weights and tokenizer (single process, DD
 SHARDS_DIR = "dcp"  # torch.distributed.checkpoint shards of the model and optimizer (FSDP2)
 STATE_FILE = "trainer_state.pt"
 STATE_KEYS = ("step", "world_size", "scheduler", "rng")
+#: What :meth:`cppo.trainer.Trainer.save_checkpoint` adds to the state and its resume reads.
+TRAINER_KEYS = ("sampler",)
 
 
 class CorruptCheckpoint(ValueError):
@@ -194,13 +196,15 @@ def remove(path: str) -> None:
         os.remove(path)
 
 
-def read_state(path: str, *, mmap: bool = False) -> dict:
+def read_state(path: str, *, mmap: bool = False, required: tuple[str, ...] = ()) -> dict:
     """The ``trainer_state.pt`` of checkpoint folder ``path``, read without running code. ``mmap``: tensors are
     mapped from the file and read only when used (a cheap look at the state; never hold them while the file changes).
+    ``required``: the keys of the caller's own state that must be there too (the trainer's ``sampler``, ...).
 
     Raises:
         UnsafeCheckpoint: the file holds objects other than tensors and plain data.
-        CorruptCheckpoint: the file is missing, empty, truncated, or lacks the keys :func:`save` writes.
+        CorruptCheckpoint: the file is missing, empty, truncated, or lacks the keys :func:`save` writes (with the
+            optimizer's unless the checkpoint is sharded) or ``required``.
     """
     file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(file):
@@ -219,16 +223,18 @@ def read_state(path: str, *, mmap: bool = False) -> dict:
         ) from None
     except (EOFError, RuntimeError, OSError) as e:
         raise CorruptCheckpoint(f"{file!r} cannot be read ({type(e).__name__}: {first_line(e)})") from None
-    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    keys = STATE_KEYS + (() if os.path.isdir(os.path.join(path, SHARDS_DIR)) else ("optimizer",)) + required
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
     if missing:
         raise CorruptCheckpoint(f"{file!r} lacks {missing}: not a trainer state written by cppo")
     return state
 
 
-def verify(path: str) -> dict:
+def verify(path: str, *, required: tuple[str, ...] = ()) -> dict:
     """Reads what :func:`load` needs before it loads anything into a model: the trainer state (:func:`read_state`) and
-    the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state (tensors mapped)."""
-    state = read_state(path, mmap=True)
+    the headers of the weight files (or the FSDP2 shard metadata). Returns the trainer state (tensors mapped).
+    ``required`` as :func:`read_state`."""
+    state = read_state(path, mmap=True, required=required)
     _verify_weights(path)
     return state
 
@@ -249,7 +255,15 @@ def _verify_weights(path: str) -> None:
             raise CorruptCheckpoint(f"{f!r} cannot be read ({first_line(e)})") from None
 
 
-def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo) -> dict:
+def load(
+    path: str,
+    *,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    info: DistInfo,
+    required: tuple[str, ...] = (),
+) -> dict:
     """Restores what :func:`save` wrote into ``module`` (weights), ``optimizer``, ``scheduler`` and the RNG states,
     in place; call it on every rank.
 
@@ -259,7 +273,7 @@ def load(path: str, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer
         shards by another world size, or for another model shape; :class:`CorruptCheckpoint` /
         :class:`UnsafeCheckpoint` as :func:`read_state`.
     """
-    state = read_state(path)
+    state = read_state(path, required=required)
     sharded = os.path.isdir(os.path.join(path, SHARDS_DIR))
     _check_format(path, sharded=sharded, written_by=int(state["world_size"]), module=module, info=info)
     _verify_weights(path)  # every file is readable before anything changes

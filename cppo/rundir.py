@@ -122,7 +122,7 @@ def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: D
         raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
     for i, path in enumerate(paths):
         try:
-            state = checkpoint.verify(path)
+            state = checkpoint.verify(path, required=checkpoint.TRAINER_KEYS)
         except checkpoint.CorruptCheckpoint as e:
             if info.is_main:
                 logger.warning("--resume: skipping %s: %s", path, e)

@@ -442,7 +442,12 @@ class Trainer:
         """Restores model weights, optimizer, scheduler, data position, RNG states and step from ``path`` (on every
         rank; a sharded FSDP2 checkpoint needs the world size that wrote it)."""
         state = checkpoint.load(
-            path, module=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, info=self.info
+            path,
+            module=self.policy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            info=self.info,
+            required=checkpoint.TRAINER_KEYS,
         )
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])

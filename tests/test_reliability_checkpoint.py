@@ -257,6 +257,18 @@ def test_save_fsyncs_every_file_and_folder_before_the_rename(tmp_path, tiny, mon
     assert ("fsync", str(tmp_path)) in events[renamed:]  # the rename itself, in the parent folder
 
 
+@pytest.mark.parametrize("key", ["sampler", "optimizer", "rng"])
+def test_a_state_without_a_key_the_resume_reads_is_skipped_before_anything_loads(run, key):
+    state = checkpoint.read_state(str(run / "checkpoint-000002"))
+    del state[key]
+    torch.save(state, run / "checkpoint-000002" / checkpoint.STATE_FILE)
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=f"lacks \\['{key}'\\]"):
+        checkpoint.verify(str(run / "checkpoint-000002"), required=checkpoint.TRAINER_KEYS)
+    config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "num_steps=2"])
+    candidates = rundir.resume_candidates(config, allow_config_change=False, info=DistInfo())
+    assert candidates == [str(run / "checkpoint-000001")]
+
+
 def test_pickle_of_the_old_format_is_refused_too(run):
     """A trainer_state.pt holding numpy arrays (what saves wrote before) is refused, not unpickled."""
     state = checkpoint.read_state(str(run / "checkpoint-000002"))
