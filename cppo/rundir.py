@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 #: The files a run writes into its output_dir besides its checkpoint-N folders.
 RUN_FILES = ("metrics.jsonl", "metrics.png")
 #: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
-#: its length, and how (not what) it computes. Any other difference changes the run.
+#: its length (with a decaying lr_schedule, a new length reshapes the remaining schedule), and how (not what) it
+#: computes. Any other difference changes the run.
 RESUMABLE = frozenset(
     {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
     | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
