@@ -37,23 +37,25 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, tot
 
 def optimizer_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, max_grad_norm: float
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[float, bool]:
     """Clips the gradients to ``max_grad_norm``, steps the optimizer and the schedule, zeroes the gradients. When the
     gradient norm is not finite (a NaN or inf anywhere in the gradients) neither the optimizer nor the schedule
     steps: the update is skipped and the parameters and optimizer state stay as they were.
 
     Returns:
-        ``(the gradient norm before clipping: a 0-d tensor, under FSDP2 the norm over all shards; whether the update
-        was applied)``. Under DDP / FSDP2 the norm is that of the synchronised gradients, so every rank decides alike.
+        ``(the gradient norm before clipping, under FSDP2 the norm over all shards; whether the update was
+        applied)``: one host sync, the norm read once. Under DDP / FSDP2 the norm is that of the synchronised
+        gradients, so every rank decides alike.
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-    applied = bool(torch.isfinite(grad_norm))
+    norm = float(grad_norm)
+    applied = math.isfinite(norm)
     if applied:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, applied
+    return norm, applied
 
 
 class NonFiniteUpdates(RuntimeError):

@@ -179,7 +179,7 @@ class Trainer:
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
-        record.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
+        record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
         record["time/step"] = time.perf_counter() - start
         return distributed.reduce_metrics(record, info=self.info, reductions=metrics.metric_reduction)
@@ -331,13 +331,13 @@ class Trainer:
             config=self.loss_config,
         )
 
-    def _optimizer_step(self) -> tuple[torch.Tensor, bool]:
+    def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied
         (``max_skipped_updates`` of them in a row stop the run). Returns the gradient norm and whether it applied."""
         grad_norm, applied = optimizer_step(
             self.model, self.optimizer, self.scheduler, max_grad_norm=self.config.max_grad_norm
         )
-        self.skips.record(applied, grad_norm=float(grad_norm), step=self.step + 1)
+        self.skips.record(applied, grad_norm=grad_norm, step=self.step + 1)
         if applied:
             self.rollout.sync_weights()
         return grad_norm, applied
