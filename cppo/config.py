@@ -435,7 +435,12 @@ def _read_yaml(path: pathlib.Path) -> tuple[dict, dict]:
         return {}, {}
     if not isinstance(values, dict):
         raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value}
+    lines: dict[str, int] = {}
+    for key, _ in node.value:
+        line = key.start_mark.line + 1
+        if key.value in lines:  # YAML keeps the last silently: a setting written twice is a mistake to name
+            raise ValueError(f"{path}, line {line}: {key.value!r} is set twice (line {lines[key.value]} and {line})")
+        lines[key.value] = line
     return values, {k: f"{path}, line {lines.get(str(k), '?')}" for k in values}
 
 

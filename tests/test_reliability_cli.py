@@ -37,6 +37,7 @@ FILES = {
     "binary.yaml": b"model: \xff\xfe\n",
     "typo.yaml": "model: tiny-qwen2\nlr_shedule: cosine\n",
     "inf.yaml": "model: tiny-qwen2\ngroup_size: 4\nlr: .inf\n",
+    "twice.yaml": "model: tiny-qwen2\ngroup_size: 8\ngroup_size: 4\n",
     "rows.jsonl": f"{GOOD_ROW}\n\n[1, 2]\n",
     "torn.jsonl": f'\n{GOOD_ROW}\n{{"q',
     "null.jsonl": '{"question": null, "answer": "1"}\n',
@@ -60,6 +61,10 @@ def cases(tmp: pathlib.Path) -> dict[str, tuple[list[str], list[str]]]:
             ["typo.yaml, line 2", "'lr_shedule'", "did you mean 'lr_schedule'"],
         ),
         "unknown --set setting": ([*train, "num_step=3"], ["--set num_step=3", "did you mean 'num_steps'"]),
+        "setting twice in a file": (
+            yml("twice.yaml"),
+            ["twice.yaml, line 3: 'group_size' is set twice (line 2 and 3)"],
+        ),
         "bad value in a file": (
             yml("inf.yaml"),
             ["inf.yaml, line 3", "lr must be finite"],
