@@ -9,7 +9,6 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -22,11 +21,10 @@ from .optim import NonFiniteUpdates
 
 def settings_epilog() -> str:
     """Every setting of ``--set`` with its default and one-line meaning (``cppo train --help``)."""
-    defaults = TrainConfig.__dataclass_fields__
+    defaults = TrainConfig().to_dict()
     lines = ["settings (--set name=value: a YAML value, a list as a,b, null for none; a preset may set others):"]
     for name, meaning in setting_help().items():
-        f = defaults[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = defaults[name]
         lines.append(f"  {name} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}")
         lines.append(f"      {meaning}")
     return "\n".join(line.rstrip() for line in lines)

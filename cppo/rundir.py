@@ -98,12 +98,11 @@ def run_changes(saved: dict, config: TrainConfig) -> list[str]:
     """What differs between the settings a checkpoint was saved with (``saved``: ``TrainConfig.to_dict()``) and
     ``config``, except the :data:`RESUMABLE` ones: ``"name: saved -> now"`` each. A setting the checkpoint predates
     counts as its default."""
-    changes = []
+    changes, defaults = [], TrainConfig().to_dict()
     for f in dataclasses.fields(TrainConfig):
         if f.name in RESUMABLE:
             continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        was, now = saved.get(f.name, default), getattr(config, f.name)
+        was, now = saved.get(f.name, defaults[f.name]), getattr(config, f.name)
         if was != now:
             changes.append(f"{f.name}: {was!r} -> {now!r}")
     return changes

@@ -243,7 +243,15 @@ class Trainer:
         gen = torch.Generator().manual_seed(self._step_seed())
         if cfg.selection_scope == "group":
             return cppo_select(rewards, cfg.group_size, cfg.keep, metric=cfg.selection_metric, generator=gen)
-        return pooled_select(rewards, cfg.group_size, cfg.kept_count(rewards.numel()), cfg.selection_metric, gen)
+        # the official pooling: drop the int(N * P) smallest |A| of the step's N completions, ties to the lower index
+        return cppo_select(
+            rewards,
+            cfg.group_size,
+            num_kept=cfg.kept_count(rewards.numel()),
+            scope="batch",
+            metric=cfg.selection_metric,
+            generator=gen,
+        )
 
     def _fillers(self, batches: list[PackedBatch]) -> list[PackedBatch]:
         """Weight-0 repeats of a micro-batch so that every rank runs as many passes (DDP syncs in the last one, FSDP2
@@ -453,14 +461,3 @@ class Trainer:
         self.step = int(state["step"])
         self.rollout.sync_weights()
 
-
-def pooled_select(
-    rewards: torch.Tensor, group_size: int, kept: int, metric: str, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages over each full group, then the ``kept`` completions of the whole batch with the highest score
-    (``|A|`` for ``metric="smallest"``: the official "prune the ``N - kept`` smallest |A|"), ties to the lower index:
-    ``cppo_select(scope="batch", num_kept=kept)``, one launch on the Triton path whatever the count.
-
-    Returns fp32 ``[N]`` advantages and ascending int64 ``[kept]`` indices.
-    """
-    return cppo_select(rewards, group_size, num_kept=kept, scope="batch", metric=metric, generator=generator)

@@ -12,7 +12,7 @@ from test_trainer import tiny_config
 
 from cppo import TrainConfig, Trainer
 from cppo.optim import make_scheduler
-from cppo.trainer import pooled_select
+from cppo_kernels import cppo_select
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +95,7 @@ def test_pooled_selection_drops_the_official_count(groups, group_size, pruning_r
     rewards = torch.randint(0, levels, (groups * group_size,), generator=g).float() / 2  # [N], many ties
     cfg = TrainConfig(group_size=group_size, pruning_rate=pruning_rate, max_prompt_length=8, max_completion_length=8)
     kept_count = cfg.kept_count(rewards.numel())
-    advantages, kept = pooled_select(rewards, group_size, kept_count, "smallest", torch.Generator())
+    advantages, kept = cppo_select(rewards, group_size, num_kept=kept_count, scope="batch", metric="smallest")
     assert kept.tolist() == drop_smallest(advantages, pruning_rate)
     assert kept.numel() == rewards.numel() - int(rewards.numel() * pruning_rate)
 
