@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import yaml
@@ -159,7 +160,7 @@ def _eval(args) -> int:
 
     from cppo_kernels.config import check_float, check_int
 
-    from . import math_grading
+    from . import math_grading, metrics, rundir
     from .checkpoint import model_folder
     from .config import check_model_and_data
     from .data import load_problems
@@ -177,6 +178,13 @@ def _eval(args) -> int:
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs sampling: set --temperature > 0 (greedy decoding repeats itself)")
     math_grading.verifier(timeout=args.reward_timeout)
+    if args.output:  # before the evaluation, not after it
+        if os.path.isdir(args.output):
+            raise ValueError(f"--output {args.output!r} is a folder: name the JSON file to write")
+        try:
+            rundir.check_writable(os.path.dirname(os.path.abspath(args.output)), create=False)
+        except ValueError as e:
+            raise ValueError(f"--output {args.output!r}: " + str(e).replace("output_dir", "its folder", 1)) from None
     check_model_and_data(
         model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
     )
@@ -186,7 +194,7 @@ def _eval(args) -> int:
         model, tokenizer = load_model_and_tokenizer(
             model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
         )
-    except OSError as e:  # not a local folder, and the hub could not provide it
+    except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
     rollout = HFRollout(
         model,
@@ -210,8 +218,8 @@ def _eval(args) -> int:
     result = {"model": args.model, "dataset": args.dataset, **result}
     print(json.dumps(result))
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        metrics.replace_file(args.output, json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -61,15 +61,21 @@ def append_jsonl(path: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def write_jsonl(path: str, records: list[dict]) -> None:
-    """Replaces ``path`` with ``records`` atomically (a temporary file beside it, fsynced, then renamed)."""
+def replace_file(path: str, text: str) -> None:
+    """Replaces ``path`` with ``text`` atomically (a temporary ``.tmp-NAME`` beside it, fsynced, then renamed): a
+    reader or a kill never sees half a file."""
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".tmp-{name}")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    """Replaces ``path`` with ``records``, one JSON object per line, atomically (:func:`replace_file`)."""
+    replace_file(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def read_jsonl(path: str) -> list[dict]:

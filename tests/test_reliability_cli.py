@@ -88,6 +88,14 @@ def cases(tmp: pathlib.Path) -> dict[str, tuple[list[str], list[str]]]:
         "output_dir a file": ([*train, f"output_dir={tmp / 'file'}"], ["output_dir", "is a file, not a folder"]),
         "output_dir unwritable": ([*train, f"output_dir={tmp / 'file' / 'run'}"], ["output_dir", "not writable"]),
         "missing model folder": ([*train, f"model={tmp / 'no' / 'such' / 'model'}"], ["model", "does not exist"]),
+        "eval --output a folder": (
+            ["eval", "--model", "tiny-qwen2", "--output", str(tmp)],
+            [f"--output {str(tmp)!r} is a folder: name the JSON file to write"],
+        ),
+        "eval --output under a file": (
+            ["eval", "--model", "tiny-qwen2", "--output", str(tmp / "file" / "x.json")],
+            [f"--output {str(tmp / 'file' / 'x.json')!r}: its folder", "is a file, not a folder"],
+        ),
         "missing checkpoint to eval": (
             ["eval", "--model", str(tmp / "runs" / "tiny-cpu" / "checkpoint-000008")],
             [f"'{tmp / 'runs' / 'tiny-cpu' / 'checkpoint-000008'}' does not exist"],
