@@ -94,6 +94,14 @@ SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 ABLATION_METRICS = ("random", "largest")
 
 
+def check_out(out: pathlib.Path, *, create: bool) -> None:
+    """``--out`` is (or can be made) a writable folder: a ``ValueError`` naming ``--out`` otherwise."""
+    try:
+        check_writable(str(out), create=create)
+    except ValueError as e:
+        raise ValueError("--out" + str(e).removeprefix("output_dir")) from None
+
+
 def parse_ablation(text: str) -> tuple[str, float]:
     """``"random@0.75"`` -> ``("random", 0.75)``: an ablation run (``--selection-metric``) that prunes P with METRIC
     (:data:`ABLATION_METRICS`). ValueError naming the flag for anything else (P = 0 prunes nothing to ablate)."""
@@ -417,7 +425,7 @@ def dry_run(
     built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
     data (read when local; a hub dataset is not downloaded), the evaluation (:func:`check_eval` ran) and the ``--out``
     folder. Prints and returns the plan."""
-    check_writable(str(args.out), create=False)
+    check_out(args.out, create=False)
     base = plans[0]
     problems = count_local_problems(base.dataset, dataset_path=base.dataset_path)
     order = step_order(plans, interleave=schedule == "interleaved")
@@ -497,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     files = output_files(args, evaluation=evaluation)
     if args.dry_run:
         return dry_run(args, plans, schedule=schedule, evaluation=evaluation)
-    check_writable(str(args.out))  # before the run, not after it
+    check_out(args.out, create=True)  # before the run, not after it
     if config.kernel_backend == "triton" and on_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
     if threads is not None:

@@ -242,7 +242,7 @@ def test_speedup_dry_run_validates_the_whole_plan_without_a_model(speedup, tmp_p
     with pytest.raises(ValueError, match="--questions must be a multiple of 8"):
         speedup.main([*argv[:5], "33", "--dry-run", "--out", str(tmp_path)])
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ValueError, match="output_dir .*a-file.* is a file"):
+    with pytest.raises(ValueError, match="--out .*a-file.* is a file, not a folder"):
         speedup.main(["--dry-run", "--out", str(tmp_path / "a-file")])
     plan = speedup.main(["--preset", "gsm8k", "--device", "cuda", "--dry-run", "--out", str(tmp_path / "out")])
     assert plan["model"] == "Qwen/Qwen2.5-1.5B-Instruct" and [r["keep"] for r in plan["rates"]] == [16, 8, 4, 2, 1]
