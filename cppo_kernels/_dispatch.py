@@ -93,8 +93,7 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
     return True
 
 
-def backend_module(op: str, tensor: torch.Tensor, backend: str | None = None) -> ModuleType:
-    """The backend module of ``op`` for ``tensor``: ``cppo_kernels._{op}_triton`` when :func:`use_triton` (with
-    ``backend`` as there), else ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed
-    everywhere."""
-    return importlib.import_module(f"{__package__}._{op}_{'triton' if use_triton(tensor, backend) else 'torch'}")
+def backend_module(op: str, tensor: torch.Tensor) -> ModuleType:
+    """The backend module of ``op`` for ``tensor``: ``cppo_kernels._{op}_triton`` when :func:`use_triton`, else
+    ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed everywhere."""
+    return importlib.import_module(f"{__package__}._{op}_{'triton' if use_triton(tensor) else 'torch'}")

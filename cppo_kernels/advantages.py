@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _advantages_torch
 from ._dispatch import backend_module
 from .config import METRICS, SCALES, SCOPES, check_choice, check_float, check_int
 
@@ -22,7 +23,7 @@ TRITON_MAX_GROUP_SIZE = 4096
 def _backend(x: Tensor, group_size: int):
     """The backend module for ``x``: :func:`backend_module`'s choice, the PyTorch one above the Triton group limit."""
     if group_size > TRITON_MAX_GROUP_SIZE:
-        return backend_module("advantages", x, backend="torch")
+        return _advantages_torch
     return backend_module("advantages", x)
 
 
