@@ -4,7 +4,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pathlib  # noqa: E402
+import pathlib
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -42,15 +43,17 @@ def shared_dir():
 
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+# every test sees benchmarks/ on the path, as its scripts do when they run: whether a benchmark module imports its
+# siblings never depends on which test ran first
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
 
 
 @pytest.fixture(scope="session")
 def speedup():
     """``benchmarks/speedup.py`` as a module (``benchmarks/`` on the path, as when it runs as a script)."""
     import importlib.util
-    import sys
 
-    sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("benchmarks_speedup", BENCHMARKS / "speedup.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
