@@ -160,7 +160,7 @@ def _eval(args) -> int:
 
     from cppo_kernels.config import check_float, check_int
 
-    from . import math_grading, metrics, rundir
+    from . import fileio, math_grading, rundir
     from .checkpoint import model_folder
     from .config import check_model_and_data
     from .data import load_problems
@@ -219,7 +219,7 @@ def _eval(args) -> int:
     print(json.dumps(result))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        metrics.replace_file(args.output, json.dumps(result, indent=2) + "\n")
+        fileio.write_json(args.output, result)
     return 0
 
 

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from .fileio import atomic_path, atomic_write
+
 logger = logging.getLogger(__name__)
 
 #: The timed phases of a step, in order (``time/<phase>`` metrics; ``time/step`` is the whole step).
@@ -61,21 +63,9 @@ def append_jsonl(path: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def replace_file(path: str, text: str) -> None:
-    """Replaces ``path`` with ``text`` atomically (a temporary ``.tmp-NAME`` beside it, fsynced, then renamed): a
-    reader or a kill never sees half a file."""
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".tmp-{name}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_jsonl(path: str, records: list[dict]) -> None:
-    """Replaces ``path`` with ``records``, one JSON object per line, atomically (:func:`replace_file`)."""
-    replace_file(path, "".join(json.dumps(r) + "\n" for r in records))
+    """Replaces ``path`` with ``records``, one JSON object per line, atomically (:func:`cppo.fileio.atomic_write`)."""
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -138,6 +128,7 @@ def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path

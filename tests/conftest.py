@@ -26,6 +26,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(1)
 
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
+# shared fixtures, harnesses and reference transcriptions live in tests/support/: imported by module name, so that no
+# test module imports another one
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 @pytest.fixture(params=["torch", "triton"])

@@ -113,7 +113,7 @@ def test_packed_forward_matches_each_sequence_alone():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         pytest.skip(f"{path} is absent: the SmolLM2 tests need ../shared")
     return load_model_and_tokenizer(str(path))

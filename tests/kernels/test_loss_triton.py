@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_cases import logit_error
 
 from cppo_kernels import _loss_triton as K
 from cppo_kernels.reference import token_logprobs
@@ -19,7 +20,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Forward (logp, lse, entropy): |err| <= E = FWD_ATOL * Z * max(1, sqrt(H) / 8), Z = max_t,v (|h_t| . |w_v| +
 #: |b_v|) / temperature, the bound on the logits' size, sqrt(H) the growth of the fp32 accumulation error over
 #: H. bf16/fp16 products are exact in fp32, so every dtype gets fp32's bound.
-FWD_ATOL = 2e-6
 #: Gradients: |err| <= rtol * |ref| + (eps + E / 16) * M, with M the same contraction over absolute
 #: values (e.g. |g| / temperature * (onehot + p) @ |W| for dhidden): the dot-product error bound. rtol covers the
 #: rounding on store; eps the rounding of dz before the tensor-core dot (bf16/fp16) or the fp32 accumulation;
@@ -58,11 +58,6 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, allowed, what: s
     assert (diff <= allowed).all(), (
         f"{what}: |diff| {diff.flatten()[worst]:.3g} > {allowed.flatten()[worst]:.3g} at flat index {int(worst)}"
     )
-
-
-def _logit_error(Z: float, hidden_size: int) -> float:
-    """Bound on the absolute fp32 error of a logit (see FWD_ATOL)."""
-    return FWD_ATOL * Z * max(1.0, math.sqrt(hidden_size) / 8)
 
 
 def _problem(T: int, H: int, V: int, dtype: torch.dtype, *, bias: bool, scale: float, seed: int):
@@ -109,7 +104,7 @@ def _check_fwd(hidden, weight, targets, bias, temperature, config=None) -> None:
     ref = _reference(hidden, weight, targets, bias, temperature, torch.zeros(len(targets), device=hidden.device))
     assert logp.dtype == lse.dtype == entropy.dtype == torch.float32
     for name, got in (("logp", logp), ("lse", lse), ("entropy", entropy)):
-        _assert_close(got, ref[name], _logit_error(ref["Z"], hidden.shape[1]), name)
+        _assert_close(got, ref[name], logit_error(ref["Z"], hidden.shape[1]), name)
 
 
 def _check_bwd(hidden, weight, targets, bias, temperature, grad_logp, *, needs=(True, True, True), config=None):
@@ -129,8 +124,8 @@ def _check_bwd(hidden, weight, targets, bias, temperature, grad_logp, *, needs=(
         assert grad.dtype == hidden.dtype, name
         value, magnitude, flush = ref[name]
         spacing = torch.finfo(hidden.dtype).tiny * torch.finfo(hidden.dtype).eps  # of subnormals
-        logit_error = _logit_error(ref["Z"], hidden.shape[1]) / 16
-        allowed = rtol * value.abs() + (eps + logit_error) * magnitude + spacing * (1 + flush)
+        logit_slack = logit_error(ref["Z"], hidden.shape[1]) / 16
+        allowed = rtol * value.abs() + (eps + logit_slack) * magnitude + spacing * (1 + flush)
         _assert_close(grad, value, allowed, name)
 
 

@@ -2,15 +2,13 @@
 are gathered in bf16 and the gradients reduced in fp32, and a step at the paper's lr 1e-6 moves the fp32 masters."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
+from torchrun_harness import torchrun
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = {
     "model": "tiny-qwen2",
     "model_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
@@ -65,10 +63,7 @@ def worker(out_dir: str) -> None:
 
 @pytest.mark.distributed
 def test_fsdp2_bf16_keeps_fp32_shards_and_updates_them(tmp_path):
-    path = os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = torchrun([__file__, str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 
 from cppo.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_train_tiny_cpu_preset_end_to_end(tmp_path):

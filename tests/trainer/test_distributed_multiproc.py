@@ -8,16 +8,14 @@ This file is both the pytest module and the worker: the test runs ``python -m to
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 from torch import nn
+from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 from cppo import checkpoint as C
 from cppo import distributed as D
@@ -385,15 +383,10 @@ def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     info = D.init_distributed(device="cpu", timeout_s=30)
     assert info.world_size == WORLD
-    results = {}
+    recorder = RankRecorder(out_dir, info.rank)
+    root = pathlib.Path(out_dir) / "ckpt"
     for name, fn in CHECKS.items():
-        try:
-            fn(info, pathlib.Path(out_dir) / "ckpt") if "root" in fn.__code__.co_varnames else fn(info)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        # written after every check: if a failure leaves the ranks out of step, the checks so far are reported
-        pathlib.Path(out_dir, f"rank{info.rank}.json").write_text(json.dumps(results))
+        recorder.record(name, lambda fn=fn: fn(info, root) if "root" in fn.__code__.co_varnames else fn(info))
         D.barrier(info)
     D.close_distributed()
 
@@ -406,21 +399,8 @@ def worker(out_dir: str) -> None:
 @pytest.mark.distributed
 def test_two_processes(tmp_path):
     """Every check in CHECKS passes on both ranks (one test, so that pytest-xdist launches torchrun once)."""
-    root = str(pathlib.Path(__file__).resolve().parents[1])  # the worker imports cppo from this checkout
-    path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CPPO_KERNELS_BACKEND": "torch", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
-    proc = subprocess.run(cmd + [__file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
-    found = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    failures = []
-    for name in CHECKS:
-        for rank in range(WORLD):
-            result = found.get(f"rank{rank}.json", {}).get(name, f"not reported; torchrun exited {proc.returncode}")
-            if result != "ok":
-                failures.append(f"{name} on rank {rank}:\n{result}")
-    if proc.returncode != 0:  # every check passed but a rank failed afterwards (e.g. tearing down the group)
-        failures.append(f"torchrun exited {proc.returncode}")
-    assert not failures, "\n\n".join(failures) + f"\n{proc.stderr[-3000:]}"
+    proc = torchrun([__file__, str(tmp_path)], timeout=240, world=WORLD, CPPO_KERNELS_BACKEND="torch")
+    assert_ranks_ok(tmp_path, [(name, rank) for name in CHECKS for rank in range(WORLD)], proc)
 
 
 if __name__ == "__main__":

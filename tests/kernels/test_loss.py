@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from loss_cases import DTYPES, METRIC_KEYS, TOL, assert_close, cu_seqlens, grads, hypothesis_settings, problem
 
 from cppo_kernels import (
     FusedCPPOLoss,
@@ -22,25 +23,7 @@ from cppo_kernels import (
 )
 from cppo_kernels import loss as loss_module
 
-#: Tolerances per input dtype: (loss and metrics, gradients of the torch backend and of
-#: cppo_loss_from_logits, gradients of the Triton backend). Gradients are compared as
-#: max|got - want| <= tol * max|want|; they come back in the input dtype. The torch backend accumulates
-#: in fp32 and rounds once to nearest: half an ulp (bf16 2^-8, fp16 2^-11) plus fp32 slack. The Triton
-#: backend also feeds bf16/fp16 dz operands to its backward dots and, under the interpreter, truncates
-#: fp32 -> bf16/fp16 stores (1 ulp); the dz rounding error is relative to sum_v |dz_v| |w_v|, not to the
-#: (cancelling) result, so no ulp bound holds there and its tolerance is empirical (bf16 worst seen
-#: 1.3e-2 over 270 random problems; tests/test_loss_triton.py checks the kernels against the proper
-#: error bound). Last column: absolute gradient slack. fp16 gradients here reach the subnormal range
-#: (< 6.1e-5, spacing 2^-24 = 6e-8) where errors are absolute: the truncated output and each dz operand
-#: flushed to a subnormal before the dot (seen: 3.3 spacings on a 7e-6 dweight), hence 4 spacings more.
-#: Losses are fp32 whatever the input dtype.
-TOL = {
-    torch.float32: (2e-5, 1e-4, 1e-4, 1e-7),
-    torch.bfloat16: (1e-4, 5e-3, 2e-2, 1e-7),
-    torch.float16: (1e-4, 1e-3, 2e-3, 1e-7 + 4 * 2**-24),
-}
-DTYPES = list(TOL)
-METRIC_KEYS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens")
+pytestmark = pytest.mark.usefixtures("small_chunks")
 
 
 class LossPath(NamedTuple):
@@ -66,54 +49,7 @@ def path(request, monkeypatch) -> LossPath:
     return chosen
 
 
-def _settings(**kwargs) -> settings:
-    """The loaded profile, plus: the ``backend`` / ``path`` fixtures are safely shared by all examples of a test."""
-    checks = [*settings().suppress_health_check, HealthCheck.function_scoped_fixture]
-    return settings(suppress_health_check=checks, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    """Small blocks, so the small test shapes cross the torch backend's token and vocab block boundaries."""
-    monkeypatch.setattr(_loss_torch, "FWD_TOKENS", 8)
-    monkeypatch.setattr(_loss_torch, "BWD_TOKENS", 16)
-    monkeypatch.setattr(_loss_torch, "BWD_VOCAB", 64)
-
-
-def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, atol: float = 1e-7) -> None:
-    got, want = got.detach().double(), want.detach().double()
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-6)
-    assert err <= tol * scale + atol, f"{name}: max error {err:.3g} > {tol} x {scale:.3g}"
-
-
-def _cu(lengths: list[int]) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return cu
-
-
-def _problem(seed: int, lengths: list[int], H: int, V: int, dtype: torch.dtype, *, logit_scale: float, bias: bool):
-    """Random hidden [T, H], weight [V, H], bias [V], targets [T], advantages [S] (hidden's dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    hidden = torch.randn(T, H, generator=g).to(dtype)
-    weight = (torch.randn(V, H, generator=g) * logit_scale / H**0.5).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
-    targets = torch.randint(0, V, (T,), generator=g)
-    advantages = torch.randn(len(lengths), generator=g)
-    if len(lengths) > 1:
-        advantages[0] = 0.0  # a zero-variance group
-    return hidden, weight, b, targets, advantages, g
-
-
-def _grads(loss: torch.Tensor, inputs: list[torch.Tensor], upstream: float) -> list[torch.Tensor]:
-    return list(torch.autograd.grad(loss * upstream, inputs))
-
-
-@_settings()
+@hypothesis_settings()
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4).filter(lambda ls: sum(ls) <= 40),
@@ -151,10 +87,8 @@ def test_loss_matches_reference(
     compute_entropy,
     logit_scale,
 ):
-    hidden, weight, bias, targets, adv, g = _problem(
-        seed, lengths, H, V, dtype, logit_scale=logit_scale, bias=with_bias
-    )
-    cu = _cu(lengths)
+    hidden, weight, bias, targets, adv, g = problem(seed, lengths, H, V, dtype, logit_scale=logit_scale, bias=with_bias)
+    cu = cu_seqlens(lengths)
     T = hidden.shape[0]
     options = dict(
         temperature=temperature,
@@ -202,20 +136,20 @@ def test_loss_matches_reference(
     )
     loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if path.backend == "torch" else 2]
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    _assert_close("loss", loss, want, loss_tol)
+    assert_close("loss", loss, want, loss_tol)
     assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set())
     for key, value in metrics.items():
         assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad, key
         # kl = f(logp - ref) cancels: its fp32 error scales with |logp|, not with kl itself.
         atol = loss_tol * float(logp64.abs().max()) if key == "kl" and T else 1e-7
-        _assert_close(key, value, want_metrics[key], 1e-4, atol)
+        assert_close(key, value, want_metrics[key], 1e-4, atol)
 
     upstream = float(torch.randn((), generator=g))
     for name, got, exp in zip(
-        ("dhidden", "dweight", "dbias"), _grads(loss, params, upstream), _grads(want, params64, upstream)
+        ("dhidden", "dweight", "dbias"), grads(loss, params, upstream), grads(want, params64, upstream)
     ):
         assert got.dtype == dtype, name
-        _assert_close(name, got, exp, grad_tol, TOL[dtype][3])
+        assert_close(name, got, exp, grad_tol, TOL[dtype][3])
 
 
 def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: int, g: torch.Generator):
@@ -231,7 +165,7 @@ def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: 
     return hp, tp, mask
 
 
-@_settings(max_examples=10)
+@hypothesis_settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
@@ -241,7 +175,7 @@ def _padded(hidden: torch.Tensor, targets: torch.Tensor, lengths: list[int], L: 
 )
 def test_packed_and_padded_agree(path, seed, lengths, dtype, loss_agg, importance_sampling):
     H, V, L = 24, 100, 10
-    hidden, weight, bias, targets, adv, g = _problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
+    hidden, weight, bias, targets, adv, g = problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
     T = hidden.shape[0]
     with torch.no_grad():  # old / ref near the current log-probs: ratios stay in range (fp16 dweight finite)
         logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
@@ -257,7 +191,7 @@ def test_packed_and_padded_agree(path, seed, lengths, dtype, loss_agg, importanc
     w1, b1, h1 = weight.clone().requires_grad_(), bias.clone().requires_grad_(), hidden.clone().requires_grad_()
     w2, b2, h2 = weight.clone().requires_grad_(), bias.clone().requires_grad_(), hp.clone().requires_grad_()
     loss1, m1 = fused_cppo_loss(
-        h1, w1, targets, adv, cu_seqlens=_cu(lengths), bias=b1, old_logprobs=old, ref_logprobs=ref, **options
+        h1, w1, targets, adv, cu_seqlens=cu_seqlens(lengths), bias=b1, old_logprobs=old, ref_logprobs=ref, **options
     )
     loss2, m2 = fused_cppo_loss(
         h2, w2, tp, adv, mask=mask.to(torch.int32), bias=b2, old_logprobs=oldp, ref_logprobs=refp, **options
@@ -266,15 +200,15 @@ def test_packed_and_padded_agree(path, seed, lengths, dtype, loss_agg, importanc
     for key in m1:
         assert torch.equal(m1[key], m2[key]), key
     upstream = float(torch.randn((), generator=g))
-    g1 = _grads(loss1, [h1, w1, b1], upstream)
-    g2 = _grads(loss2, [h2, w2, b2], upstream)
+    g1 = grads(loss1, [h1, w1, b1], upstream)
+    g2 = grads(loss2, [h2, w2, b2], upstream)
     assert torch.equal(g2[0][mask], g1[0])
     assert torch.equal(g2[0][~mask], torch.zeros_like(g2[0][~mask]))
     for got, want in zip(g2[1:], g1[1:]):
-        _assert_close("param grad", got, want, 1e-6)
+        assert_close("param grad", got, want, 1e-6)
 
 
-@_settings(max_examples=10)
+@hypothesis_settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(1, 15), min_size=2, max_size=4),
@@ -291,8 +225,8 @@ def test_logprobs_do_not_depend_on_packing(backend, seed, lengths, dtype, temper
     2 * eps_fp32 * max_v |z_tv| (measured up to 5.7e-6 at these logit scales); the test allows twice that,
     per token. Bit-exactness at any offset is checked on GPU in test_loss_triton.py.
     """
-    hidden, weight, bias, targets, _, _ = _problem(seed, lengths, 37, 150, dtype, logit_scale=4.0, bias=True)
-    cu = _cu(lengths)
+    hidden, weight, bias, targets, _, _ = problem(seed, lengths, 37, 150, dtype, logit_scale=4.0, bias=True)
+    cu = cu_seqlens(lengths)
     logp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=True)
     z_max = ((hidden.double() @ weight.double().t() + bias.double()) / temperature).abs().amax(-1)  # [T]
     bound = 4 * torch.finfo(torch.float32).eps * z_max  # [T]
@@ -309,7 +243,7 @@ def test_logprobs_do_not_depend_on_packing(backend, seed, lengths, dtype, temper
             assert ((alone_ent - ent[a:b]).abs() <= bound[a:b]).all(), f"sequence {s} entropy"
 
 
-@_settings(max_examples=10)
+@hypothesis_settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**16),
     shape=st.sampled_from([(1,), (23,), (3, 7), (2, 1)]),
@@ -322,7 +256,7 @@ def test_fused_logprobs_matches_reference(backend, seed, shape, dtype, temperatu
     n = 1
     for d in shape:
         n *= d
-    hidden, weight, bias, targets, _, _ = _problem(seed, [n], 40, 130, dtype, logit_scale=logit_scale, bias=with_bias)
+    hidden, weight, bias, targets, _, _ = problem(seed, [n], 40, 130, dtype, logit_scale=logit_scale, bias=with_bias)
     hidden, targets = hidden.reshape(*shape, 40), targets.reshape(shape)
     logp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=True)
     want, want_ent = reference.token_logprobs(
@@ -334,13 +268,13 @@ def test_fused_logprobs_matches_reference(backend, seed, shape, dtype, temperatu
     )
     assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == shape
     assert not logp.requires_grad
-    _assert_close("logp", logp.reshape(-1), want, 2e-6)
-    _assert_close("entropy", ent.reshape(-1), want_ent, 2e-5)
+    assert_close("logp", logp.reshape(-1), want, 2e-6)
+    assert_close("entropy", ent.reshape(-1), want_ent, 2e-5)
     only = fused_logprobs(hidden, weight, targets, bias=bias, temperature=temperature)
     assert torch.equal(only, logp)
 
 
-@_settings(max_examples=10)
+@hypothesis_settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(0, 9), min_size=1, max_size=3),
@@ -352,7 +286,7 @@ def test_fused_logprobs_matches_reference(backend, seed, shape, dtype, temperatu
 )
 def test_loss_from_logits_matches_reference(seed, lengths, dtype, padded, temperature, loss_agg, importance_sampling):
     V = 60
-    logits, _, _, targets, adv, g = _problem(seed, lengths, V, V, dtype, logit_scale=1.0, bias=False)
+    logits, _, _, targets, adv, g = problem(seed, lengths, V, V, dtype, logit_scale=1.0, bias=False)
     logits = (logits.float() * 3).to(dtype)
     T = logits.shape[0]
     old = -torch.rand(T, generator=g) * 4
@@ -368,7 +302,7 @@ def test_loss_from_logits_matches_reference(seed, lengths, dtype, padded, temper
         torch.eye(V, dtype=torch.float64),
         targets,
         adv.double(),
-        cu_seqlens=_cu(lengths),
+        cu_seqlens=cu_seqlens(lengths),
         old_logprobs=old.double(),
         ref_logprobs=ref.double(),
         config=LossConfig(**options),
@@ -383,18 +317,18 @@ def test_loss_from_logits_matches_reference(seed, lengths, dtype, padded, temper
     else:
         x = logits.clone().requires_grad_()
         loss, m = cppo_loss_from_logits(
-            x, targets, adv, cu_seqlens=_cu(lengths), old_logprobs=old, ref_logprobs=ref, **options
+            x, targets, adv, cu_seqlens=cu_seqlens(lengths), old_logprobs=old, ref_logprobs=ref, **options
         )
-    _assert_close("loss", loss, want, 2e-5)
+    assert_close("loss", loss, want, 2e-5)
     for key in want_m:
-        _assert_close(key, m[key], want_m[key], 1e-4)
+        assert_close(key, m[key], want_m[key], 1e-4)
     upstream = float(torch.randn((), generator=g))
-    (got,) = _grads(loss, [x], upstream)
-    (exp,) = _grads(want, [x64], upstream)
+    (got,) = grads(loss, [x], upstream)
+    (exp,) = grads(want, [x64], upstream)
     if padded:
         assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
         got = got[mask]
-    _assert_close("dlogits", got, exp, TOL[dtype][1])
+    assert_close("dlogits", got, exp, TOL[dtype][1])
 
 
 def test_empty_batch(path):
@@ -415,18 +349,18 @@ def test_empty_batch(path):
 
 def test_frozen_weight_and_entropy_only(path):
     """Gradients flow to whichever inputs require them (frozen LM head); the entropy metric is detached."""
-    hidden, weight, bias, targets, adv, _ = _problem(3, [5, 4], 16, 40, torch.float32, logit_scale=2.0, bias=True)
+    hidden, weight, bias, targets, adv, _ = problem(3, [5, 4], 16, 40, torch.float32, logit_scale=2.0, bias=True)
     h = hidden.clone().requires_grad_()
-    loss, _ = fused_cppo_loss(h, weight, targets, adv, cu_seqlens=_cu([5, 4]), bias=bias, beta=0.0)
+    loss, _ = fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu_seqlens([5, 4]), bias=bias, beta=0.0)
     (dh,) = torch.autograd.grad(loss * 0.5, [h])
     h64 = hidden.double().requires_grad_()
-    want, _ = reference.fused_cppo_loss(h64, weight.double(), targets, adv.double(), cu_seqlens=_cu([5, 4]),
+    want, _ = reference.fused_cppo_loss(h64, weight.double(), targets, adv.double(), cu_seqlens=cu_seqlens([5, 4]),
                                         bias=bias.double())  # fmt: skip
     (exp,) = torch.autograd.grad(want * 0.5, [h64])
-    _assert_close("dhidden", dh, exp, TOL[torch.float32][1 if path.backend == "torch" else 2])
+    assert_close("dhidden", dh, exp, TOL[torch.float32][1 if path.backend == "torch" else 2])
 
     w = weight.clone().requires_grad_()
-    _, metrics = fused_cppo_loss(hidden, w, targets, adv, cu_seqlens=_cu([5, 4]), compute_entropy=True)
+    _, metrics = fused_cppo_loss(hidden, w, targets, adv, cu_seqlens=cu_seqlens([5, 4]), compute_entropy=True)
     assert not metrics["entropy"].requires_grad
 
 
@@ -434,7 +368,7 @@ def test_default_chunk_is_fixed(monkeypatch):
     """The torch backend's chunk is a constant: results for 300 tokens equal those of each token's own chunk."""
     monkeypatch.undo()
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
-    hidden, weight, _, targets, _, _ = _problem(5, [300], 32, 64, torch.float32, logit_scale=3.0, bias=False)
+    hidden, weight, _, targets, _, _ = problem(5, [300], 32, 64, torch.float32, logit_scale=3.0, bias=False)
     logp = fused_logprobs(hidden, weight, targets)
     chunk = _loss_torch.FWD_TOKENS
     assert chunk < 300
@@ -458,7 +392,7 @@ OPTIONS = dict(
 def _run(loss_fn, inputs: list[torch.Tensor], *args, **kwargs):
     """(loss, metrics, gradients w.r.t. ``inputs`` of 0.7 * loss) of ``loss_fn(*args, **kwargs)``."""
     loss, metrics = loss_fn(*args, **kwargs)
-    return loss, metrics, _grads(loss, inputs, 0.7)
+    return loss, metrics, grads(loss, inputs, 0.7)
 
 
 def _assert_same(got, want) -> None:
@@ -470,12 +404,12 @@ def _assert_same(got, want) -> None:
 
 def _loss_inputs(seed: int = 7):
     """Packed inputs of fused_cppo_loss with old and reference log-probs near the current ones."""
-    hidden, weight, bias, targets, adv, g = _problem(seed, [5, 0, 4], 16, 40, torch.float32, logit_scale=3.0, bias=True)
+    hidden, weight, bias, targets, adv, g = problem(seed, [5, 0, 4], 16, 40, torch.float32, logit_scale=3.0, bias=True)
     with torch.no_grad():
         logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
     old, ref = ((logp + 0.3 * torch.randn(9, generator=g, dtype=torch.float64)).float() for _ in range(2))
     params = [hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()]
-    tensors = dict(cu_seqlens=_cu([5, 0, 4]), old_logprobs=old, ref_logprobs=ref, bias=bias)
+    tensors = dict(cu_seqlens=cu_seqlens([5, 0, 4]), old_logprobs=old, ref_logprobs=ref, bias=bias)
     return params, (hidden, weight, targets, adv), tensors
 
 
@@ -700,11 +634,11 @@ def _offset_inputs(offsets: list[float], adv: list[float], *, seed: int = 0):
     """Packed problem, one sequence per advantage (``len(offsets)`` tokens each), with
     ``logp - old_logprobs = offsets`` per token (up to fp32 rounding of ``old``)."""
     n, S = len(offsets), len(adv)
-    hidden, weight, bias, targets, _, _ = _problem(seed, [n] * S, 16, 40, torch.float32, logit_scale=3.0, bias=True)
+    hidden, weight, bias, targets, _, _ = problem(seed, [n] * S, 16, 40, torch.float32, logit_scale=3.0, bias=True)
     with torch.no_grad():
         logp, _ = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double())
     old = (logp - torch.tensor(offsets, dtype=torch.float64).repeat(S)).float()  # [T]
-    return hidden, weight, bias, targets, torch.tensor(adv), _cu([n] * S), old, logp
+    return hidden, weight, bias, targets, torch.tensor(adv), cu_seqlens([n] * S), old, logp
 
 
 def _loss_and_grads(hidden, weight, bias, targets, adv, cu, **kwargs):
@@ -736,9 +670,9 @@ def test_huge_log_ratios_give_finite_loss_and_gradients(path, dual_clip):
     loss, metrics, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, old_logprobs=old, config=config)
     want, want_grads = _want(hidden, weight, bias, targets, adv, cu, config, old=old)
     assert torch.isfinite(loss) and all(torch.isfinite(m) for m in metrics.values())
-    _assert_close("loss", loss, want, 1e-5)
+    assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
-        _assert_close(name, got, exp, 1e-4)
+        assert_close(name, got, exp, 1e-4)
     assert metrics["ratio_max"] == torch.exp(torch.tensor(20.0)) and metrics["ratio_min"] == torch.exp(
         torch.tensor(-20.0)
     )
@@ -774,9 +708,9 @@ def test_kl_far_from_the_reference_is_finite(path, estimator):
     loss, metrics, grads = _loss_and_grads(hidden, weight, bias, targets, adv, cu, ref_logprobs=ref, config=config)
     want, want_grads = _want(hidden, weight, bias, targets, adv, cu, config, ref=ref)
     assert torch.isfinite(loss) and torch.isfinite(metrics["kl"])
-    _assert_close("loss", loss, want, 1e-5)
+    assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
-        _assert_close(name, got, exp, 1e-4)
+        assert_close(name, got, exp, 1e-4)
     if estimator == "k3":
         worst = torch.exp(torch.tensor(20.0)) - 21  # the clamped exponent's penalty
         assert metrics["kl"] <= worst

@@ -18,16 +18,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import traceback
 import zlib
 
 import pytest
 import torch
+from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 WORLD = 2
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCOPES = ("group", "batch", "global")
 CONFIG = {
     "model": "tiny-qwen2",
@@ -54,11 +52,6 @@ CONFIG = {
 }
 UNEVEN = 0.4  # pruning_rate: 4 questions drawn, 16 - int(6.4) = 10 kept over both ranks, no multiple of 4
 COMPARED = ("reward_mean", "completions", "completions_kept", "tokens_trained", "loss", "kl", "grad_norm")
-
-
-def _env() -> dict:
-    path = os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,15 +128,7 @@ def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     info = D.init_distributed(device="cpu", timeout_s=300)
     out = pathlib.Path(out_dir)
-    results: dict[str, str] = {}
-
-    def record(name, fn):
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        (out / f"rank{info.rank}.json").write_text(json.dumps(results))
+    record = RankRecorder(out, info.rank).record
 
     # phase 1, every rank together: the 2-process runs (each also checks that the ranks hold equal parameters).
     # Rank 0 packs its 4 sequences into 1 micro-batch, rank 1 puts each in its own: rank 0 runs 3 weight-0 fillers
@@ -233,26 +218,13 @@ OWNER = {"two_processes_match_one_group": 0, "two_processes_match_one_global": 0
 OWNER["two_processes_match_one_global_uneven_count"] = 1
 
 
-def _torchrun(args: list[str], *, timeout: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *args]
-    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.distributed
 def test_two_process_training_equals_one_process(tmp_path):
     """All worker checks: the ranks agree, 2 processes equal 1 (each scope, DDP and FSDP2), resume equals an
     uninterrupted run (one test, so that pytest-xdist launches the worker once)."""
-    proc = _torchrun([__file__, str(tmp_path)], timeout=400)
-    found = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    proc = torchrun([__file__, str(tmp_path)], timeout=400, world=WORLD)
     expected = [(name, rank) for name in CHECKS for rank in range(WORLD)] + [(n, r) for n, r in OWNER.items()]
-    failures = []
-    for name, rank in expected:
-        result = found.get(f"rank{rank}.json", {}).get(name, f"not reported; torchrun exited {proc.returncode}")
-        if result != "ok":
-            failures.append(f"{name} on rank {rank}:\n{result}")
-    if proc.returncode != 0:  # every check passed but a rank failed afterwards (e.g. tearing down the group)
-        failures.append(f"torchrun exited {proc.returncode}")
-    assert not failures, "\n\n".join(failures) + f"\n{proc.stderr[-3000:]}"
+    assert_ranks_ok(tmp_path, expected, proc)
 
 
 @pytest.mark.distributed
@@ -265,7 +237,7 @@ def test_cli_resume_under_torchrun(tmp_path):
     cfg = {**CONFIG, "output_dir": str(tmp_path / "run"), "save_every": 1, "eval_every": 2, "eval_limit": 3}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     train = ["-m", "cppo", "train", "--config", str(tmp_path / "cfg.yaml")]
-    proc = _torchrun(train, timeout=300)
+    proc = torchrun(train, timeout=300, world=WORLD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -275,7 +247,7 @@ def test_cli_resume_under_torchrun(tmp_path):
     final = run / "checkpoint-000002" / "model" / "model.safetensors"
     want = load_file(final)
     (run / "checkpoint-000002").rename(tmp_path / "uninterrupted")
-    proc = _torchrun(train + ["--resume"], timeout=300)
+    proc = torchrun(train + ["--resume"], timeout=300, world=WORLD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "checkpoint-000001" in proc.stderr
     got = load_file(final)

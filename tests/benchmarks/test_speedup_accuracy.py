@@ -14,7 +14,7 @@ import pytest
 
 from cppo import TrainConfig, load_config
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "speedup.py"
 TINY = (
     '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 CASES = [
     ("bench_loss.py", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),

@@ -102,8 +102,8 @@ def compile_many(jobs: Iterable[Job], *, timeout: float = 900) -> list[CompiledK
         src, dst = os.path.join(tmp, "jobs.pkl"), os.path.join(tmp, "results.pkl")
         with open(src, "wb") as f:
             pickle.dump(unique, f)
-        here = os.path.dirname(os.path.abspath(__file__))  # tests/: this module
-        root = os.path.dirname(here)  # the repository: cppo_kernels
+        here = os.path.dirname(os.path.abspath(__file__))  # tests/support/: this module
+        root = os.path.dirname(os.path.dirname(here))  # the repository: cppo_kernels
         path = os.pathsep.join(p for p in (here, root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
         cmd = [sys.executable, "-m", __name__, src, dst]

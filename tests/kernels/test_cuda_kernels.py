@@ -16,14 +16,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import advantage_cases as adv_tests
+import loss_cases as loss_tests
 import pytest
-import test_advantages as adv_tests
-import test_loss as loss_tests
-import test_loss_triton as kernel_tests
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_loss import small_chunks  # noqa: F401  (autouse: the torch backend's blocks as small as in the CPU tests)
 
 from cppo_kernels import (
     LossConfig,
@@ -39,7 +37,10 @@ from cppo_kernels import (
 )
 from cppo_kernels._dispatch import backend_module
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("small_chunks"),
+]
 
 CUDA = torch.device("cuda")
 BACKENDS = ["triton", "torch"]
@@ -76,7 +77,7 @@ def _loss_atol(logp64: torch.Tensor, h64, w64, b64, temperature: float, adv, cu,
     logp = logp64.detach().clone().requires_grad_()
     loss, _ = reference.policy_loss(logp, adv, cu, old_logprobs=old, ref_logprobs=ref, config=config)
     (dlogp,) = torch.autograd.grad(loss, logp)  # [T]
-    return 2 * kernel_tests._logit_error(max(z.max().item(), 1.0), h64.shape[1]) * dlogp.abs().sum().item()
+    return 2 * loss_tests.logit_error(max(z.max().item(), 1.0), h64.shape[1]) * dlogp.abs().sum().item()
 
 
 def _binaries(kernels) -> list[int]:
@@ -91,7 +92,7 @@ def _binaries(kernels) -> list[int]:
 
 @DTYPES
 @pytest.mark.parametrize("backend", BACKENDS)
-@loss_tests._settings(max_examples=15)
+@loss_tests.hypothesis_settings(max_examples=15)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(0, 90), min_size=1, max_size=5),
@@ -111,10 +112,10 @@ def test_loss_matches_reference(
     backend, dtype, seed, lengths, temperature, epsilon_high, dual_clip, kl, importance_sampling, loss_agg, with_old,
     with_bias, compute_entropy, logit_scale, chunked,
 ):  # fmt: skip
-    hidden, weight, bias, targets, adv, g = loss_tests._problem(
+    hidden, weight, bias, targets, adv, g = loss_tests.problem(
         seed, lengths, H, V, dtype, logit_scale=logit_scale, bias=with_bias
     )
-    cu = loss_tests._cu(lengths)
+    cu = loss_tests.cu_seqlens(lengths)
     options = dict(
         temperature=temperature, epsilon_high=epsilon_high, dual_clip=dual_clip, beta=0.0 if kl is None else 0.04,
         kl_estimator=kl or "k3", importance_sampling=importance_sampling, loss_agg=loss_agg,
@@ -134,7 +135,7 @@ def test_loss_matches_reference(
             params[0], params[1], targets.to(CUDA), adv.to(CUDA), cu_seqlens=cu.to(CUDA), old_logprobs=_cuda(old),
             ref_logprobs=_cuda(ref), bias=params[2] if with_bias else None, **options,
         )  # fmt: skip
-        grads = loss_tests._grads(loss, params, upstream)
+        grads = loss_tests.grads(loss, params, upstream)
     old64, ref64 = (None if x is None else x.double() for x in (old, ref))
     want, want_metrics = reference.fused_cppo_loss(
         params64[0], params64[1], targets, adv.double(), cu_seqlens=cu, bias=b64, config=LossConfig(**options),
@@ -145,13 +146,13 @@ def test_loss_matches_reference(
 
     loss_tol, grad_tol = loss_tests.TOL[dtype][0], loss_tests.TOL[dtype][1 if backend == "torch" else 2]
     assert loss.device.type == "cuda" and loss.dtype == torch.float32
-    loss_tests._assert_close("loss", loss, want, loss_tol, 1e-7 + atol)
+    loss_tests.assert_close("loss", loss, want, loss_tol, 1e-7 + atol)
     for key, value in metrics.items():
         atol = loss_tol * float(logp64.abs().max()) if key == "kl" and len(targets) else 1e-7
-        loss_tests._assert_close(key, value, want_metrics[key], 1e-4, atol)
-    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, loss_tests._grads(want, params64, upstream)):
+        loss_tests.assert_close(key, value, want_metrics[key], 1e-4, atol)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, loss_tests.grads(want, params64, upstream)):
         assert got.dtype == dtype and got.device.type == "cuda", name
-        loss_tests._assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
+        loss_tests.assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _token_results(module, hidden, weight, bias, targets, grad_logp, temperature
 
 @DTYPES
 @pytest.mark.parametrize("backend", BACKENDS)
-@loss_tests._settings(max_examples=10)
+@loss_tests.hypothesis_settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(1, 150), min_size=2, max_size=5),
@@ -181,10 +182,10 @@ def _token_results(module, hidden, weight, bias, targets, grad_logp, temperature
 def test_a_tokens_results_do_not_depend_on_the_batch(backend, dtype, seed, lengths, temperature):
     """Every sequence's log-probs, LSE and entropies (both backends) and its dhidden (Triton: fixed tiles, no
     split-K) are bit-identical computed alone or packed after the others, at whatever offset in the tiles."""
-    hidden, weight, bias, targets, _, g = loss_tests._problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
+    hidden, weight, bias, targets, _, g = loss_tests.problem(seed, lengths, H, V, dtype, logit_scale=4.0, bias=True)
     grad_logp = torch.randn(len(targets), generator=g)  # [T]
     hidden, weight, bias, targets, grad_logp = (x.to(CUDA) for x in (hidden, weight, bias, targets, grad_logp))
-    cu = loss_tests._cu(lengths).tolist()
+    cu = loss_tests.cu_seqlens(lengths).tolist()
     names = ("logp", "lse", "entropy", "dhidden") if backend == "triton" else ("logp", "lse", "entropy")
     with use_backend(backend):
         module = backend_module("loss", hidden)
@@ -198,10 +199,10 @@ def test_a_tokens_results_do_not_depend_on_the_batch(backend, dtype, seed, lengt
 @DTYPES
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_same_call_gives_the_same_bits(backend, dtype):
-    hidden, weight, bias, targets, adv, _ = loss_tests._problem(
+    hidden, weight, bias, targets, adv, _ = loss_tests.problem(
         3, [300, 17, 700], H, V, dtype, logit_scale=4.0, bias=True
     )
-    cu = loss_tests._cu([300, 17, 700]).to(CUDA)
+    cu = loss_tests.cu_seqlens([300, 17, 700]).to(CUDA)
     runs = []
     for _ in range(2):
         params = [x.to(CUDA).requires_grad_() for x in (hidden, weight, bias)]
@@ -221,7 +222,7 @@ def test_the_same_call_gives_the_same_bits(backend, dtype):
 
 @pytest.mark.parametrize("dtype", REWARD_DTYPES, ids=["fp32", "bf16", "fp16", "fp64"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@loss_tests._settings(max_examples=10)
+@loss_tests.hypothesis_settings(max_examples=10)
 @given(
     data=adv_tests.grouped_rewards(),
     scale=st.sampled_from(["group", "batch", "none"]),
@@ -272,12 +273,13 @@ def test_new_batch_shapes_and_loss_settings_compile_nothing():
     kernels += [_loss_triton._matmul_dhidden_kernel, _loss_triton._matmul_dweight_kernel]
 
     def step(lengths: list[int], **options) -> None:
-        hidden, weight, _, targets, adv, g = loss_tests._problem(
+        hidden, weight, _, targets, adv, g = loss_tests.problem(
             len(lengths), lengths, H, V, torch.bfloat16, logit_scale=4.0, bias=False
         )
         hidden, weight, targets = hidden.to(CUDA).requires_grad_(), weight.to(CUDA).requires_grad_(), targets.to(CUDA)
         old = fused_logprobs(hidden, weight, targets) + 0.1 * torch.randn(len(targets), generator=g).to(CUDA)  # [T]
-        loss, _ = fused_cppo_loss(hidden, weight, targets, adv.to(CUDA), cu_seqlens=loss_tests._cu(lengths).to(CUDA),
+        cu = loss_tests.cu_seqlens(lengths).to(CUDA)
+        loss, _ = fused_cppo_loss(hidden, weight, targets, adv.to(CUDA), cu_seqlens=cu,
                                   old_logprobs=old, ref_logprobs=old, **options)  # fmt: skip
         loss.backward()
 

@@ -14,7 +14,7 @@ import torch
 
 from cppo import TrainConfig, load_config
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "speedup.py"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trainer import tiny_config
+from tiny_run import tiny_config
 
 from cppo import TrainConfig, Trainer
 from cppo.optim import make_scheduler

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+import loss_cases
 import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from test_loss import _assert_close, _cu, _problem, _settings
+from loss_cases import assert_close, cu_seqlens, hypothesis_settings
 
 from cppo_kernels import LossConfig, _loss_torch, _policy, fused_cppo_loss, reference
 from cppo_kernels import loss as loss_module
@@ -34,7 +35,7 @@ def _values(draw, n: int, special: list[float], scale: float) -> torch.Tensor:
     )
 
 
-@_settings(max_examples=60)
+@hypothesis_settings(max_examples=60)
 @given(
     data=st.data(),
     epsilons=st.sampled_from([(0.2, None), (0.2, 0.28), (0.0, 0.0), (0.1, 0.3)]),
@@ -64,7 +65,7 @@ def test_analytic_token_gradient_equals_autograd(data, epsilons, dual_clip, kl, 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_token_weights_are_the_aggregation_gradient(loss_agg):
     lengths = [3, 0, 7, 1]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     batch = _policy.batch_constants(torch.randn(4), cu, None, None, sum(lengths))
     cfg = LossConfig(loss_agg=loss_agg, max_completion_length=9)
     per_token = torch.randn(sum(lengths), requires_grad=True)
@@ -73,7 +74,7 @@ def test_token_weights_are_the_aggregation_gradient(loss_agg):
 
 
 def _inputs(seed: int, lengths: list[int], dtype: torch.dtype, *, bias: bool = True, offsets: float = 0.3):
-    hidden, weight, b, targets, adv, g = _problem(seed, lengths, 24, 50, dtype, logit_scale=4.0, bias=bias)
+    hidden, weight, b, targets, adv, g = loss_cases.problem(seed, lengths, 24, 50, dtype, logit_scale=4.0, bias=bias)
     with torch.no_grad():
         logp, _ = reference.token_logprobs(
             hidden.double(), weight.double(), targets, bias=None if b is None else b.double()
@@ -89,7 +90,7 @@ def _run(mode: str, hidden, weight, bias, targets, adv, cu, upstream: float = 0.
     return loss, metrics, torch.autograd.grad(loss * upstream, params)
 
 
-@_settings(max_examples=25)
+@hypothesis_settings(max_examples=25)
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(0, 13), min_size=1, max_size=4),
@@ -115,17 +116,17 @@ def test_grad_in_forward_equals_two_pass(
         loss_agg=loss_agg, max_completion_length=13, compute_entropy=compute_entropy,
         old_logprobs=old if with_old else None, ref_logprobs=ref if kl else None,
     )  # fmt: skip
-    args = (hidden, weight, bias, targets, adv, _cu(lengths))
+    args = (hidden, weight, bias, targets, adv, cu_seqlens(lengths))
     loss, metrics, grads = _run("grad-in-forward", *args, **options)
     want, want_metrics, want_grads = _run("two-pass", *args, **options)
-    _assert_close("loss", loss, want, 1e-6)
+    assert_close("loss", loss, want, 1e-6)
     assert metrics.keys() == want_metrics.keys()
     for key in metrics:
-        _assert_close(key, metrics[key], want_metrics[key], 1e-6)
+        assert_close(key, metrics[key], want_metrics[key], 1e-6)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert got.dtype == exp.dtype == dtype
-        _assert_close(name, got, exp, tol, 1e-7 + (4 * 2**-24 if dtype == torch.float16 else 0.0))
+        assert_close(name, got, exp, tol, 1e-7 + (4 * 2**-24 if dtype == torch.float16 else 0.0))
 
 
 def test_logprobs_are_bit_identical_and_batch_invariant():
@@ -160,7 +161,7 @@ def test_when_the_gradients_are_computed_in_the_forward(monkeypatch):
     it under mode="auto"; the rule table decides (the GPU kit overrides it)."""
     calls = _spy(monkeypatch)
     hidden, weight, bias, targets, adv, old, _ = _inputs(5, [6, 4], torch.float32)
-    cu = _cu([6, 4])
+    cu = cu_seqlens([6, 4])
     h = hidden.clone().requires_grad_()
     with torch.no_grad():
         fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu, old_logprobs=old)  # the old-policy-style pass
@@ -182,16 +183,16 @@ def test_when_the_gradients_are_computed_in_the_forward(monkeypatch):
 def test_mode_errors():
     hidden, weight, _, targets, adv, _, _ = _inputs(5, [6, 4], torch.float32, bias=False)
     with pytest.raises(ValueError, match="mode must be one of"):
-        fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=_cu([6, 4]), mode="fast")
+        fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="fast")
     with pytest.raises(ValueError, match="mode='grad-in-forward' needs importance_sampling='token'"):
-        fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=_cu([6, 4]), mode="grad-in-forward",
+        fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="grad-in-forward",
                         importance_sampling="sequence")  # fmt: skip
 
 
 @pytest.fixture
 def problem():
     hidden, weight, bias, targets, adv, old, ref = _inputs(11, [7, 9, 3], torch.float32)
-    kwargs = dict(cu_seqlens=_cu([7, 9, 3]), old_logprobs=old, ref_logprobs=ref, beta=0.04)
+    kwargs = dict(cu_seqlens=cu_seqlens([7, 9, 3]), old_logprobs=old, ref_logprobs=ref, beta=0.04)
     return hidden, weight, bias, targets, adv, kwargs
 
 
@@ -208,7 +209,7 @@ def _two_pass_grads(problem, scale: float) -> list[torch.Tensor]:
 
 def _assert_grads(got, want) -> None:
     for name, a, b in zip(("dhidden", "dweight", "dbias"), got, want):
-        _assert_close(name, a, b, 2e-6)
+        assert_close(name, a, b, 2e-6)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25, -3.0, 0.0])
@@ -285,7 +286,7 @@ def test_only_some_inputs_require_grad(problem, which):
         loss, _ = fused_cppo_loss(p[0], p[1], targets, adv, bias=p[2], mode="grad-in-forward", **kwargs)
     assert calls == [tuple(i == which for i in range(3))]
     (got,) = torch.autograd.grad(loss * 0.3, [p[which]])
-    _assert_close("grad", got, _two_pass_grads(problem, 0.3)[which], 2e-6)
+    assert_close("grad", got, _two_pass_grads(problem, 0.3)[which], 2e-6)
 
 
 def test_padded_layout_and_empty_batch():
@@ -299,7 +300,7 @@ def test_padded_layout_and_empty_batch():
         "grad-in-forward", "two-pass"))  # fmt: skip
     assert torch.equal(got[0], want[0])
     _assert_grads(got[2], want[2])
-    empty = _run("grad-in-forward", hidden[:0], weight, bias, targets[:0], adv[:2], _cu([0, 0]))
+    empty = _run("grad-in-forward", hidden[:0], weight, bias, targets[:0], adv[:2], cu_seqlens([0, 0]))
     assert empty[0].item() == 0.0 and all(torch.equal(g, torch.zeros_like(g)) for g in empty[2][1:])
 
 
@@ -309,15 +310,15 @@ def test_explicit_mode_on_the_triton_backend(monkeypatch):
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
     calls = _spy(monkeypatch)
     hidden, weight, bias, targets, adv, old, ref = _inputs(8, [5, 11], torch.float32)
-    args = (hidden, weight, bias, targets, adv, _cu([5, 11]))
+    args = (hidden, weight, bias, targets, adv, cu_seqlens([5, 11]))
     options = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04)
     loss, _, grads = _run("grad-in-forward", *args, **options)
     assert calls == [1]
     want, _, want_grads = _run("auto", *args, **options)  # the CPU rule of the Triton backend: two-pass
     assert calls == [1]
-    _assert_close("loss", loss, want, 1e-6)
+    assert_close("loss", loss, want, 1e-6)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
-        _assert_close(name, got, exp, 1e-4)
+        assert_close(name, got, exp, 1e-4)
 
 
 def test_only_cuda_bf16_takes_half_precision_gemms():
@@ -341,15 +342,15 @@ def test_half_precision_gemm_path_on_cpu(dtype, monkeypatch):
         lambda a, b, out=None: gemms.append(a.dtype) or torch.mm(a.float(), b.float(), out=out),
     )
     hidden, weight, bias, targets, adv, old, ref = _inputs(6, [9, 12, 4], dtype)
-    args = (hidden, weight, bias, targets, adv, _cu([9, 12, 4]))
+    args = (hidden, weight, bias, targets, adv, cu_seqlens([9, 12, 4]))
     options = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04, temperature=0.8)
     loss, _, grads = _run("grad-in-forward", *args, **options)
     assert gemms == [dtype] * 3 * 4  # 4 chunks of 8 tokens: logits, dhidden, dweight each
     want, _, want_grads = _run("two-pass", *args, **options)
-    _assert_close("loss", loss, want, 1e-5)
+    assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert got.dtype == dtype
-        _assert_close(name, got, exp, 2**-6 if dtype == torch.bfloat16 else 2**-9, 1e-6)  # 8 / 11 mantissa bits
+        assert_close(name, got, exp, 2**-6 if dtype == torch.bfloat16 else 2**-9, 1e-6)  # 8 / 11 mantissa bits
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMMs with fp32 outputs)")
@@ -359,10 +360,10 @@ def test_cuda_grad_in_forward_matches_the_triton_two_pass(dtype, monkeypatch):
     hidden, weight, bias, targets, adv, old, ref = (
         None if x is None else x.cuda() for x in _inputs(4, [300, 700, 100], dtype)
     )
-    args = (hidden, weight, bias, targets, adv, _cu([300, 700, 100]).cuda())
+    args = (hidden, weight, bias, targets, adv, cu_seqlens([300, 700, 100]).cuda())
     options = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04)
     loss, _, grads = _run("grad-in-forward", *args, **options)
     want, _, want_grads = _run("two-pass", *args, **options)
-    _assert_close("loss", loss, want, 1e-5)
+    assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
-        _assert_close(name, got, exp, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+        assert_close(name, got, exp, 2e-2 if dtype == torch.bfloat16 else 1e-4)

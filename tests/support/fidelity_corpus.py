@@ -13,7 +13,7 @@ import pathlib
 import random
 
 #: ``../shared/data`` beside the project (``$CPPO_SHARED`` overrides ``../shared``, e.g. from a git worktree).
-SHARED = pathlib.Path(os.environ.get("CPPO_SHARED", pathlib.Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = pathlib.Path(os.environ.get("CPPO_SHARED", pathlib.Path(__file__).resolve().parents[2].parent / "shared"))
 SHARED = SHARED / "data"
 
 #: Layouts of a completion around a reasoning text {r} and an answer {a} (GSM8K and the issue's edge-case classes).
@@ -116,7 +116,7 @@ def main() -> None:
     import sys
     import time
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import official_cppo as off
 
     from cppo.data import normalise_row

@@ -15,7 +15,7 @@ from cppo import Trainer
 from cppo.cli import main
 from cppo.config import TrainConfig, setting_help
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,0 +1,148 @@
+"""Writing files so that nothing a user holds is lost: one atomic-write helper and one run-metadata helper, used by
+every writer of the project (metrics, evaluation results, benchmark JSON / PNG / markdown, the GPU kit).
+
+:func:`atomic_write` creates its temporary file *exclusively* in the target's folder (``tempfile.mkstemp``:
+``O_CREAT | O_EXCL`` with a random name, so a planted symlink or a second writer can never redirect it), writes,
+fsyncs, and renames it over the target (a reader or a kill sees the old file or the new one, never half of one);
+on any error the temporary file is removed and the target is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+__all__ = ["atomic_write", "atomic_path", "write_json", "json_safe", "git_commit", "run_metadata", "device_name"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[str]:
+    """A fresh temporary path in ``path``'s folder, renamed over ``path`` when the block ends without error (for
+    writers that take a file name, such as ``savefig``). The file exists, empty, and is exclusively ours."""
+    target = os.path.abspath(os.fspath(path))
+    folder, name = os.path.split(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix + ".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(folder)
+
+
+def atomic_write(
+    path: str | os.PathLike, data: str | bytes | Callable[[IO], Any], *, encoding: str = "utf-8"
+) -> None:
+    """Replaces ``path`` with ``data`` (text, bytes, or a function that writes to the open binary / text file)
+    atomically; see the module docstring. The folder must exist."""
+    with atomic_path(path) as tmp:
+        binary = isinstance(data, bytes)
+        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": encoding})) as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+
+
+def _fsync_folder(folder: str) -> None:
+    """Makes the rename durable (a crash right after it keeps the new name); a no-op where folders cannot be
+    opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def json_safe(data: Any) -> Any:
+    """``data`` with NaN and infinities as ``null`` and unknown objects as strings: strict JSON any reader parses."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return clean(json.loads(json.dumps(data, default=str)))
+
+
+def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 2) -> None:
+    """``data`` as strict JSON (:func:`json_safe`), written atomically."""
+    atomic_write(path, json.dumps(json_safe(data), indent=indent) + "\n")
+
+
+def git_commit(repo: str | os.PathLike | None = None) -> tuple[str, bool | None]:
+    """``(HEAD commit, working tree dirty)`` of the checkout holding this package (or ``repo``); ``("unknown",
+    None)`` outside a git checkout."""
+    cwd = pathlib.Path(repo) if repo is not None else pathlib.Path(__file__).resolve().parents[1]
+    try:
+        out = [
+            subprocess.run(["git", *cmd], cwd=cwd, capture_output=True, text=True, check=True, timeout=10).stdout
+            for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain"])
+        ]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    return out[0].strip() or "unknown", bool(out[1].strip())
+
+
+def device_name(device: str = "cpu") -> str:
+    """The GPU's name for a CUDA device, else the CPU model and core count."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
+
+
+#: Libraries whose versions a result records when they are installed.
+LIBRARIES = ("torch", "triton", "transformers", "trl", "peft", "accelerate", "liger-kernel", "flash-attn", "vllm")
+
+
+def run_metadata(*, device: str = "cpu", commit: str | None = None, argv: list[str] | None = None) -> dict:
+    """Where and with what a result was measured: date, machine, Python, library versions, the git commit (``commit``
+    when given: a copied tree may lack ``.git``) and the command line."""
+    found, dirty = git_commit()
+    versions = {}
+    for name in LIBRARIES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device_name": device_name(device),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        **versions,
+        "git_commit": commit or found,
+        "git_dirty": None if commit else dirty,
+        "argv": list(sys.argv if argv is None else argv),
+    }
+    if "torch" in sys.modules:
+        meta["torch_threads"] = sys.modules["torch"].get_num_threads()
+    return meta
