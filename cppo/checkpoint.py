@@ -34,6 +34,7 @@ import zipfile
 import numpy as np
 import torch
 
+from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 from .distributed import DistInfo, barrier
 from .parallel import is_fsdp2, unwrap_model
 
@@ -48,14 +49,6 @@ STATE_FILE = "trainer_state.pt"
 STATE_KEYS = ("step", "world_size", "scheduler", "rng")
 #: What :meth:`cppo.trainer.Trainer.save_checkpoint` adds to the state and its resume reads.
 TRAINER_KEYS = ("sampler",)
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint whose files are missing, empty or truncated (e.g. a disk that filled up); a resume skips it."""
-
-
-class UnsafeCheckpoint(ValueError):
-    """A checkpoint file holding objects other than tensors and plain data: loading it could run code."""
 
 
 def rng_state() -> dict:
@@ -241,7 +234,7 @@ def verify(path: str, *, required: tuple[str, ...] = ()) -> dict:
 
 def _verify_weights(path: str) -> None:
     if os.path.isdir(os.path.join(path, SHARDS_DIR)):
-        from .shard_io import read_metadata
+        from .shard_io import read_metadata  # torch.distributed.checkpoint: imported when a checkpoint is sharded
 
         read_metadata(os.path.join(path, SHARDS_DIR))
         return
@@ -291,10 +284,6 @@ def load(
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _check_format(path: str, *, sharded: bool, written_by: int, module: torch.nn.Module, info: DistInfo) -> None:

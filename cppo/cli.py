@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--rollout-backend", default="hf", help="hf, vllm, auto or a registered engine")
     ev.add_argument("--seed", type=int, default=0, help="seed of the tiny model's initialisation and of sampling")
     ev.add_argument("--output", default=None, help="also write the result as JSON to this file")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -138,6 +139,7 @@ def _dry_run(args, config: TrainConfig) -> int:
         config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
     )
     steps = config.steps_for(problems) if problems else config.num_steps
+    pruning = config.pruning  # the trainer's own counts (cppo.selection)
     plan = {
         "dry_run": "ok",
         "output_dir": config.output_dir,
@@ -146,8 +148,9 @@ def _dry_run(args, config: TrainConfig) -> int:
         "train_problems": problems,  # None: a hub dataset, not downloaded here
         "num_steps": steps,
         "group_size": config.group_size,
-        "keep": config.keep,
-        "questions_per_step": config.questions_drawn,
+        "keep": pruning.keep,
+        "questions_per_step": pruning.questions_drawn,
+        "kept_per_step": pruning.kept_per_step,
         "device": config.device,
         "resume_from": resume_from,
     }
@@ -155,18 +158,15 @@ def _dry_run(args, config: TrainConfig) -> int:
     return 0
 
 
-def _eval(args) -> int:
-    import torch
-
+def _check_eval_args(args) -> None:
+    """Every check of ``cppo eval``'s arguments, before anything loads: the counts, the sampling settings, the
+    verifier's timeout, ``--output`` (a file whose folder can be made) and the model and dataset names. ValueError
+    naming the flag."""
     from cppo_kernels.config import check_float, check_int
 
-    from . import fileio, math_grading, rundir
-    from .checkpoint import model_folder
+    from . import math_grading, rundir
     from .config import check_model_and_data
-    from .data import load_problems
-    from .evaluate import evaluate_model
-    from .models import load_model_and_tokenizer, resolve_device
-    from .rollout import HFRollout
+    from .engines import check_engine_name
 
     if args.limit is not None:
         check_int("--limit", args.limit, low=1)
@@ -188,6 +188,25 @@ def _eval(args) -> int:
     check_model_and_data(
         model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
     )
+    try:
+        check_engine_name(args.rollout_backend)
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("rollout_backend", "rollout-backend", 1)) from None
+
+
+def _eval(args) -> int:
+    """``cppo eval``: :func:`_check_eval_args`, then the model's accuracy on the test split, printed as JSON (and
+    written atomically to ``--output``)."""
+    import torch
+
+    from . import fileio
+    from .checkpoint import model_folder
+    from .data import load_problems
+    from .engines import EngineSettings, make_engine
+    from .evaluate import evaluate_model
+    from .models import load_model_and_tokenizer, resolve_device
+
+    _check_eval_args(args)
     device = resolve_device(args.device)
     problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
     try:
@@ -196,14 +215,14 @@ def _eval(args) -> int:
         )
     except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
-    rollout = HFRollout(
-        model,
-        tokenizer,
+    settings = EngineSettings(
+        model_name=model_folder(args.model),
         max_prompt_length=args.max_prompt_length,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature or 1.0,
         top_p=args.top_p,
     )
+    rollout = make_engine(args.rollout_backend, model, tokenizer, settings)
     torch.manual_seed(args.seed)  # sampled evaluation draws from torch's global RNG
     result = evaluate_model(
         rollout,

@@ -1,5 +1,5 @@
 """The processes of a ``torchrun`` job and what passes between them: the process group, collectives, the split of
-the questions, selection across ranks, balancing the retained completions, global counts and metric reductions.
+the questions, gathering ragged tensors, balancing the retained completions, global counts and metric reductions.
 
 Model wrapping and gradient synchronisation are in :mod:`cppo.parallel`, checkpoints in :mod:`cppo.checkpoint`.
 Every function takes a :class:`DistInfo` and is a no-op (or a plain local computation) in a single process, so the
@@ -7,10 +7,9 @@ trainer has one code path. The data flow of a distributed step:
 
 1. each rank takes its contiguous block of the step's questions (:func:`question_slice`), so a question's G
    completions and their group advantages never straddle ranks;
-2. selection (:func:`select_across_ranks`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
-   official Open-R1 code), ``"global"`` gathers |A| from all ranks and keeps the step's official count (any count:
-   ``num_kept``) over the concatenation in rank order (as the official verl recipe), each rank keeping its own
-   survivors;
+2. selection (:mod:`cppo.selection`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
+   official Open-R1 code), ``"global"`` gathers |A| from all ranks (:func:`all_gather_varlen`) and keeps the step's
+   official count over the concatenation in rank order, each rank keeping its own survivors;
 3. the survivors are spread over the ranks by token count (:func:`balance_sequences`, longest-processing-time greedy);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
    :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
@@ -34,12 +33,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cppo_kernels import select_completions
-from cppo_kernels.config import check_choice
-
-from .config import REDUCTIONS, SELECTION_SCOPES
-from .models import resolve_device
+from .device import resolve_device
 from .packing import Sample
+
+#: How :func:`reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
+REDUCTIONS = ("sum", "mean", "min", "max")
 
 __all__ = [
     "DistInfo",
@@ -50,7 +48,6 @@ __all__ = [
     "print_main",
     "question_slice",
     "all_gather_varlen",
-    "select_across_ranks",
     "SequenceShard",
     "lpt_assign",
     "balance_sequences",
@@ -111,7 +108,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
 
     Under torchrun (``WORLD_SIZE`` set; ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` read by torch)
     the backend is nccl when the device is CUDA, gloo on the CPU. ``device`` is resolved by
-    :func:`cppo.models.resolve_device`: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``);
+    :func:`cppo.device.resolve_device`: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``);
     a single process also accepts ``"cuda:N"``. Idempotent: an already initialised group is reused.
     """
     if "WORLD_SIZE" not in os.environ:
@@ -159,7 +156,7 @@ def print_main(*args, info: DistInfo, **kwargs) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Splitting questions, gathering ragged tensors, selection across ranks
+# Splitting questions, gathering ragged tensors
 # --------------------------------------------------------------------------------------------
 
 
@@ -204,48 +201,6 @@ def _gather_known_sizes(x: torch.Tensor, sizes: list[int], *, info: DistInfo) ->
     parts = [torch.empty_like(padded) for _ in range(info.world_size)]
     dist.all_gather(parts, padded)
     return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(x.device)
-
-
-def select_across_ranks(
-    advantages: torch.Tensor,
-    group_size: int,
-    keep: int | None = None,
-    *,
-    num_kept: int | None = None,
-    scope: str,
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
-    info: DistInfo,
-) -> torch.Tensor:
-    """Ascending local indices of this rank's retained completions (``advantages [N_r]``, group after group).
-
-    ``"group"``: ``keep`` per question; ``"batch"``: ``keep * local groups`` (or ``num_kept``) pooled over this
-    rank's batch (Open-R1); both local. ``"global"``: the advantages of all ranks are gathered and
-    ``cppo_kernels.select_completions(scope="batch")`` keeps ``keep * total groups`` (or ``num_kept``, any count up
-    to the total: the official ``N - int(N * P)`` of the step over all ranks) over their concatenation in rank order
-    (higher score first, ties to the lower global index); each rank keeps its own survivors, so 2 ranks select
-    exactly what one process selects with ``"batch"`` over the concatenated batch. Give exactly one of ``keep`` and
-    ``num_kept`` (the latter not with ``"group"``). With ``metric="random"`` and ``"global"`` every rank draws the
-    global scores itself: ``generator`` must be seeded alike on all ranks.
-    """
-    check_choice("scope", scope, SELECTION_SCOPES)
-    sel = {"num_kept": num_kept, "metric": metric, "generator": generator}
-    if scope != "global" or not info.distributed:
-        local_scope = "batch" if scope == "global" else scope
-        return select_completions(advantages, group_size, keep, scope=local_scope, **sel)
-    if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
-        raise ValueError("advantages must be a 1-D tensor [num_groups * group_size]")
-    # gather before validating: every rank then sees the same data and raises the same error (no rank left waiting)
-    gathered, sizes = all_gather_varlen(advantages.detach(), info=info)  # [N]
-    bad = [r for r, s in enumerate(sizes) if s % group_size]
-    if bad:
-        raise ValueError(
-            f"advantages on rank {bad[0]} have {sizes[bad[0]]} elements, not divisible by group_size={group_size}"
-        )
-    kept = select_completions(gathered, group_size, keep, scope="batch", **sel)
-    start = sum(sizes[: info.rank])
-    mine = kept[(kept >= start) & (kept < start + sizes[info.rank])]
-    return (mine - start).to(advantages.device)
 
 
 # --------------------------------------------------------------------------------------------

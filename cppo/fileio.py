@@ -46,9 +46,7 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[str]:
     _fsync_folder(folder)
 
 
-def atomic_write(
-    path: str | os.PathLike, data: str | bytes | Callable[[IO], Any], *, encoding: str = "utf-8"
-) -> None:
+def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO], Any], *, encoding: str = "utf-8") -> None:
     """Replaces ``path`` with ``data`` (text, bytes, or a function that writes to the open binary / text file)
     atomically; see the module docstring. The folder must exist."""
     with atomic_path(path) as tmp:

@@ -8,14 +8,13 @@ embedding Parameter, so gradients through the fused loss reach it once, as in th
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import string
 
 import torch
 
-from .config import check_device
+from .device import autocast, resolve_device  # noqa: F401  (re-exported for cppo.rollout)
 
 DEFAULT_TINY = {
     "vocab_size": 2048,
@@ -65,43 +64,6 @@ def attn_implementation(device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
-
-
-def autocast(device: torch.device | str, dtype: torch.dtype | None):
-    """The context that computes in ``dtype`` from fp32 master weights: ``torch.autocast`` on ``device``'s type, or a
-    null context for ``None`` / float32."""
-    if dtype is None or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
-def resolve_device(device: str, *, local_rank: int | None = None) -> torch.device:
-    """The torch device of a ``device`` setting: the one function that resolves ``"auto"`` (CUDA when available, else
-    the CPU), for the trainer, ``cppo eval`` and :func:`cppo.distributed.init_distributed`.
-
-    Args:
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        local_rank: this process's rank on its node under torchrun (one GPU per rank): ``"cuda"`` then means
-            ``cuda:local_rank`` and ``"cuda:N"`` is refused. ``None`` for a single process.
-
-    Returns:
-        The device. ``ValueError`` for a malformed setting, for CUDA asked where there is none, or for a GPU index
-        the node lacks.
-    """
-    check_device(device)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if local_rank is not None and device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' under torchrun (one GPU per rank), got {device!r}")
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available: use device=cpu (or auto)")
-    resolved = torch.device("cuda", local_rank) if local_rank is not None else torch.device(device)
-    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        where = f"LOCAL_RANK={local_rank}" if local_rank is not None else f"device={device!r}"
-        raise ValueError(f"{where} but this node has {torch.cuda.device_count()} CUDA devices")
-    return resolved
 
 
 def load_model_and_tokenizer(

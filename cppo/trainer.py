@@ -1,6 +1,6 @@
 """The CPPO trainer: one step reads top to bottom in :meth:`Trainer.train_step`, each stage a method.
 
-prompts -> rollouts (G each) -> rewards -> cppo_select (advantages over the full group, then prune) -> allocate
+prompts -> rollouts (G each) -> rewards -> cppo.selection (advantages over the full group, then prune) -> allocate
 + pack the retained completions -> old / reference log-probs (fused_logprobs) -> mu policy updates
 (fused_cppo_loss, micro-batches weighted so that they sum to the whole batch's loss) -> optimizer.
 
@@ -24,12 +24,13 @@ import time
 
 import torch
 
-from cppo_kernels import cppo_select, fused_cppo_loss, fused_logprobs, group_advantages, use_backend
+from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, math_grading, metrics, parallel, rundir
+from . import checkpoint, distributed, math_grading, metrics, parallel, rundir, sinks
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
-from .evaluate import evaluate_model, evaluate_split, greedy_rollout
+from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
+from .evaluate import evaluate_model, evaluate_split
 from .models import (
     autocast,
     completion_hidden,
@@ -42,7 +43,6 @@ from .optim import SkipCounter, make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
-from .rollout import HFRollout, Rollout, make_rollout
 
 
 def _on_kernel_backend(method):
@@ -66,15 +66,17 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, *, info: distributed.DistInfo | None = None) -> None:
-        config.validate()
+        config.check_sources()  # the model and the data exist (the settings were validated when config was built)
         self.info = info if info is not None else distributed.init_distributed(device=config.device)
         self.config, self.rank, self.world_size = config, self.info.rank, self.info.world_size
-        if config.questions_drawn % self.world_size:
+        self.pruning = config.pruning
+        if self.pruning.questions_drawn % self.world_size:
             raise ValueError(
-                f"questions per step ({config.questions_drawn}) must divide by world_size ({self.world_size})"
+                f"questions per step ({self.pruning.questions_drawn}) must divide by world_size ({self.world_size})"
             )
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
         rundir.check_writable(config.output_dir)  # before anything loads, not after the first step
+        self.sinks = sinks.make_sinks(config) if self.rank == 0 else []  # report_to: checked before the model loads
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
         )
@@ -115,24 +117,20 @@ class Trainer:
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
 
-    def _make_rollout(self):
+    def _make_rollout(self) -> RolloutEngine:
+        """The engine ``rollout_backend`` names (:mod:`cppo.engines`), generating in the compute dtype; under FSDP2
+        one that generates from the sharded policy, every rank stepping together (refused before it is built)."""
         cfg = self.config
-        rollout = make_rollout(
-            cfg.rollout_backend,
-            self.model,
-            self.tokenizer,
+        settings = EngineSettings(
             model_name=cfg.model,
             max_prompt_length=cfg.max_prompt_length,
             max_completion_length=cfg.max_completion_length,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             compute_dtype=self._autocast_dtype,
+            sharded=self._sharded,
         )
-        if self._sharded:
-            if not isinstance(rollout, HFRollout):
-                raise ValueError("parallelism='fsdp2' generates with transformers: set rollout_backend='hf'")
-            rollout.synced_gpus = True  # the blocks gather their shards in every forward: ranks stay in step
-        return rollout
+        return make_engine(cfg.rollout_backend, self.model, self.tokenizer, settings)
 
     @property
     def _sharded(self) -> bool:
@@ -195,7 +193,7 @@ class Trainer:
     def _generate(self) -> tuple[list[dict], list[str], Rollout]:
         """This rank's share of the step's questions, their prompts, and G sampled completions of each."""
         cfg = self.config
-        problems = [self.problems[i] for i in self.sampler.draw(cfg.questions_drawn)]  # this rank's share
+        problems = [self.problems[i] for i in self.sampler.draw(self.pruning.questions_drawn)]  # this rank's share
         prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
         with parallel.root_unsharded(self.policy):
             rollout = self.rollout.generate(prompts, cfg.group_size)
@@ -213,45 +211,15 @@ class Trainer:
     def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout) -> tuple[list[PackedBatch], int]:
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
         this rank's selection kept."""
-        advantages, kept = self._select(rewards)  # [Q * G], this rank's survivors
+        # advantages over each full group, then this rank's survivors of the scope's official count
+        selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
+        advantages, kept = selected.advantages, selected.kept  # [Q * G], [K]
         samples = [
             Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
             for i, a in zip(kept.tolist(), advantages[kept].tolist())
         ]
         balanced = distributed.balance_samples(samples, info=self.info)
         return pack_all(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
-
-    def _select(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advantages over each full group, then this rank's retained completions (ascending local indices): the
-        official count (see :class:`TrainConfig`) of the rank's step (``batch``), of each question (``group``) or
-        of the step over all ranks (``global``)."""
-        cfg = self.config
-        if cfg.selection_scope == "global" and self.info.distributed:
-            # every rank selects over the gathered batch: random scores must be drawn alike on all ranks
-            gen = torch.Generator().manual_seed(self._step_seed(rank=0))
-            advantages = group_advantages(rewards, cfg.group_size)  # [Q * G]
-            kept = distributed.select_across_ranks(
-                advantages,
-                cfg.group_size,
-                num_kept=cfg.kept_per_step,  # the official count of the step's completions over all ranks
-                scope="global",
-                metric=cfg.selection_metric,
-                generator=gen,
-                info=self.info,
-            )
-            return advantages, kept
-        gen = torch.Generator().manual_seed(self._step_seed())
-        if cfg.selection_scope == "group":
-            return cppo_select(rewards, cfg.group_size, cfg.keep, metric=cfg.selection_metric, generator=gen)
-        # the official pooling: drop the int(N * P) smallest |A| of the step's N completions, ties to the lower index
-        return cppo_select(
-            rewards,
-            cfg.group_size,
-            num_kept=cfg.kept_count(rewards.numel()),
-            scope="batch",
-            metric=cfg.selection_metric,
-            generator=gen,
-        )
 
     def _fillers(self, batches: list[PackedBatch]) -> list[PackedBatch]:
         """Weight-0 repeats of a micro-batch so that every rank runs as many passes (DDP syncs in the last one, FSDP2
@@ -386,36 +354,51 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------
 
     def train(self) -> list[dict]:
-        """Runs until ``num_steps``: a progress bar, metrics.jsonl, checkpoints every ``save_every`` steps and at the
-        end, and ``metrics.png`` (reward and phase times) over the whole run."""
+        """Runs until ``num_steps``: a progress bar; the metrics of every ``log_every``-th, evaluated and last step
+        to the ``report_to`` sinks (:mod:`cppo.sinks`, rank 0); checkpoints every ``save_every`` steps and at the
+        end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
 
         cfg = self.config
-        log_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        history = []
+        history, logged = [], []
         if self.step == 0:  # a new run never mixes with one already there (resume it, or delete it)
             rundir.refuse_existing_run(cfg.output_dir)
-        if self.rank == 0:  # a resumed run drops what a killed run logged after its last checkpoint
-            metrics.truncate_jsonl(log_path, last_step=self.step)
         bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
-        while self.step < self.num_steps:
-            record = self.train_step()
-            evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
-            if evaluated:  # as the official runs: every eval_every steps and once more at the end
-                record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
-            history.append(record)
-            if self.rank == 0 and (evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps):
-                metrics.append_jsonl(log_path, record)
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}")
-            if cfg.save_every and self.step % cfg.save_every == 0:
+        try:
+            for sink in self.sinks:  # a resumed run drops what a killed run logged after its last checkpoint
+                sink.start(cfg, step=self.step)
+            while self.step < self.num_steps:
+                record = self.train_step()
+                evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
+                if evaluated:  # as the official runs: every eval_every steps and once more at the end
+                    record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
+                history.append(record)
+                if evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps:
+                    logged.append(record)
+                    for sink in self.sinks:
+                        sink.log(record, self.step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}")
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint(self._checkpoint_path())
+            bar.close()
+            if not cfg.save_every or self.step % cfg.save_every:
                 self.save_checkpoint(self._checkpoint_path())
-        bar.close()
-        if not cfg.save_every or self.step % cfg.save_every:
-            self.save_checkpoint(self._checkpoint_path())
-        if self.rank == 0 and os.path.isfile(log_path):
-            metrics.plot(metrics.read_jsonl(log_path), os.path.join(cfg.output_dir, "metrics.png"))
+        finally:
+            for sink in self.sinks:
+                sink.close()
+        if self.rank == 0:
+            self._plot(logged)
         return history
+
+    def _plot(self, logged: list[dict]) -> None:
+        """``metrics.png`` over the whole run: from ``metrics.jsonl`` when ``report_to`` keeps it, else from the
+        records this call logged (none: no plot)."""
+        log_path = os.path.join(self.config.output_dir, sinks.JsonlSink.FILE)
+        kept = "jsonl" in self.config.report_to and os.path.isfile(log_path)
+        records = metrics.read_jsonl(log_path) if kept else logged
+        if records:
+            metrics.plot(records, os.path.join(self.config.output_dir, "metrics.png"))
 
     def _checkpoint_path(self) -> str:
         return os.path.join(self.config.output_dir, f"checkpoint-{self.step:06d}")
@@ -426,7 +409,7 @@ class Trainer:
         problems and sum their counts; under FSDP2 every rank decodes all of them (the shards gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
-        rollout = greedy_rollout(self.rollout)
+        rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (transformers on the policy for vLLM)
         if self._sharded:
             with parallel.root_unsharded(self.policy):
                 return evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)
@@ -460,4 +443,3 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         self.rollout.sync_weights()
-

@@ -70,11 +70,11 @@ def test_unknown_preset_and_missing_file():
 
 def test_allocation_rounding():
     base = dict(group_size=16, max_prompt_length=8, max_completion_length=8)
-    assert TrainConfig(**base, pruning_rate=0.875, questions_per_step=2).questions_drawn == 16
-    assert TrainConfig(**base, pruning_rate=0.75, questions_per_step=2).keep == 4
-    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3).questions_drawn == 6
-    assert TrainConfig(**base, pruning_rate=0.3, questions_per_step=2).questions_drawn == 3  # ceil(2.857)
-    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3, allocation=False).questions_drawn == 3
+    assert TrainConfig(**base, pruning_rate=0.875, questions_per_step=2).pruning.questions_drawn == 16
+    assert TrainConfig(**base, pruning_rate=0.75, questions_per_step=2).pruning.keep == 4
+    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3).pruning.questions_drawn == 6
+    assert TrainConfig(**base, pruning_rate=0.3, questions_per_step=2).pruning.questions_drawn == 3  # ceil(2.857)
+    assert TrainConfig(**base, pruning_rate=0.5, questions_per_step=3, allocation=False).pruning.questions_drawn == 3
 
 
 def test_model_without_lm_head_is_rejected():
@@ -88,7 +88,7 @@ def test_model_without_lm_head_is_rejected():
 
 def test_questions_must_divide_by_world_size(tmp_path):
     cfg = TrainConfig(group_size=4, max_prompt_length=8, max_completion_length=8, questions_per_step=3)
-    assert cfg.questions_drawn == 3
+    assert cfg.pruning.questions_drawn == 3
     with pytest.raises(ValueError, match="world_size"):
         Trainer(cfg, info=DistInfo(rank=0, world_size=2))
 

@@ -14,7 +14,6 @@ from cppo import checkpoint as C
 from cppo import distributed as D
 from cppo import parallel as P
 from cppo.models import load_model_and_tokenizer
-from cppo_kernels import reference
 
 SINGLE = D.DistInfo()
 
@@ -142,22 +141,6 @@ def test_single_process_collectives_are_local():
     assert D.global_counts(num_tokens=7, num_seqs=2, info=SINGLE) == D.GlobalCounts(tokens=7, seqs=2)
     assert D.max_across_ranks(3, info=SINGLE) == 3
     D.barrier(SINGLE)
-
-
-@pytest.mark.parametrize("scope", ["group", "batch", "global"])
-def test_select_across_ranks_single_process_matches_cppo_kernels(scope):
-    adv = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0, 0.0, 2.0, 0.5, 0.5, -0.5, 0.1, 0.0])
-    got = D.select_across_ranks(adv, 4, 2, scope=scope, info=SINGLE)
-    want = reference.select_completions(adv, 4, 2, scope="batch" if scope == "global" else scope)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="scope"):
-        D.select_across_ranks(adv, 4, 2, scope="world", info=SINGLE)
-    if scope == "group":
-        with pytest.raises(ValueError, match="num_kept .* needs scope='batch'"):
-            D.select_across_ranks(adv, 4, num_kept=5, scope=scope, info=SINGLE)
-    else:  # any count of the pool, here no multiple of its 3 groups
-        got = D.select_across_ranks(adv, 4, num_kept=5, scope=scope, info=SINGLE)
-        assert torch.equal(got, reference.select_completions(adv, 4, num_kept=5, scope="batch"))
 
 
 def test_reduce_metrics_single_process_and_spec_errors():

@@ -20,6 +20,7 @@ from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 from cppo import checkpoint as C
 from cppo import distributed as D
 from cppo import parallel as P
+from cppo.selection import Pruning
 from cppo_kernels import LossConfig, reference
 
 WORLD = 2
@@ -53,38 +54,44 @@ def _mine(x: torch.Tensor, sizes: list[int], info: D.DistInfo) -> torch.Tensor:
     return x[start : start + sizes[info.rank]]
 
 
+#: Pruning rates whose official counts over the 20 completions of both ranks are 20, 17, 13, 10, 7, 3, 1 (17, 13, 7,
+#: 3, 1: no multiple of the 5 groups).
+GLOBAL_RATES = (0.0, 0.15, 0.35, 0.5, 0.65, 0.85, 0.95)
+
+
 @check
 def global_selection_equals_single_process_batch(info):
     adv, sizes = _global_advantages()
     local = _mine(adv, sizes, info)
     start = sum(sizes[: info.rank])
     errors = []  # collected, not raised, so that both ranks run the same collectives whatever fails
-    # keep per question, and num_kept: any count of the 20 over both ranks (3, 7, 13: no multiple of the 5 groups)
-    counts = [{"keep": k} for k in (0, 1, 2, 3, 4)] + [{"num_kept": c} for c in (0, 3, 7, 13, 20)]
-    for count in counts:
+    for rate in GLOBAL_RATES:
         for metric in ("smallest", "largest", "random"):
-            gen = torch.Generator().manual_seed(11)  # seeded alike on both ranks, as the trainer does
-            got = D.select_across_ranks(local, 4, **count, scope="global", metric=metric, generator=gen, info=info)
+            pruning = Pruning(group_size=4, pruning_rate=rate, scope="global", metric=metric)
+            got = pruning.prune(local, seed=11, info=info)  # the random draws seeded alike on both ranks
             gathered, _ = D.all_gather_varlen(got + start, info=info)
             ref_gen = torch.Generator().manual_seed(11)
-            want = reference.select_completions(adv, 4, **count, scope="batch", metric=metric, generator=ref_gen)
+            num_kept = 20 - int(20 * rate)
+            want = reference.select_completions(
+                adv, 4, num_kept=num_kept, scope="batch", metric=metric, generator=ref_gen
+            )
             want_mine = want[(want >= start) & (want < start + sizes[info.rank])] - start
             if not torch.equal(got, want_mine):
-                errors.append((count, metric, got.tolist(), want_mine.tolist()))
+                errors.append((rate, metric, got.tolist(), want_mine.tolist()))
             if not torch.equal(gathered, want):  # survivors over the ranks = the 1-process choice
-                errors.append((count, metric, gathered.tolist(), want.tolist()))
+                errors.append((rate, metric, gathered.tolist(), want.tolist()))
     assert not errors, errors
     # local scopes need no communication: they equal cppo_kernels on the local batch
-    for scope in ("group", "batch"):
-        got = D.select_across_ranks(local, 4, 2, scope=scope, info=info)
-        assert torch.equal(got, reference.select_completions(local, 4, 2, scope=scope)), scope
+    for scope, count in (("group", {"keep": 2}), ("batch", {"num_kept": len(local) // 2})):
+        got = Pruning(group_size=4, pruning_rate=0.5, scope=scope).prune(local, info=info)
+        assert torch.equal(got, reference.select_completions(local, 4, scope=scope, **count)), scope
 
 
 @check
 def global_selection_bad_size_raises_on_every_rank(info):
     local = torch.zeros(8 if info.rank == 0 else 6)  # rank 1 is not a whole number of groups of 4
     try:
-        D.select_across_ranks(local, 4, 2, scope="global", info=info)
+        Pruning(group_size=4, pruning_rate=0.5, scope="global").prune(local, info=info)
     except ValueError as e:
         assert "rank 1" in str(e) and "group_size=4" in str(e), str(e)
     else:

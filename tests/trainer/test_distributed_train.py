@@ -66,7 +66,7 @@ class PerQuestionRollout:
         self.trainer, self.inner = trainer, trainer.rollout
 
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False):
-        from cppo.rollout import Rollout
+        from cppo.engines import Rollout
 
         parts = []
         for p in prompts:
@@ -95,22 +95,27 @@ def _run(trainer, steps: int) -> list[dict]:
     return [trainer.train_step() for _ in range(steps)]
 
 
-def _per_half_batch_select(trainer):
-    """The 1-process counterpart of "batch" on 2 ranks: pool each rank's half of the batch separately."""
-    from cppo_kernels import group_advantages, select_completions
+class PerHalfBatchPruning:
+    """The 1-process counterpart of "batch" on 2 ranks: pool each rank's half of the batch separately (in place of
+    the trainer's :class:`cppo.selection.Pruning`)."""
 
-    cfg = trainer.config
+    def __init__(self, trainer) -> None:
+        self.config = trainer.config
+        self.questions_drawn = trainer.pruning.questions_drawn
 
-    def select(rewards):
+    def select(self, rewards, *, seed, info):
+        from cppo.selection import Selection
+        from cppo_kernels import group_advantages, select_completions
+
+        cfg = self.config
         adv = group_advantages(rewards, cfg.group_size)  # [Q * G]
         half = adv.numel() // WORLD
         kept = [
-            select_completions(adv[r * half : (r + 1) * half], cfg.group_size, cfg.keep, scope="batch") + r * half
+            select_completions(adv[r * half : (r + 1) * half], cfg.group_size, cfg.pruning.keep, scope="batch")
+            + r * half
             for r in range(WORLD)
         ]
-        return adv, torch.cat(kept)
-
-    return select
+        return Selection(adv, torch.cat(kept))
 
 
 def _compare(got: dict, want: dict, got_hist: list[dict], want_hist: list[dict], *, atol: float) -> None:
@@ -191,7 +196,7 @@ def worker(out_dir: str) -> None:
         name = str(out / f"single-{scope}-{pruning_rate}-{info.rank}")
         trainer = _trainer(single, name, selection_scope=one_scope, pruning_rate=pruning_rate)
         if scope == "batch":
-            trainer._select = _per_half_batch_select(trainer)
+            trainer.pruning = PerHalfBatchPruning(trainer)
         history = _run(trainer, 2)
         want_params = _params(trainer.model)
         for parallelism in ("ddp", "fsdp2"):

@@ -66,8 +66,8 @@ def test_paper_presets_equal_the_official_runs(preset):
     # trained completions per optimizer step: 16 per process, at each of the paper's pruning rates
     for p in (0.5, 0.75, 0.875, 0.9375):
         rate = load_config(preset, [f"pruning_rate={p}"])
-        assert rate.kept_per_step == 16 * cfg.questions_per_step
-        assert rate.questions_drawn == cfg.questions_per_step * 16 // int(16 * (1 - p))  # 16 / num_generations
+        assert rate.pruning.kept_per_step == 16 * cfg.questions_per_step
+        assert rate.pruning.questions_drawn == cfg.questions_per_step * 16 // int(16 * (1 - p))  # 16 / num_generations
 
 
 def test_every_preset_pools_the_step():

@@ -94,7 +94,7 @@ def test_pooled_selection_drops_the_official_count(groups, group_size, pruning_r
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, levels, (groups * group_size,), generator=g).float() / 2  # [N], many ties
     cfg = TrainConfig(group_size=group_size, pruning_rate=pruning_rate, max_prompt_length=8, max_completion_length=8)
-    kept_count = cfg.kept_count(rewards.numel())
+    kept_count = cfg.pruning.kept_count(rewards.numel())
     advantages, kept = cppo_select(rewards, group_size, num_kept=kept_count, scope="batch", metric="smallest")
     assert kept.tolist() == drop_smallest(advantages, pruning_rate)
     assert kept.numel() == rewards.numel() - int(rewards.numel() * pruning_rate)
@@ -103,12 +103,23 @@ def test_pooled_selection_drops_the_official_count(groups, group_size, pruning_r
 def test_the_official_count_at_other_rates():
     base = dict(group_size=16, max_prompt_length=8, max_completion_length=8, questions_per_step=1)
     cfg = TrainConfig(**base, pruning_rate=0.3)  # 2 questions: 32 completions, int(9.6) = 9 pruned
-    assert (cfg.questions_drawn, cfg.completions_per_step, cfg.kept_per_step, cfg.keep) == (2, 32, 23, 12)
-    assert TrainConfig(**base, pruning_rate=0.3, selection_scope="group").kept_per_step == 24
-    assert TrainConfig(**base, pruning_rate=0.3, selection_scope="global").kept_per_step == 23  # 23 of 2 questions
+    assert (
+        cfg.pruning.questions_drawn,
+        cfg.pruning.completions_per_step,
+        cfg.pruning.kept_per_step,
+        cfg.pruning.keep,
+    ) == (2, 32, 23, 12)
+    assert TrainConfig(**base, pruning_rate=0.3, selection_scope="group").pruning.kept_per_step == 24
+    assert (
+        TrainConfig(**base, pruning_rate=0.3, selection_scope="global").pruning.kept_per_step == 23
+    )  # 23 of 2 questions
     for p, questions in ((0.5, 2), (0.75, 4), (0.875, 8), (0.9375, 16)):  # the paper's rates: 16 kept of 16 / (1-P)
         cfg = TrainConfig(**base, pruning_rate=p)
-        assert (cfg.questions_drawn, cfg.kept_per_step, cfg.keep) == (questions, 16, 16 // questions)
+        assert (cfg.pruning.questions_drawn, cfg.pruning.kept_per_step, cfg.pruning.keep) == (
+            questions,
+            16,
+            16 // questions,
+        )
         assert questions == 16 // int(16 * (1 - p))  # the official per_device_batch / num_generations
 
 

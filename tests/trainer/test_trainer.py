@@ -142,7 +142,7 @@ def count_forward_tokens(trainer):
 def test_pruned_completions_never_reach_the_model(tmp_path):
     cfg = tiny_config(tmp_path, pruning_rate=0.5, allocation=True, questions_per_step=2)
     trainer = Trainer(cfg)
-    assert cfg.questions_drawn == 4 and cfg.keep == 2
+    assert cfg.pruning.questions_drawn == 4 and cfg.pruning.keep == 2
     seen = record_rollouts(trainer)
     counts = count_forward_tokens(trainer)
     metrics = trainer.train_step()
@@ -150,8 +150,8 @@ def test_pruned_completions_never_reach_the_model(tmp_path):
     rollout = seen[0]
     assert len(rollout.completion_ids) == 4 * 4
     rewards = torch.tensor(digits_reward([], rollout.texts))
-    _, kept = reference.cppo_select(rewards, cfg.group_size, cfg.keep, scope="batch")  # 8 of 16, pooled
-    assert metrics["completions_kept"] == len(kept) == cfg.kept_per_step == 8
+    _, kept = reference.cppo_select(rewards, cfg.group_size, cfg.pruning.keep, scope="batch")  # 8 of 16, pooled
+    assert metrics["completions_kept"] == len(kept) == cfg.pruning.kept_per_step == 8
     per_pass = sum(len(rollout.prompt_ids[i]) + len(rollout.completion_ids[i]) - 1 for i in kept.tolist())
     everything = sum(len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
     passes = 1 + 1 + cfg.mu  # old, reference, mu policy passes
@@ -210,11 +210,11 @@ def test_train_writes_metrics_plot_and_checkpoint(tmp_path):
 
 def test_kernel_backend_is_scoped_to_the_step(tmp_path, monkeypatch):
     """kernel_backend applies inside the step without touching the process environment."""
-    import cppo.trainer as trainer_module
+    import cppo.selection as selection_module
 
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "auto")
     seen = []
-    real = trainer_module.cppo_select
+    real = selection_module.cppo_select
 
     def spy(*args, **kwargs):
         from cppo_kernels._dispatch import requested_backend
@@ -222,7 +222,7 @@ def test_kernel_backend_is_scoped_to_the_step(tmp_path, monkeypatch):
         seen.append(requested_backend())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "cppo_select", spy)
+    monkeypatch.setattr(selection_module, "cppo_select", spy)
     trainer = Trainer(tiny_config(tmp_path, kernel_backend="torch", num_steps=1, mu=1, beta=0.0))
     trainer.train_step()
     assert seen == ["torch"]

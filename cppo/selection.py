@@ -1,0 +1,199 @@
+"""The CPPO pruning step, whole: from a step's rewards to ``(advantages, kept indices)``.
+
+This is the one module of :mod:`cppo` that calls the selection kernels of :mod:`cppo_kernels`; the trainer,
+``cppo train --dry-run``, ``benchmarks/speedup.py`` and the TRL drop-in (:mod:`cppo.trl`) all go through
+:class:`Pruning`. The rule, as the official CPPO code has it:
+
+- advantages are normalised over each question's **full** group of G completions, before any pruning
+  (``(r - mean_g) / (std_g + eps)``, Bessel-corrected std; ``scale`` as TRL's ``scale_rewards``);
+- of a pool of N completions, the ``int(N * P)`` with the smallest |advantage| are pruned and ``N - int(N * P)``
+  kept (Python's float product, truncated; ties to the lower index), where the pool is (``scope``):
+
+  * ``"group"``: each question's G completions (``G - int(G * P)`` kept per question; no communication);
+  * ``"batch"``: the whole step of this process, all questions pooled (the official Open-R1 code: under torchrun
+    each process prunes its own share);
+  * ``"global"``: the whole step over all processes (the official verl recipe pools the global batch; its count is
+    ``int(N * (1 - P))``, which differs from ``N - int(N * P)`` when ``N * P`` is not an integer: this project
+    keeps the Open-R1 count in every scope). Every rank gathers |A| and selects exactly what one process selects
+    with ``"batch"`` over the concatenated step, then keeps its own survivors.
+
+- ``metric``: ``"smallest"`` prunes the smallest |A| (CPPO), ``"largest"`` the largest, ``"random"`` a uniform
+  draw. Random draws come from a generator seeded by the caller's ``seed``: plus the rank for the local scopes,
+  alike on every rank for ``"global"`` (every rank draws the global scores itself).
+- allocation (``allocation=True``): a step draws ``ceil(questions_per_step / (1 - P))`` questions (rounded up, so
+  a step never trains fewer completions than GRPO would), else ``questions_per_step``.
+
+The vocabulary is the kernels' (:data:`cppo_kernels.config.SCOPES`, :data:`cppo_kernels.config.METRICS`) plus
+``"global"``, which is the kernels' ``"batch"`` over the gathered step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cppo_kernels import cppo_select, group_advantages, select_completions
+from cppo_kernels.config import METRICS, SCALES, check_choice, check_float, check_int
+from cppo_kernels.config import SCOPES as KERNEL_SCOPES
+
+from .distributed import DistInfo, all_gather_varlen
+
+__all__ = ["SCOPES", "METRICS", "Pruning", "Selection", "kept_count"]
+
+#: ``selection_scope``: per question, pooled over this process's step, or pooled over all processes' step.
+SCOPES = (*KERNEL_SCOPES, "global")
+
+
+def kept_count(num_completions: int, pruning_rate: float) -> int:
+    """Completions kept of a pool of ``num_completions``: the official ``N - int(N * P)``."""
+    return num_completions - int(num_completions * pruning_rate)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One step's selection on this process: ``advantages`` fp32 ``[N]`` over every local completion (group after
+    group) and ``kept`` int64 ``[K]``, the ascending local indices of the retained completions."""
+
+    advantages: torch.Tensor
+    kept: torch.Tensor
+
+    @property
+    def kept_advantages(self) -> torch.Tensor:
+        return self.advantages[self.kept]  # [K]
+
+
+@dataclass(frozen=True)
+class Pruning:
+    """The pruning policy of a run: the counts (kept per step, questions drawn) and the selection itself.
+
+    ``pruning_rate=0`` keeps every completion (GRPO). Construction validates every option (``ValueError`` naming
+    the setting by the trainer's name).
+    """
+
+    group_size: int
+    pruning_rate: float = 0.0
+    scope: str = "batch"
+    metric: str = "smallest"
+    allocation: bool = True
+    questions_per_step: int = 1
+    scale: str = "group"
+    eps: float = 1e-4
+
+    def __post_init__(self) -> None:
+        check_int("group_size", self.group_size, low=1)
+        check_float("pruning_rate", self.pruning_rate, low=0.0)
+        if not self.pruning_rate < 1.0:
+            raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
+        check_choice("selection_scope", self.scope, SCOPES)
+        check_choice("selection_metric", self.metric, METRICS)
+        check_choice("scale", self.scale, SCALES)
+        if not isinstance(self.allocation, bool):
+            raise ValueError(f"allocation must be true or false, got {self.allocation!r}")
+        check_int("questions_per_step", self.questions_per_step, low=1)
+
+    @classmethod
+    def from_config(cls, config) -> Pruning:
+        """The policy of a :class:`cppo.config.TrainConfig` (or anything with its setting names)."""
+        return cls(
+            group_size=config.group_size,
+            pruning_rate=config.pruning_rate,
+            scope=config.selection_scope,
+            metric=config.selection_metric,
+            allocation=config.allocation,
+            questions_per_step=config.questions_per_step,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Counts
+    # ---------------------------------------------------------------------------------------------------------
+
+    def kept_count(self, num_completions: int) -> int:
+        """Completions kept of a pool of ``num_completions``: ``N - int(N * P)``."""
+        return kept_count(num_completions, self.pruning_rate)
+
+    @property
+    def keep(self) -> int:
+        """Completions kept per question with ``scope="group"``: ``G - int(G * P)``."""
+        return self.kept_count(self.group_size)
+
+    @property
+    def questions_drawn(self) -> int:
+        """Questions a step draws (over all processes): ``ceil(questions_per_step / (1 - P))`` with allocation."""
+        if not self.allocation:
+            return self.questions_per_step
+        # round() first so that e.g. 2 / (1 - 0.75) = 8.000000001 does not become 9
+        return math.ceil(round(self.questions_per_step / (1.0 - self.pruning_rate), 9))
+
+    @property
+    def completions_per_step(self) -> int:
+        """Completions a step generates (over all processes): ``questions_drawn * G``."""
+        return self.questions_drawn * self.group_size
+
+    @property
+    def kept_per_step(self) -> int:
+        """Completions a step trains in one process (``batch`` and ``global`` pool the whole step; under torchrun
+        ``batch`` pools each rank's share, which can keep a few more when the shares' counts truncate)."""
+        if self.scope == "group":
+            return self.keep * self.questions_drawn
+        return self.kept_count(self.completions_per_step)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Selection
+    # ---------------------------------------------------------------------------------------------------------
+
+    def select(self, rewards: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None) -> Selection:
+        """Advantages over each full group of this process's ``rewards [N]`` (group after group), then the retained
+        completions of the scope (see the module docstring). ``seed`` seeds the ``"random"`` metric's draws (the
+        same on every rank: the local scopes add the rank)."""
+        info = info if info is not None else DistInfo()
+        if self.scope == "global" and info.distributed:
+            advantages = group_advantages(rewards, self.group_size, scale=self.scale, eps=self.eps)  # [N]
+            return Selection(advantages, self.prune(advantages, seed=seed, info=info))
+        count = self._local_count(rewards.numel())
+        advantages, kept = cppo_select(
+            rewards, self.group_size, scale=self.scale, eps=self.eps, generator=self._generator(seed, info), **count
+        )
+        return Selection(advantages, kept)
+
+    def prune(self, advantages: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None) -> torch.Tensor:
+        """The retained completions given advantages already computed (e.g. by TRL's own normalisation):
+        ascending local indices of ``advantages [N]``. ``"global"`` under torchrun gathers |A| over the ranks."""
+        info = info if info is not None else DistInfo()
+        generator = self._generator(seed, info)
+        if self.scope != "global" or not info.distributed:
+            count = self._local_count(len(advantages))
+            return select_completions(advantages, self.group_size, generator=generator, **count)
+        return self._prune_global(advantages, generator=generator, info=info)
+
+    def _local_count(self, num_completions: int) -> dict:
+        """The kernels' count arguments for a pool held by one process (``global`` in one process is ``batch``)."""
+        if self.scope == "group":
+            return {"keep": self.keep, "scope": "group", "metric": self.metric}
+        return {"num_kept": self.kept_count(num_completions), "scope": "batch", "metric": self.metric}
+
+    def _generator(self, seed: int, info: DistInfo) -> torch.Generator | None:
+        if self.metric != "random":
+            return None
+        local = self.scope != "global" or not info.distributed
+        return torch.Generator().manual_seed(seed + (info.rank if local else 0))
+
+    def _prune_global(self, advantages: torch.Tensor, *, generator, info: DistInfo) -> torch.Tensor:
+        if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
+            raise ValueError("advantages must be a 1-D tensor [num_groups * group_size]")
+        # gather before validating: every rank then sees the same data and raises the same error (no rank waits)
+        gathered, sizes = all_gather_varlen(advantages.detach(), info=info)  # [N over all ranks]
+        bad = [r for r, s in enumerate(sizes) if s % self.group_size]
+        if bad:
+            raise ValueError(
+                f"advantages on rank {bad[0]} have {sizes[bad[0]]} elements, not divisible by "
+                f"group_size={self.group_size}"
+            )
+        kept = select_completions(
+            gathered, self.group_size, num_kept=self.kept_count(len(gathered)), scope="batch", metric=self.metric,
+            generator=generator,
+        )  # fmt: skip
+        start = sum(sizes[: info.rank])
+        mine = kept[(kept >= start) & (kept < start + sizes[info.rank])]
+        return (mine - start).to(advantages.device)
