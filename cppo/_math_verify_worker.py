@@ -5,7 +5,10 @@ It warms math-verify up once, then serves batches through a forked child that gr
 stays alive (its caches warm) from batch to batch; an item that overruns its deadline (or kills the child) gets
 ``None``, the child is killed, and a fresh fork of the warm worker (milliseconds) carries on with the next item.
 math-verify's own timeouts (``signal.alarm``, whole seconds, main thread only) are switched off: the deadline here
-is the only one.
+is the only one. A grading child dies with the worker (``PR_SET_PDEATHSIG`` on Linux) and holds no descriptor but
+its own two pipes, so a killed worker never leaves a child grading on or holding the caller's reply pipe; the
+caller (:mod:`cppo.math_grading`) also runs the worker in a process group of its own, kills the group on a deadline
+of its own, and restarts it. A fork that fails (a process limit) is answered ``{"error": ...}``, not a crash.
 
 The grading functions reproduce the official CPPO code (lzhxmu/CPPO, ``src/open_r1``) call for call:
 ``reward`` is ``rewards_math.accuracy_reward`` for one completion, ``eval`` the MATH-500 / AIME check of
@@ -14,6 +17,8 @@ The grading functions reproduce the official CPPO code (lzhxmu/CPPO, ``src/open_
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -84,10 +89,36 @@ class Grader:
             return 0.0
 
 
-def _child(grader: Grader, in_fd: int, out_fd: int) -> None:
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Asks Linux to SIGKILL this process when its parent dies (and exits at once if it already has)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _close_other_fds(keep: set[int]) -> None:
+    """Closes every inherited descriptor above stderr but ``keep`` (the worker's request and reply pipes above all:
+    a child holding the reply pipe would keep the caller waiting after the worker died)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _child(grader: Grader, in_fd: int, out_fd: int, parent: int) -> None:
     """Grades the items read from ``in_fd`` (one JSON line each), writing one JSON verdict line per item to
     ``out_fd``, until the input closes; never returns."""
     try:
+        _die_with_parent(parent)
+        _close_other_fds({in_fd, out_fd})
         with os.fdopen(in_fd, "r", encoding="utf-8") as items, os.fdopen(out_fd, "w", buffering=1) as out:
             for line in items:
                 try:
@@ -97,6 +128,10 @@ def _child(grader: Grader, in_fd: int, out_fd: int) -> None:
                 out.write(json.dumps(score) + "\n")
     finally:
         os._exit(0)
+
+
+class ForkFailed(OSError):
+    """The system refused to fork a grading child (e.g. a pids limit)."""
 
 
 class Children:
@@ -111,13 +146,20 @@ class Children:
         self.buffer = bytearray()
 
     def _start(self) -> None:
+        """Forks a grading child; ``ForkFailed`` (naming the cause) when the system refuses the fork."""
         item_read, item_write = os.pipe()
         verdict_read, verdict_write = os.pipe()
-        pid = os.fork()
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in (item_read, item_write, verdict_read, verdict_write):
+                os.close(fd)
+            raise ForkFailed(f"cannot fork a grading process ({e.strerror or e}): a process limit is reached") from None
         if pid == 0:
             os.close(item_write)
             os.close(verdict_read)
-            _child(self.grader, item_read, verdict_write)
+            _child(self.grader, item_read, verdict_write, parent)
         os.close(item_read)
         os.close(verdict_write)
         self.pid, self.to_child, self.from_child, self.buffer = pid, item_write, verdict_read, bytearray()
@@ -141,8 +183,8 @@ class Children:
         if self.pid is None:
             self._start()
         try:
-            _write_all(self.to_child, (json.dumps(item) + "\n").encode())
-            line = _read_line(self.from_child, self.buffer, time.monotonic() + timeout)
+            write_all(self.to_child, (json.dumps(item) + "\n").encode())
+            line = read_line(self.from_child, self.buffer, time.monotonic() + timeout)
         except OSError:  # the child is gone (a broken pipe)
             line = None
         if line is None:
@@ -155,13 +197,13 @@ class Children:
         return [self.grade(item, timeout) for item in items]
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _read_line(fd: int, buffer: bytearray, deadline: float) -> bytes | None:
+def read_line(fd: int, buffer: bytearray, deadline: float) -> bytes | None:
     """The next line from ``fd`` before ``deadline`` (``time.monotonic``), or None (timeout or end of file)."""
     import select
 
@@ -193,7 +235,11 @@ def main(argv: list[str]) -> int:
         replies.write(json.dumps("ready") + "\n")
         for line in requests:
             request = json.loads(line)
-            replies.write(json.dumps(children.batch(request["items"], float(request["timeout"]))) + "\n")
+            try:
+                reply = children.batch(request["items"], float(request["timeout"]))
+            except ForkFailed as e:
+                reply = {"error": str(e)}
+            replies.write(json.dumps(reply) + "\n")
     children.stop()
     return 0
 

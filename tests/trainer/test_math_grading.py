@@ -100,3 +100,87 @@ def test_grading_works_off_the_main_thread(fast):
     thread.start()
     thread.join()
     assert out == [2.0]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def test_a_killed_worker_takes_its_grading_child_with_it_and_the_caller_goes_on():
+    """SIGKILL of the worker while its child grades a bomb: the child dies too (no orphan at 100% CPU holding the
+    reply pipe), and scores() restarts the worker and answers well before the bomb would have ended."""
+    import signal
+    import threading
+
+    v = MathVerifier(timeout=3.0)
+    try:
+        v.scores("reward", ["\\boxed{1}"], ["$1$"])  # warm
+        worker_pid = v._proc.pid
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(s=v.scores("reward", [BOMBS[0]], ["$2$"])))
+        thread.start()
+        deadline = time.monotonic() + 10
+        children = []
+        while not children and time.monotonic() < deadline:
+            children = _descendants(worker_pid)
+            time.sleep(0.05)
+        assert children, "the worker forked no grading child"
+        os.kill(worker_pid, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "scores() still blocked after the worker died"
+        assert result["s"] == [0.0]  # the restarted worker ran the bomb to its 3 s deadline: scored 0
+        time.sleep(0.2)
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        v.close()
+
+
+def test_a_failed_fork_is_one_line_naming_the_cause(tmp_path, monkeypatch):
+    """The worker answers a refused fork with an error, which the caller raises as one line (an OSError the CLI
+    prints), not "is math-verify installed?"."""
+    fake = tmp_path / "worker.py"
+    fake.write_text(
+        "import json, os, sys\n"
+        "out = os.fdopen(int(sys.argv[2]), 'w', buffering=1)\n"
+        "out.write(json.dumps('ready') + '\\n')\n"
+        "for line in os.fdopen(int(sys.argv[1])):\n"
+        "    out.write(json.dumps({'error': 'cannot fork a grading process (Resource temporarily unavailable): "
+        "a process limit is reached'}) + '\\n')\n"
+    )
+    monkeypatch.setattr(math_grading, "WORKER", str(fake))
+    v = MathVerifier(timeout=0.5)
+    try:
+        with pytest.raises(math_grading.WorkerError, match=r"cannot fork a grading process \(Resource"):
+            v.scores("reward", ["\\boxed{1}"], ["$1$"])
+    finally:
+        v.close()
+
+
+def test_children_report_a_refused_fork(monkeypatch):
+    children = worker.Children(StubGrader())
+
+    def refuse():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(worker.os, "fork", refuse)
+    with pytest.raises(worker.ForkFailed, match="Resource temporarily unavailable"):
+        children.batch([["reward", "ok", "g"]], 0.2)
+    assert children.pid is None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 9.3e9, float("inf"), float("nan"), True, "1"])
+def test_reward_timeout_is_bounded(bad):
+    with pytest.raises(ValueError, match=r"reward_timeout must be a number of seconds in \(0, 3600\]"):
+        math_grading.check_timeout(bad)
+    assert math_grading.check_timeout(3600) == 3600.0
