@@ -22,6 +22,17 @@ HUB_NAMES = {
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
 #: A problem's ``kind``: it picks the accuracy reward and the prompt.
 KINDS = ("gsm8k", "math", "arith")
+#: The arithmetic task's problems: 10,000 unless ``max_questions`` says otherwise, at most ARITH_MAX (there are only
+#: 21 * 21 * 3 = 1,323 distinct ones; more only repeats them, and a billion would not fit in memory).
+ARITH_DEFAULT = 10_000
+ARITH_MAX = 1_000_000
+
+
+def check_arith_count(count: int) -> int:
+    """``count`` when the arithmetic task can generate it, else a ``ValueError`` naming ``max_questions``."""
+    if count > ARITH_MAX:
+        raise ValueError(f"max_questions must be <= {ARITH_MAX:,} for dataset arith (it has 1,323 distinct problems)")
+    return count
 
 
 def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 20) -> list[dict]:
@@ -88,23 +99,78 @@ def _is_number(text: str) -> bool:
 
 def read_jsonl(path: str) -> list[dict]:
     """The problems of a JSON-lines file, one JSON object a line (blank lines skipped); ``ValueError`` naming the
-    file and line of a line that is not a JSON object or not a problem."""
+    file and line of a line that is not UTF-8, not a JSON object (or nested past :data:`MAX_NESTING`), not a
+    problem, or holding text the tokenizer cannot encode (a lone surrogate such as ``"\\ud800"``)."""
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {path!r} does not exist")
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
             where = f"{path}, line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.pos + 1})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            problems.append(normalise_row(row, source=where))
+            row = _parse_line(raw, where=where)
+            if row is not None:
+                problems.append(normalise_row(row, source=where))
     return problems
+
+
+#: Deepest JSON nesting a dataset row may have (a problem is a flat object; json's parser recurses per level).
+MAX_NESTING = 64
+
+
+def _parse_line(raw: bytes, *, where: str) -> dict | None:
+    """One row of a JSON-lines file (None for a blank line), checked: UTF-8, JSON, nesting, encodable text."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+    if not line.strip():
+        return None
+    if _nesting(line) > MAX_NESTING:
+        raise ValueError(f"{where}: JSON nested deeper than {MAX_NESTING} levels (a row is one flat object)")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.pos + 1})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    _check_encodable(row, where=where)
+    return row
+
+
+def _nesting(line: str) -> int:
+    """The deepest bracket nesting of a JSON text, ignoring brackets inside strings (no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in line:
+        if in_string:
+            escaped, in_string = (not escaped and ch == "\\"), in_string and (escaped or ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_encodable(value, *, where: str, key: str | None = None) -> None:
+    """``ValueError`` for a string of ``value`` that UTF-8 cannot encode (JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which every tokenizer refuses mid-run)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_encodable(v, where=where, key=k)
+    elif isinstance(value, list):
+        for v in value:
+            _check_encodable(v, where=where, key=key)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where}: {key!r} holds a lone surrogate (U+{ord(value[e.start]):04X} at character {e.start + 1}), "
+                "text no tokenizer can encode"
+            ) from None
 
 
 def load_problems(
@@ -129,7 +195,8 @@ def load_problems(
     if dataset == "math" and split == "test":
         dataset = "math500"
     if dataset == "arith":
-        problems = arithmetic_problems(max_questions or 10_000, seed=seed + ARITH_SPLIT_SEED.get(split, 7))
+        count = check_arith_count(max_questions or ARITH_DEFAULT)
+        problems = arithmetic_problems(count, seed=seed + ARITH_SPLIT_SEED.get(split, 7))
     elif dataset.endswith(".jsonl"):
         problems = read_jsonl(dataset)
     elif dataset_path is not None:
@@ -152,6 +219,8 @@ def count_local_problems(
     so a bad row is found), or None for a hub dataset (not downloaded). For dry runs."""
     if not (dataset == "arith" or dataset.endswith(".jsonl") or dataset_path is not None):
         return None
+    if dataset == "arith":  # generated on demand: counted, not built
+        return check_arith_count(max_questions or ARITH_DEFAULT)
     return len(load_problems(dataset, split="train", dataset_path=dataset_path, max_questions=max_questions))
 
 

@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from cppo.data import QuestionSampler, arithmetic_problems, build_prompt, load_problems, normalise_row
+from cppo.data import (
+    QuestionSampler,
+    arithmetic_problems,
+    build_prompt,
+    count_local_problems,
+    load_problems,
+    normalise_row,
+)
 from cppo.models import tiny_tokenizer
 from cppo.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 
@@ -84,3 +91,37 @@ def test_sampler_epochs_resume_and_ranks():
     assert ranks[0] + ranks[1] == QuestionSampler(10, seed=1).draw(4)
     with pytest.raises(ValueError, match="world_size"):
         QuestionSampler(10, world_size=2).draw(3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"question": "\\ud800 what?", "answer": "1"}\n', r"line 2: 'question' holds a lone surrogate \(U\+D800"),
+        (b'{"question": "ok \xff\xfe", "answer": "1"}\n', r"line 2: not valid UTF-8 \(byte 0xff at column 18\)"),
+        (b"[" * 200_000 + b"]" * 200_000 + b"\n", r"line 2: JSON nested deeper than 64 levels"),
+        (b'{"question": "q", "answer": "1", "x": ' + b"[" * 100 + b"]" * 100 + b"}\n", "nested deeper"),
+    ],
+)
+def test_bad_rows_name_file_and_line_at_load_time(tmp_path, raw, message):
+    """A lone surrogate (valid JSON that every tokenizer refuses mid-run), invalid UTF-8 and absurd nesting are found
+    when the file is read (so --dry-run finds them too), naming the file and the line."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"question": "What is 1 + 1?", "answer": "2"}\n' + raw)
+    with pytest.raises(ValueError, match=message) as e:
+        load_problems(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_bad_rows_fail_the_dry_run_count_too(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"question": "\\udfff", "answer": "1"}\n')
+    with pytest.raises(ValueError, match="line 1: 'question' holds a lone surrogate"):
+        count_local_problems(str(path))
+
+
+def test_arith_is_counted_without_building_and_bounded():
+    assert count_local_problems("arith", max_questions=1_000_000) == 1_000_000  # instant: nothing generated
+    with pytest.raises(ValueError, match=r"max_questions must be <= 1,000,000 for dataset arith"):
+        count_local_problems("arith", max_questions=100_000_000)
+    with pytest.raises(ValueError, match="max_questions must be <= 1,000,000"):
+        load_problems("arith", max_questions=100_000_000)
