@@ -5,11 +5,13 @@ Public API::
     from cppo_kernels import group_advantages, select_completions, cppo_select
     from cppo_kernels import fused_cppo_loss, fused_logprobs, cppo_loss_from_logits, FusedCPPOLoss, LossConfig
 
-Layout: ``advantages.py`` / ``loss.py`` (public functions: validation once, then dispatch), their backends
+Layout: ``advantages.py`` / ``loss.py`` (public functions: validation once, then dispatch; the loss's validation
+and packing in ``_loss_inputs.py``, its autograd Functions in ``_loss_autograd.py``), their backends
 ``_{op}_triton.py`` (kernels + launchers) and ``_{op}_torch.py`` (PyTorch), ``_policy.py`` (the per-token policy
-math of the loss), ``_dispatch.py`` (backend choice), ``config.py`` (options and checks), ``reference.py`` (naive
-oracles for the tests, apart from all of the above). :func:`fused_cppo_loss` runs two-pass or with its gradients
-computed in the forward (``mode=``; ``cppo_kernels.loss.MODE_RULES`` holds the per-shape-class default).
+math of the loss), ``_dispatch.py`` (backend choice, per execution mode), ``config.py`` (options and checks),
+``reference.py`` (naive oracles for the tests, apart from all of the above). :func:`fused_cppo_loss` runs two-pass
+or with its gradients computed in the forward (``mode=``; ``cppo_kernels.loss.MODE_RULES`` holds the
+per-shape-class default).
 """
 
 from ._dispatch import use_backend

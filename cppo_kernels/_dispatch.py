@@ -9,7 +9,9 @@
 
 :func:`use_backend` forces a backend inside a ``with`` block (it takes precedence over the
 environment variable and leaves the environment untouched), which is how the trainer honours its
-``kernel_backend`` setting. :func:`backend_module` is the one place an op picks its backend module.
+``kernel_backend`` setting. :func:`backend_module` is the one place an op picks its backend module, for every
+execution mode of the op: :data:`BACKEND_MODES` says which backend implements which mode, and a mode the chosen
+backend lacks runs on the op's PyTorch twin, on the same device.
 """
 
 from __future__ import annotations
@@ -93,7 +95,31 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
     return True
 
 
-def backend_module(op: str, tensor: torch.Tensor) -> ModuleType:
+#: The execution modes each backend of an op implements, for the ops that have modes (``fused_cppo_loss``: see
+#: ``cppo_kernels.loss.MODES``). The PyTorch twin implements every mode; gradient-in-forward exists only there.
+BACKEND_MODES: dict[str, dict[str, tuple[str, ...]]] = {
+    "loss": {"triton": ("two-pass",), "torch": ("two-pass", "grad-in-forward")},
+}
+
+
+def backend_module(op: str, tensor: torch.Tensor, *, mode: str | None = None) -> ModuleType:
     """The backend module of ``op`` for ``tensor``: ``cppo_kernels._{op}_triton`` when :func:`use_triton`, else
-    ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed everywhere."""
-    return importlib.import_module(f"{__package__}._{op}_{'triton' if use_triton(tensor) else 'torch'}")
+    ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed everywhere.
+
+    With ``mode`` (an op of :data:`BACKEND_MODES`), a mode the Triton backend lacks takes ``cppo_kernels._{op}_torch``
+    on ``tensor``'s device whatever the backend asked for (without consulting :func:`use_triton`: the Triton
+    backend is not used); an op without modes, or a mode no backend of the op implements, is a ``ValueError``.
+    """
+    if mode is not None:
+        modes = BACKEND_MODES.get(op)
+        if modes is None:
+            raise ValueError(f"mode={mode!r}: op {op!r} has no execution modes (ops with modes: {list(BACKEND_MODES)})")
+        if mode not in modes["torch"]:
+            raise ValueError(f"mode must be one of {modes['torch']} for op {op!r}, got {mode!r}")
+        if mode not in modes["triton"]:
+            return _import(op, "torch")  # the Triton backend lacks the mode: its PyTorch twin
+    return _import(op, "triton" if use_triton(tensor) else "torch")
+
+
+def _import(op: str, backend: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}._{op}_{backend}")

@@ -1,9 +1,11 @@
 """Public options of the ops: the choices each option accepts, the scalar checks every layer shares (also used by
-the ``cppo`` trainer), and the loss hyper-parameters as one frozen dataclass (:class:`LossConfig`)."""
+the ``cppo`` trainer), and the loss hyper-parameters as one frozen dataclass (:class:`LossConfig`): its fields are
+the one definition of the loss options and their defaults (the public loss functions take them as keywords and
+build the LossConfig through :func:`loss_config`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 #: ``scale`` of :func:`cppo_kernels.group_advantages`.
 SCALES = ("group", "batch", "none")
@@ -110,3 +112,28 @@ class LossConfig:
     def eps_high(self) -> float:
         """``epsilon_high``, defaulting to ``epsilon_low``."""
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+
+#: The loss options: the names of :class:`LossConfig`'s fields, in order.
+LOSS_OPTIONS = tuple(f.name for f in fields(LossConfig))
+_LOSS_DEFAULTS = {f.name: f.default for f in fields(LossConfig)}
+
+
+def loss_config(config: LossConfig | None, **options: object) -> LossConfig:
+    """The :class:`LossConfig` of a call: ``config`` when given, else ``LossConfig(**options)``.
+
+    ``options`` are loss options passed as keywords (names of :data:`LOSS_OPTIONS`; any other name is a
+    ``ValueError``). Next to ``config``, an option that differs from its LossConfig default is a ``ValueError``: it
+    would be silently overridden otherwise.
+    """
+    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}: the options are {list(LOSS_OPTIONS)}")
+    if config is None:
+        return LossConfig(**options)
+    if not isinstance(config, LossConfig):
+        raise ValueError(f"config must be a LossConfig or None, got {type(config).__name__}")
+    for name, value in options.items():
+        if value != _LOSS_DEFAULTS[name]:
+            raise ValueError(f"{name}={value!r} conflicts with config=: pass {name} inside the LossConfig")
+    return config

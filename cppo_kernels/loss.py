@@ -1,425 +1,37 @@
 """Fused log-prob + clipped-ratio + KL policy loss from hidden states and the LM-head weight: the public layer.
 
-The public functions validate their input once (shape and dtype checks on the host, value checks read back with one
-host sync; after the forward, one more on the per-token log-sum-exp, which catches NaN/inf in hidden, weight or
-bias without scanning them), convert the padded layout to the packed one, and run one of two modes (``MODES``,
-chosen per call by ``mode=`` or, for ``"auto"``, by the per-shape-class rule table :data:`MODE_RULES`):
+The public functions validate their input once and convert the padded layout to the packed one
+(:mod:`cppo_kernels._loss_inputs`: shape and dtype checks on the host, value checks read back with one host sync;
+after the forward, one more on the per-token log-sum-exp, which catches NaN/inf in hidden, weight or bias without
+scanning them), then run one of two modes (``MODES``, chosen per call by ``mode=`` or, for ``"auto"``, by the
+per-shape-class rule table :data:`MODE_RULES`), each an autograd Function of :mod:`cppo_kernels._loss_autograd`
+over the backend module the dispatcher gives for that mode (:func:`cppo_kernels._dispatch.backend_module`):
 
-- two-pass: the per-token log-probs through :class:`_FusedLogProbs` (the autograd Function over a backend:
-  ``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither validates again nor materialises
-  ``[T, V]`` logits), then the O(T) policy math of :mod:`cppo_kernels._policy` under autograd; the backward
-  recomputes the logits (4 matmuls in all);
-- gradient-in-forward (token-level importance sampling, gradients wanted): :class:`_GradInForward`, whose forward
-  computes the gradients too, chunk by chunk while the logits are in memory (3 matmuls in all).
+- two-pass: the per-token log-probs (``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither
+  validates again nor materialises ``[T, V]`` logits), then the O(T) policy math of :mod:`cppo_kernels._policy`
+  under autograd; the backward recomputes the logits (4 matmuls in all);
+- gradient-in-forward (token-level importance sampling, gradients wanted): the forward computes the gradients too,
+  chunk by chunk while the logits are in memory (3 matmuls in all); only ``_loss_torch`` implements it, so the
+  dispatcher runs it there whatever the backend.
+
+The options are the fields of :class:`cppo_kernels.LossConfig` (their one definition, with the defaults): the
+public signatures list them as keywords for ``help`` and IDEs, and tests check that they equal the fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from . import _loss_torch
 from ._dispatch import backend_module, use_triton
-from ._policy import Batch, aggregate, batch_constants, metrics, policy_loss, token_grad, token_terms, token_weights
-from .config import LossConfig, check_choice
+from ._loss_autograd import FusedLogProbs, GradInForward
+from ._loss_inputs import Checks, Packed, check_head, check_logits, check_targets, check_tensor, pack
+from ._policy import batch_constants, metrics, policy_loss
+from .config import LossConfig, check_choice, loss_config
 
 __all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
-
-_HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# --------------------------------------------------------------------------------------------
-# Options
-# --------------------------------------------------------------------------------------------
-
-_OPTIONS = tuple(f.name for f in dataclasses.fields(LossConfig))
-_DEFAULTS = LossConfig()
-
-
-def _loss_config(config: LossConfig | None, options: dict[str, Any]) -> LossConfig:
-    """The :class:`LossConfig` of a call: ``config`` when given, else one built from the keyword ``options``.
-
-    ``options`` maps LossConfig field names to the keywords passed (a caller's ``locals()`` may be given: other
-    names are ignored). With ``config``, a keyword that differs from its LossConfig default is an error: it
-    would be silently overridden otherwise.
-    """
-    options = {name: options[name] for name in _OPTIONS if name in options}
-    if config is None:
-        return LossConfig(**options)
-    if not isinstance(config, LossConfig):
-        raise ValueError(f"config must be a LossConfig or None, got {type(config).__name__}")
-    for name, value in options.items():
-        if value != getattr(_DEFAULTS, name):
-            raise ValueError(f"{name}={value!r} conflicts with config=: pass {name} inside the LossConfig")
-    return config
-
-
-# --------------------------------------------------------------------------------------------
-# Validation and packing
-# --------------------------------------------------------------------------------------------
-
-
-def _tensor(name: str, x, *, device: torch.device | None = None) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name} must be on {device}, got {x.device}")
-    return x
-
-
-def _is_int(x: Tensor) -> bool:
-    return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
-
-
-def _shape(name: str, x: Tensor, expected: tuple[int, ...], what: str) -> None:
-    if tuple(x.shape) != expected:
-        raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(x.shape)}")
-
-
-class _Checks:
-    """Checks on tensor values, read back with one host sync (:meth:`raise_first`) instead of one each.
-
-    Each entry is a 0-d bool tensor that is True when the input is bad, and a function making the error
-    message (called only then, so messages may sync).
-    """
-
-    def __init__(self) -> None:
-        self._items: list[tuple[Tensor, Callable[[], str]]] = []
-
-    def add(self, bad: Tensor, message: Callable[[], str]) -> None:
-        self._items.append((bad, message))
-
-    def finite(self, name: str, x: Tensor) -> None:
-        if x.numel():
-            self.add(~torch.isfinite(x).all(), lambda: f"{name} must be finite (found NaN or inf)")
-
-    def in_range(self, targets: Tensor, vocab: int) -> None:
-        """Targets in ``[0, vocab)``."""
-        if targets.numel():
-            lo, hi = torch.aminmax(targets)
-            self.add(
-                (lo < 0) | (hi >= vocab),
-                lambda: f"targets must lie in [0, V={vocab}), got values in [{int(lo)}, {int(hi)}]",
-            )
-
-    def raise_first(self) -> None:
-        """Raises the ValueError of the first failed check, in the order they were added."""
-        if not self._items:
-            return
-        failed = torch.stack([bad for bad, _ in self._items]).tolist()  # the one host sync
-        for flag, (_, message) in zip(failed, self._items):
-            if flag:
-                raise ValueError(message())
-        self._items.clear()
-
-
-def _check_head(hidden: Tensor, weight, bias) -> None:
-    """LM head: ``weight [V, H]`` with hidden's dtype, ``bias [V]`` with weight's dtype."""
-    if hidden.dtype not in _HIDDEN_DTYPES:
-        raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    weight = _tensor("weight", weight, device=hidden.device)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {list(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's), got {list(weight.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1)")
-    if bias is not None:
-        bias = _tensor("bias", bias, device=hidden.device)
-        _shape("bias", bias, (weight.shape[0],), "[V]")
-        if bias.dtype != weight.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} must match weight dtype {weight.dtype}")
-
-
-def _check_targets(targets, lead: tuple[int, ...], device: torch.device, what: str) -> Tensor:
-    targets = _tensor("targets", targets, device=device)
-    if not _is_int(targets):
-        raise ValueError(f"targets must have an integer dtype, got {targets.dtype}")
-    _shape("targets", targets, lead, what)
-    return targets
-
-
-class _Layout(NamedTuple):
-    """Where the tokens are: the leading shape of the per-token inputs and the packed sequence offsets."""
-
-    lead: tuple[int, ...]  # (T,) packed, (B, L) padded
-    what: str  # the name of `lead` in error messages
-    cu_seqlens: Tensor  # [S+1] int64
-    flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
-
-
-def _packed_from_padded(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Maps a padded ``mask [B, L]`` to (flat indices of its valid positions ``[T]``, ``cu_seqlens [B+1]``)."""
-    flat = mask.reshape(-1).nonzero().squeeze(-1)  # [T]
-    lengths = mask.to(torch.int64).sum(dim=1)  # [B]
-    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)  # [B+1]
-    cu[1:] = lengths.cumsum(0)
-    return flat, cu
-
-
-def _layout(xname: str, x: Tensor, cu_seqlens, mask, checks: _Checks) -> _Layout:
-    """Validates ``cu_seqlens`` (packed: ``x [T, D]``) or ``mask`` (padded: ``x [B, L, D]``), exactly one given."""
-    if (cu_seqlens is None) == (mask is None):
-        raise ValueError("pass exactly one of cu_seqlens (packed layout) or mask (padded layout)")
-    dname = "H" if xname == "hidden" else "V"
-    if cu_seqlens is not None:
-        if x.dim() != 2:
-            raise ValueError(f"{xname} must be 2-D [T, {dname}] with cu_seqlens, got shape {list(x.shape)}")
-        num_tokens = x.shape[0]
-        cu = _tensor("cu_seqlens", cu_seqlens, device=x.device)
-        if not _is_int(cu) or cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {cu.dtype} {list(cu.shape)}")
-        cu = cu.to(torch.int64)
-        checks.add(cu[0] != 0, lambda: f"cu_seqlens must start at 0, got {int(cu[0])}")
-        checks.add((cu[1:] < cu[:-1]).any(), lambda: "cu_seqlens must be non-decreasing")
-        checks.add(
-            cu[-1] != num_tokens,
-            lambda: f"cu_seqlens must end at T = {num_tokens} (rows of {xname}), got {int(cu[-1])}",
-        )
-        return _Layout((num_tokens,), "[T]", cu, None)
-    if x.dim() != 3:
-        raise ValueError(f"{xname} must be 3-D [B, L, {dname}] with mask, got shape {list(x.shape)}")
-    lead = tuple(x.shape[:2])
-    mask = _tensor("mask", mask, device=x.device)
-    if mask.dtype != torch.bool and not _is_int(mask) and not mask.is_floating_point():
-        raise ValueError(f"mask must be bool, integer or floating (0/1 values), got {mask.dtype}")
-    _shape("mask", mask, lead, "[B, L]")
-    if mask.dtype != torch.bool:
-        dtype = mask.dtype
-        if mask.numel():  # NaN is neither 0 nor 1
-            checks.add(((mask != 0) & (mask != 1)).any(), lambda: f"mask ({dtype}) must hold only 0 and 1")
-        mask = mask != 0
-    flat, cu = _packed_from_padded(mask)
-    return _Layout(lead, "[B, L]", cu, flat)
-
-
-class _Packed(NamedTuple):
-    """The inputs in the packed layout: rows ``x`` and their per-token / per-sequence tensors."""
-
-    x: Tensor  # [T, D] ([B*L, D] with gather_rows=False)
-    targets: Tensor  # [T] ([B*L] with gather_rows=False)
-    advantages: Tensor  # [S]
-    cu_seqlens: Tensor  # [S+1] int64
-    old_logprobs: Tensor | None  # [T]
-    ref_logprobs: Tensor | None  # [T]
-    flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
-
-
-def _pack(
-    xname: str,
-    x,
-    targets,
-    advantages,
-    cu_seqlens,
-    mask,
-    old_logprobs,
-    ref_logprobs,
-    cfg: LossConfig,
-    *,
-    gather_rows: bool,
-) -> tuple[_Packed, _Checks]:
-    """Validates the layout arguments and converts the padded layout to the packed one.
-
-    Shapes and dtypes are checked here; value checks go into the returned :class:`_Checks` (the caller adds its
-    own and raises them). With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (``[B*L, D]``).
-    """
-    if cfg.beta > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta > 0")
-    checks = _Checks()
-    x = _tensor(xname, x)
-    if not x.is_floating_point():
-        raise ValueError(f"{xname} must have a floating dtype, got {x.dtype}")
-    layout = _layout(xname, x, cu_seqlens, mask, checks)
-    targets = _check_targets(targets, layout.lead, x.device, layout.what)
-    advantages = _tensor("advantages", advantages, device=x.device)
-    if not advantages.is_floating_point():
-        raise ValueError(f"advantages must have a floating dtype, got {advantages.dtype}")
-    num_seqs = layout.cu_seqlens.numel() - 1
-    _shape("advantages", advantages, (num_seqs,), "[S]" if layout.flat is None else "[B]")
-    checks.finite("advantages", advantages)
-    logprobs = {}
-    for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        if lp is not None:
-            lp = _tensor(name, lp, device=x.device)
-            if not lp.is_floating_point():
-                raise ValueError(f"{name} must have a floating dtype, got {lp.dtype}")
-            _shape(name, lp, layout.lead, layout.what)
-            if layout.flat is not None:
-                lp = lp.reshape(-1)[layout.flat]
-            checks.finite(name, lp)
-        logprobs[name] = lp
-    if layout.flat is not None:
-        targets = targets.reshape(-1)
-        x = x.reshape(-1, x.shape[-1])
-        if gather_rows:
-            x, targets = x[layout.flat], targets[layout.flat]
-    packed = _Packed(x, targets, advantages, layout.cu_seqlens, *logprobs.values(), layout.flat)
-    return packed, checks
-
-
-def _policy_loss(p: _Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
-    """:func:`cppo_kernels._policy.policy_loss` on the packed per-token log-probs."""
-    return policy_loss(
-        logp,
-        p.advantages,
-        p.cu_seqlens,
-        old_logprobs=p.old_logprobs,
-        ref_logprobs=p.ref_logprobs,
-        entropy=entropy,
-        config=cfg,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Autograd Functions over the backends
-# --------------------------------------------------------------------------------------------
-
-
-def _check_logits(lse: Tensor, logp: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    """A ``ValueError`` unless every token's log-sum-exp and log-prob (fp32 ``[T]``, already computed) are finite.
-
-    One host sync on the per-token results instead of a scan of the ``[V, H]`` weight; only on failure are the
-    inputs scanned, to name the one holding NaN or inf.
-    """
-    bad = ~(torch.isfinite(lse) & torch.isfinite(logp))  # [T]
-    if not bool(bad.any()):
-        return
-    for name, x in (("hidden", hidden[bad]), ("weight", weight), ("bias", bias)):
-        if x is not None and not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} must be finite (found NaN or inf)")
-    first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
-    raise ValueError(
-        f"the log-sum-exp of the logits is not finite for {count} of {lse.numel()} tokens (first: token {first}): "
-        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) / temperature overflows float32"
-    )
-
-
-def _first_order(backward: Callable) -> Callable:
-    """A Function's backward that refuses ``create_graph=True`` with a clear error (it is not differentiable: its
-    gradients would silently carry no second derivative)."""
-
-    @functools.wraps(backward)
-    def first_order_backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "fused_cppo_loss does not support double backward (create_graph=True): its backward is not "
-                "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
-            )
-        return backward(ctx, *grads)
-
-    return first_order_backward
-
-
-class _FusedLogProbs(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None): the two-pass path
-    (the backward recomputes the logits)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
-        logp, lse, entropy = backend.logprobs_fwd(
-            hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy
-        )
-        _check_logits(lse, logp, hidden, weight, bias)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature = temperature
-        ctx.backend = backend
-        ctx.set_materialize_grads(False)
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, grad_logp, grad_entropy):
-        if grad_logp is None:
-            return (None,) * 7
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        grads = ctx.backend.logprobs_bwd(
-            hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
-        )
-        return *grads, None, None, None, None
-
-
-def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
-    """The ``logprobs_bwd`` keywords of a backward: the temperature and which of hidden / weight / bias need grads."""
-    return dict(
-        temperature=ctx.temperature,
-        needs_hidden_grad=ctx.needs_input_grad[0],
-        needs_weight_grad=ctx.needs_input_grad[1],
-        needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
-    )
-
-
-class _GradInForward(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H], bias [V]) -> (loss, logp, ratio, kl or None, entropy or None): the loss of
-    token-level importance sampling, its gradients computed in the forward pass.
-
-    The forward runs :func:`cppo_kernels._loss_torch.logprobs_fwd_grads`, which asks for each chunk's upstream
-    gradient ``d loss / d logp_t`` (:func:`cppo_kernels._policy.token_grad` times the aggregation weight, known
-    from the token and the counts alone) while the chunk's logits are in memory: 3 matmuls in all. The backward
-    only scales the fp32 gradients by the loss's incoming gradient (skipped when it is 1 on the CPU), rounds them to
-    the inputs' dtypes and hands them over (released: the first backward owns them). A second backward through
-    the same graph (``retain_graph``) recomputes them with the two-pass backward from the saved per-token upstream
-    gradients; double backward (``create_graph``) raises a ``RuntimeError``, as on the two-pass path.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, batch: Batch, cfg: LossConfig):
-        T = hidden.shape[0]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
-        kl = None if batch.ref is None else torch.empty(T, **f32)  # [T]
-        weights = token_weights(batch, cfg)  # [T]
-
-        def chunk_upstream(start: int, stop: int, logp: Tensor) -> Tensor:
-            rows = slice(start, stop)
-            old, ref = (None if x is None else x[rows] for x in (batch.old, batch.ref))
-            terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
-            for buffer, value in zip((per_token, ratio, kl), terms):
-                if buffer is not None:
-                    buffer[rows] = value
-            upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
-            return upstream[rows]
-
-        needs = ctx.needs_input_grad
-        logp, lse, entropy, *grads = _loss_torch.logprobs_fwd_grads(
-            hidden, weight, targets, bias, chunk_upstream, temperature=cfg.temperature,
-            compute_entropy=cfg.compute_entropy, needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
-            needs_bias_grad=bias is not None and needs[2],
-        )  # fmt: skip
-        _check_logits(lse, logp, hidden, weight, bias)
-        ctx.grads = grads
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, upstream)
-        ctx.temperature = cfg.temperature
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(x for x in (logp, ratio, kl, entropy) if x is not None))
-        return aggregate(per_token, batch, cfg), logp, ratio, kl, entropy
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, grad_loss, *_):
-        if grad_loss is None:
-            return (None,) * 6
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:  # a second backward through this graph: recompute (two-pass backward, same gradients)
-            hidden, weight, bias, targets, lse, upstream = ctx.saved_tensors
-            grads = _loss_torch.logprobs_bwd(
-                hidden, weight, targets, bias, lse, upstream * grad_loss, **_needs(ctx, bias)
-            )
-            return *grads, None, None, None
-        if grad_loss.device.type != "cpu" or float(grad_loss) != 1.0:  # no host sync on an accelerator
-            for g in grads:
-                if g is not None:
-                    g.mul_(grad_loss)
-        return *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,8 +67,40 @@ def resolve_mode(mode: str, hidden: Tensor) -> str:
     return MODE_RULES.get((*key, dtype), MODE_RULES.get((*key, None), "two-pass"))
 
 
+def _check_mode(mode: str, cfg: LossConfig) -> None:
+    """``mode`` is one of :data:`MODES`, and gradient-in-forward comes with token-level importance sampling."""
+    check_choice("mode", mode, MODES)
+    if mode == "grad-in-forward" and cfg.importance_sampling == "sequence":
+        raise ValueError(
+            "mode='grad-in-forward' needs importance_sampling='token': a sequence-level ratio (GSPO) depends on the "
+            "whole sequence, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
+        )
+
+
+def _call_mode(mode: str, cfg: LossConfig, hidden: Tensor, head: tuple[Tensor, Tensor | None]) -> str:
+    """The mode a call runs: gradient-in-forward when ``mode`` resolves to it, the ratio is per token and gradients
+    are wanted (grad mode on, hidden, weight or bias requiring grad); two-pass otherwise."""
+    token_level = cfg.importance_sampling == "token"
+    if token_level and resolve_mode(mode, hidden) == "grad-in-forward" and _wants_grad(hidden, *head):
+        return "grad-in-forward"
+    return "two-pass"
+
+
 def _wants_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
+    """:func:`cppo_kernels._policy.policy_loss` on the packed per-token log-probs."""
+    return policy_loss(
+        logp,
+        p.advantages,
+        p.cu_seqlens,
+        old_logprobs=p.old_logprobs,
+        ref_logprobs=p.ref_logprobs,
+        entropy=entropy,
+        config=cfg,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,29 +185,29 @@ def fused_cppo_loss(
         ``num_tokens``, and ``entropy`` (mean) with ``compute_entropy``. Empty sequences and empty batches give
         0, never NaN.
     """
-    cfg = _loss_config(config, locals())
-    check_choice("mode", mode, MODES)
-    if mode == "grad-in-forward" and cfg.importance_sampling == "sequence":
-        raise ValueError(
-            "mode='grad-in-forward' needs importance_sampling='token': a sequence-level ratio (GSPO) depends on the "
-            "whole sequence, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
-        )
-    p, checks = _pack(
-        "hidden", hidden, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, cfg, gather_rows=True
-    )
-    _check_head(p.x, weight, bias)
+    cfg = loss_config(
+        config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
+        beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
+        max_completion_length=max_completion_length, compute_entropy=compute_entropy,
+    )  # fmt: skip
+    _check_mode(mode, cfg)
+    p, checks = pack(
+        "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True,
+    )  # fmt: skip
+    check_head(p.x, weight, bias)
     checks.in_range(p.targets, weight.shape[0])
     checks.raise_first()
     h = p.x.contiguous()  # [T, H]
     head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
     tgt = p.targets.to(torch.int64).contiguous()  # [T]
-    token_level = cfg.importance_sampling == "token"
-    if token_level and resolve_mode(mode, h) == "grad-in-forward" and _wants_grad(h, *head):
+    run = _call_mode(mode, cfg, h, head)
+    backend = backend_module("loss", h, mode=run)
+    if run == "grad-in-forward":
         batch = batch_constants(p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0])
-        loss, logp, ratio, kl, entropy = _GradInForward.apply(h, *head, tgt, batch, cfg)
+        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend)
         return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg)
-    backend = backend_module("loss", h)
-    logp, entropy = _FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend)
+    logp, entropy = FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend)
     return _policy_loss(p, logp, entropy, cfg)
 
 
@@ -591,14 +235,14 @@ def fused_logprobs(
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
-    hidden = _tensor("hidden", hidden)
+    hidden = check_tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
     cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
-    _check_head(hidden, weight, bias)
+    check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
-    targets = _check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
-    checks = _Checks()
+    targets = check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
+    checks = Checks()
     checks.in_range(targets, weight.shape[0])
     checks.raise_first()
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
@@ -610,7 +254,7 @@ def fused_logprobs(
         temperature=cfg.temperature,
         compute_entropy=cfg.compute_entropy,
     )
-    _check_logits(lse, logp, h, weight, bias)
+    check_logits(lse, logp, h, weight, bias)
     logp = logp.reshape(lead)
     return (logp, entropy.reshape(lead)) if cfg.compute_entropy else logp
 
@@ -648,10 +292,23 @@ def cppo_loss_from_logits(
     Returns:
         ``(loss, metrics)`` as :func:`fused_cppo_loss`, the loss with gradients to ``logits``.
     """
-    cfg = _loss_config(config, locals())
-    p, checks = _pack(
-        "logits", logits, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, cfg, gather_rows=False
-    )
+    cfg = loss_config(
+        config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
+        beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
+        max_completion_length=max_completion_length, compute_entropy=compute_entropy,
+    )  # fmt: skip
+    p, checks = pack(
+        "logits", logits, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False,
+    )  # fmt: skip
+    logp, entropy = _logits_logprobs(p, checks, cfg)
+    return _policy_loss(p, logp, entropy, cfg)
+
+
+def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor, Tensor | None]:
+    """The packed per-token log-probs ``[T]`` (fp32, under autograd) and entropies (``[T]``, or None without
+    ``compute_entropy``) of the logits rows ``p.x`` (``[T, V]``, or ``[B*L, V]`` padded), after the value checks
+    (``checks``, targets in range, a finite log-sum-exp where counted) have been raised."""
     vocab = p.x.shape[-1]
     if vocab == 0:
         raise ValueError("logits must have a non-empty last dimension (V >= 1)")
@@ -672,7 +329,7 @@ def cppo_loss_from_logits(
     if p.flat is not None:
         logp = logp[p.flat]
         entropy = None if entropy is None else entropy[p.flat]
-    return _policy_loss(p, logp, entropy, cfg)
+    return logp, entropy
 
 
 class FusedCPPOLoss(nn.Module):
@@ -691,10 +348,7 @@ class FusedCPPOLoss(nn.Module):
 
     def __init__(self, config: LossConfig | None = None, *, mode: str = "auto", **options: Any) -> None:
         super().__init__()
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown}: the options are {list(_OPTIONS)}")
-        self.config = _loss_config(config, options)
+        self.config = loss_config(config, **options)
         self.mode = check_choice("mode", mode, MODES)
 
     def forward(

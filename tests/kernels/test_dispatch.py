@@ -1,10 +1,13 @@
-"""Backend choice: the environment variable, the use_backend context, and their errors."""
+"""Backend choice: the environment variable, the use_backend context, and their errors; the execution modes each
+backend implements, and where a mode a backend lacks runs."""
+
+import importlib
 
 import pytest
 import torch
 
 from cppo_kernels import use_backend
-from cppo_kernels._dispatch import backend_module, requested_backend, use_triton
+from cppo_kernels._dispatch import BACKEND_MODES, backend_module, requested_backend, use_triton
 
 
 def test_env_then_context_then_argument(monkeypatch):
@@ -55,3 +58,46 @@ def test_backend_module_follows_the_choice():
             assert backend_module(op, x).__name__ == f"cppo_kernels._{op}_torch"
         with use_backend("triton"):  # the tests run with TRITON_INTERPRET=1
             assert backend_module(op, x).__name__ == f"cppo_kernels._{op}_triton"
+
+
+#: The functions a loss backend needs for each execution mode of fused_cppo_loss.
+_MODE_FUNCTIONS = {
+    "two-pass": ("logprobs_fwd", "logprobs_bwd"),
+    "grad-in-forward": ("logprobs_fwd_grads", "logprobs_bwd"),
+}
+
+
+def test_backend_modes_are_what_the_modules_implement():
+    """BACKEND_MODES lists exactly the modes whose functions a backend module has; the torch twin has every mode."""
+    modes = BACKEND_MODES["loss"]
+    assert set(modes["torch"]) == set(_MODE_FUNCTIONS) and set(modes["triton"]) <= set(modes["torch"])
+    for backend, listed in modes.items():
+        module = importlib.import_module(f"cppo_kernels._loss_{backend}")
+        implemented = [m for m, fns in _MODE_FUNCTIONS.items() if all(callable(getattr(module, f, None)) for f in fns)]
+        assert sorted(implemented) == sorted(listed), backend
+
+
+def test_a_mode_the_triton_backend_lacks_runs_on_the_torch_twin(monkeypatch):
+    """Gradient-in-forward exists only in the torch backend: it runs there whatever the backend asked for, without
+    consulting the Triton backend (no TRITON_INTERPRET error); two-pass follows the backend choice."""
+    x = torch.zeros(1)
+    for backend in ("auto", "torch", "triton"):
+        with use_backend(backend):
+            assert backend_module("loss", x, mode="grad-in-forward").__name__ == "cppo_kernels._loss_torch"
+    with use_backend("triton"):
+        assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_triton"
+    with use_backend("torch"):
+        assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with use_backend("triton"):
+        assert backend_module("loss", x, mode="grad-in-forward").__name__ == "cppo_kernels._loss_torch"
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            backend_module("loss", x, mode="two-pass")
+
+
+def test_bad_mode_is_a_clear_error():
+    x = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"mode must be one of \('two-pass', 'grad-in-forward'\) for op 'loss'"):
+        backend_module("loss", x, mode="fast")
+    with pytest.raises(ValueError, match="op 'advantages' has no execution modes"):
+        backend_module("advantages", x, mode="two-pass")

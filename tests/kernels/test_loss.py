@@ -3,6 +3,10 @@ the loss, in both modes of the torch backend (two-pass and gradient-in-forward).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import pydoc
+import re
 from typing import NamedTuple
 
 import pytest
@@ -22,6 +26,7 @@ from cppo_kernels import (
     reference,
 )
 from cppo_kernels import loss as loss_module
+from cppo_kernels.config import LOSS_OPTIONS
 
 pytestmark = pytest.mark.usefixtures("small_chunks")
 
@@ -387,6 +392,38 @@ OPTIONS = dict(
     temperature=0.8, epsilon_low=0.1, epsilon_high=0.28, dual_clip=3.0, beta=0.04, kl_estimator="k2",
     importance_sampling="sequence", loss_agg="seq-mean-token-sum-norm", max_completion_length=9, compute_entropy=True,
 )  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", [fused_cppo_loss, cppo_loss_from_logits, fused_logprobs])
+def test_public_signatures_are_the_loss_config_fields(fn):
+    """The options are defined once, as LossConfig's fields: each public function lists its options by name, as
+    keyword-only parameters after ``config`` in the fields' order (all of them; fused_logprobs: its two), with the
+    field's default and annotation, and help() shows each with its default; so the signatures cannot drift."""
+    fields = {f.name: f for f in dataclasses.fields(LossConfig)}
+    assert tuple(fields) == LOSS_OPTIONS
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    if fn is fused_logprobs:
+        options = ["temperature", "compute_entropy"]
+        assert names[names.index("bias") + 1 :] == options
+    else:
+        options = list(fields)
+        assert names[names.index("config") + 1 :] == options + (["mode"] if fn is fused_cppo_loss else [])
+    text = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+    for name in options:
+        param, field = params[name], fields[name]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert param.default == field.default and type(param.default) is type(field.default), name
+        assert param.annotation == field.type, name
+        assert re.search(rf"\b{name}: [^=]+ = {re.escape(repr(field.default))}[,)]", text), name
+
+
+def test_options_cover_every_field():
+    """OPTIONS sets every LossConfig field away from its default, so the config tests below pass every option
+    through every public function (a keyword not forwarded into the LossConfig fails them)."""
+    assert list(OPTIONS) == list(LOSS_OPTIONS)
+    defaults = LossConfig()
+    assert all(value != getattr(defaults, name) for name, value in OPTIONS.items())
 
 
 def _run(loss_fn, inputs: list[torch.Tensor], *args, **kwargs):

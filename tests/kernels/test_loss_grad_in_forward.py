@@ -321,6 +321,38 @@ def test_explicit_mode_on_the_triton_backend(monkeypatch):
         assert_close(name, got, exp, 1e-4)
 
 
+def test_both_modes_take_their_backend_from_the_dispatcher(monkeypatch):
+    """Each mode asks the dispatcher for its backend module, naming the mode it runs (gradient-in-forward only when
+    gradients are wanted; GSPO takes the two-pass path under mode="auto")."""
+    asked = []
+    real = loss_module.backend_module
+    monkeypatch.setattr(
+        loss_module, "backend_module", lambda op, t, *, mode=None: asked.append((op, mode)) or real(op, t, mode=mode)
+    )
+    hidden, weight, bias, targets, adv, old, _ = _inputs(4, [6, 5], torch.float32)
+    cu = cu_seqlens([6, 5])
+    for mode in ("grad-in-forward", "two-pass", "auto"):
+        _run(mode, hidden, weight, bias, targets, adv, cu, old_logprobs=old)
+    _run("auto", hidden, weight, bias, targets, adv, cu, old_logprobs=old, importance_sampling="sequence")
+    fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, mode="grad-in-forward")  # no gradient wanted
+    modes = ["grad-in-forward", "two-pass", "grad-in-forward", "two-pass", "two-pass"]
+    assert asked == [("loss", mode) for mode in modes]
+
+
+def test_grad_in_forward_does_not_consult_the_triton_backend(monkeypatch):
+    """A forced Triton backend that cannot run here (no interpreter) does not stop gradient-in-forward, which runs
+    on the torch twin; the two-pass path on it raises the backend's error."""
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = _spy(monkeypatch)
+    hidden, weight, bias, targets, adv, old, _ = _inputs(9, [7, 4], torch.float32)
+    args = (hidden, weight, bias, targets, adv, cu_seqlens([7, 4]))
+    loss, _, grads = _run("grad-in-forward", *args, old_logprobs=old)
+    assert calls == [1] and torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _run("two-pass", *args, old_logprobs=old)
+
+
 def test_only_cuda_bf16_takes_half_precision_gemms():
     """fp16 would overflow the weight gradient's scaled operand (ratios up to e^20): it runs fp32 GEMMs."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -353,6 +385,7 @@ def test_half_precision_gemm_path_on_cpu(dtype, monkeypatch):
         assert_close(name, got, exp, 2**-6 if dtype == torch.bfloat16 else 2**-9, 1e-6)  # 8 / 11 mantissa bits
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS bf16 GEMMs with fp32 outputs)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_grad_in_forward_matches_the_triton_two_pass(dtype, monkeypatch):

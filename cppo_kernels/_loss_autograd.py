@@ -1,0 +1,149 @@
+"""The autograd Functions of :func:`cppo_kernels.fused_cppo_loss`, one per execution mode, each over the backend
+module the dispatcher (:func:`cppo_kernels._dispatch.backend_module`) gave for that mode:
+
+- :class:`FusedLogProbs` (two-pass): the per-token log-probs in the forward; the backward recomputes the logits
+  (4 matmuls in all with the forward);
+- :class:`GradInForward` (gradient-in-forward, token-level importance sampling): the loss, its gradients computed in
+  the forward chunk by chunk while the logits are in memory (3 matmuls in all).
+
+Their inputs are already validated (:mod:`cppo_kernels._loss_inputs`); neither supports double backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._loss_inputs import check_logits
+from ._policy import Batch, aggregate, token_grad, token_terms, token_weights
+from .config import LossConfig
+
+
+def _first_order(backward: Callable) -> Callable:
+    """A Function's backward that refuses ``create_graph=True`` with a clear error (it is not differentiable: its
+    gradients would silently carry no second derivative)."""
+
+    @functools.wraps(backward)
+    def first_order_backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_cppo_loss does not support double backward (create_graph=True): its backward is not "
+                "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
+            )
+        return backward(ctx, *grads)
+
+    return first_order_backward
+
+
+class FusedLogProbs(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None): the two-pass path
+    over ``backend`` (a module of mode "two-pass": its ``logprobs_fwd`` and ``logprobs_bwd``; the backward recomputes
+    the logits)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, backend: ModuleType):
+        logp, lse, entropy = backend.logprobs_fwd(
+            hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy
+        )
+        check_logits(lse, logp, hidden, weight, bias)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        ctx.backend = backend
+        ctx.set_materialize_grads(False)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None:
+            return (None,) * 7
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        grads = ctx.backend.logprobs_bwd(
+            hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
+        )
+        return *grads, None, None, None, None
+
+
+def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
+    """The ``logprobs_bwd`` keywords of a backward: the temperature and which of hidden / weight / bias need grads."""
+    return dict(
+        temperature=ctx.temperature,
+        needs_hidden_grad=ctx.needs_input_grad[0],
+        needs_weight_grad=ctx.needs_input_grad[1],
+        needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
+    )
+
+
+class GradInForward(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H], bias [V]) -> (loss, logp, ratio, kl or None, entropy or None): the loss of
+    token-level importance sampling, its gradients computed in the forward pass.
+
+    The forward runs ``backend.logprobs_fwd_grads`` (a backend of mode "grad-in-forward": today only
+    :mod:`cppo_kernels._loss_torch`, which the dispatcher gives whatever the backend asked for), which asks for each
+    chunk's upstream gradient ``d loss / d logp_t`` (:func:`cppo_kernels._policy.token_grad` times the aggregation
+    weight, known from the token and the counts alone) while the chunk's logits are in memory: 3 matmuls in all. The
+    backward only scales the fp32 gradients by the loss's incoming gradient (skipped when it is 1 on the CPU), rounds
+    them to the inputs' dtypes and hands them over (released: the first backward owns them). A second backward
+    through the same graph (``retain_graph``) recomputes them with the backend's two-pass backward from the saved
+    per-token upstream gradients; double backward (``create_graph``) raises a ``RuntimeError``, as on the two-pass
+    path.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, batch: Batch, cfg: LossConfig, backend: ModuleType):
+        T = hidden.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
+        kl = None if batch.ref is None else torch.empty(T, **f32)  # [T]
+        weights = token_weights(batch, cfg)  # [T]
+
+        def chunk_upstream(start: int, stop: int, logp: Tensor) -> Tensor:
+            rows = slice(start, stop)
+            old, ref = (None if x is None else x[rows] for x in (batch.old, batch.ref))
+            terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
+            for buffer, value in zip((per_token, ratio, kl), terms):
+                if buffer is not None:
+                    buffer[rows] = value
+            upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
+            return upstream[rows]
+
+        needs = ctx.needs_input_grad
+        logp, lse, entropy, *grads = backend.logprobs_fwd_grads(
+            hidden, weight, targets, bias, chunk_upstream, temperature=cfg.temperature,
+            compute_entropy=cfg.compute_entropy, needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
+            needs_bias_grad=bias is not None and needs[2],
+        )  # fmt: skip
+        check_logits(lse, logp, hidden, weight, bias)
+        ctx.grads = grads
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, upstream)
+        ctx.temperature = cfg.temperature
+        ctx.backend = backend
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(x for x in (logp, ratio, kl, entropy) if x is not None))
+        return aggregate(per_token, batch, cfg), logp, ratio, kl, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_loss, *_):
+        if grad_loss is None:
+            return (None,) * 7
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:  # a second backward through this graph: recompute (two-pass backward, same gradients)
+            hidden, weight, bias, targets, lse, upstream = ctx.saved_tensors
+            grads = ctx.backend.logprobs_bwd(
+                hidden, weight, targets, bias, lse, upstream * grad_loss, **_needs(ctx, bias)
+            )
+            return *grads, None, None, None, None
+        if grad_loss.device.type != "cpu" or float(grad_loss) != 1.0:  # no host sync on an accelerator
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_loss)
+        return *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None
