@@ -33,6 +33,7 @@ import zipfile
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 from .distributed import DistInfo, barrier
@@ -98,9 +99,33 @@ def save(
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}")
     if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(tmp):
+            remove(tmp)
         os.makedirs(tmp)
     barrier(info)
+    try:
+        _write(
+            tmp, module=module, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state, info=info
+        )
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch's "unexpected pos", safetensors' error
+        if info.is_main and os.path.lexists(tmp):
+            remove(tmp)
+        raise CheckpointWriteError(_write_failure(path, e, module=module, optimizer=optimizer)) from None
+    barrier(info)
+    if info.is_main:
+        fsync_tree(tmp)
+        _move_into_place(tmp, path)
+    barrier(info)
+    return path
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota); the temporary folder is removed and every earlier
+    checkpoint is intact."""
+
+
+def _write(tmp: str, *, module, tokenizer, optimizer, scheduler, state: dict, info: DistInfo) -> None:
+    """The files of a checkpoint into the temporary folder ``tmp`` (every rank: FSDP2 writes shards from each)."""
     sharded = is_fsdp2(module)
     if sharded:
         import torch.distributed.checkpoint as dcp
@@ -119,12 +144,27 @@ def save(
             "rng": rng_state(),
         }
         torch.save(full, os.path.join(tmp, STATE_FILE))
-    barrier(info)
-    if info.is_main:
-        fsync_tree(tmp)
-        _move_into_place(tmp, path)
-    barrier(info)
-    return path
+
+
+def _write_failure(path: str, error: BaseException, *, module, optimizer) -> str:
+    """One line: which checkpoint, why, the free space against what it needs, and the one a resume would use."""
+    folder = os.path.dirname(path)
+    params = sum(p.numel() * p.element_size() for p in unwrap_model(module).parameters())
+    moments = sum(
+        t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)
+    )
+    need = _megabytes(params + moments)
+    try:
+        free = f"{_megabytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    previous = latest(folder)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return f"cannot write checkpoint {path} ({first_line(error)}; {free}, about {need} needed): {kept}"
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
 
 
 def fsync_tree(folder: str) -> None:
@@ -152,11 +192,12 @@ def _move_into_place(tmp: str, path: str) -> None:
         _fsync(parent)
         return
     replaced = os.path.join(parent, REPLACED_PREFIX + os.path.basename(path))
-    shutil.rmtree(replaced, ignore_errors=True)
-    os.replace(path, replaced)
+    if os.path.lexists(replaced):
+        remove(replaced)
+    os.replace(path, replaced)  # a symlinked checkpoint moves as the link (its target is never touched)
     os.replace(tmp, path)
     _fsync(parent)
-    shutil.rmtree(replaced)
+    remove(replaced)
 
 
 def remove_leftovers(output_dir: str) -> list[str]:
@@ -172,7 +213,7 @@ def remove_leftovers(output_dir: str) -> list[str]:
             remove(full)
         elif name != target and CHECKPOINT_RE.match(target):
             if os.path.exists(os.path.join(output_dir, target)):  # the re-save arrived
-                shutil.rmtree(full)
+                remove(full)
             else:  # it did not: the old folder goes back
                 os.replace(full, os.path.join(output_dir, target))
         else:
@@ -182,8 +223,9 @@ def remove_leftovers(output_dir: str) -> list[str]:
 
 
 def remove(path: str) -> None:
-    """Deletes a file, or a folder with everything in it."""
-    if os.path.isdir(path):
+    """Deletes a file, or a folder with everything in it. A symbolic link (a checkpoint linked to an archive) is
+    removed as a link: what it points to is never followed or deleted."""
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
         os.remove(path)

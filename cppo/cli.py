@@ -94,8 +94,9 @@ def _train(args) -> int:
     if args.dry_run:
         return _dry_run(args, config)
     info = distributed.init_distributed(device=config.device)  # torchrun's process group, or one process
+    lock = None
     try:
-        rundir.prepare(config.output_dir, resume=args.resume, overwrite=args.overwrite, info=info)
+        lock = rundir.prepare(config.output_dir, resume=args.resume, overwrite=args.overwrite, info=info)
         candidates = (
             rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=info)
             if args.resume
@@ -113,6 +114,8 @@ def _train(args) -> int:
             keys = ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
     finally:
+        if lock is not None:
+            lock.release()
         distributed.close_distributed()
     return 0
 
@@ -124,10 +127,12 @@ def _dry_run(args, config: TrainConfig) -> int:
     from .data import count_local_problems
     from .distributed import DistInfo
     from .rewards import get_rewards
+    from .runlock import check_free
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
     rundir.check_writable(config.output_dir, create=False)
+    check_free(config.output_dir)
     get_rewards(config.rewards)
     if not (args.resume or args.overwrite):
         rundir.refuse_existing_run(config.output_dir)

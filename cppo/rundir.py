@@ -11,17 +11,19 @@ import tempfile
 
 from . import checkpoint
 from .config import TrainConfig
-from .distributed import DistInfo, barrier
+from .distributed import DistInfo, barrier, max_across_ranks
+from .runlock import RunLock, RunLocked
 
 logger = logging.getLogger(__name__)
 
-#: The files a run writes into its output_dir besides its checkpoint-N folders.
-RUN_FILES = ("metrics.jsonl", "metrics.png")
+#: The files a run writes into its output_dir besides its checkpoint-N folders (the folders: report_to's sinks).
+RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb")
 #: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
 #: its length (with a decaying lr_schedule, a new length reshapes the remaining schedule), and how (not what) it
 #: computes. Any other difference changes the run.
 RESUMABLE = frozenset(
     {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
+    | {"report_to"}
     | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
 )
 
@@ -68,14 +70,40 @@ def refuse_existing_run(output_dir: str) -> None:
         )
 
 
-def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -> None:
-    """Before anything loads: ``output_dir`` must be writable and, unless ``resume`` or ``overwrite``, hold no run.
-    Then rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`). The old run itself goes
-    only in :func:`clear_run`, once the new one has loaded. Call it on every rank."""
+def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
+    """Before anything loads: ``output_dir`` must be writable, rank 0 takes its run lock (:mod:`cppo.runlock`: a
+    second run or resume of the folder is refused, naming the holder) and, unless ``resume`` or ``overwrite``, the
+    folder must hold no run. Then rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`).
+    The old run itself goes only in :func:`clear_run`, once the new one has loaded. Call it on every rank; rank 0
+    gets the lock (held until it is released or the process exits), the others None."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
     check_writable(output_dir)
-    if not (resume or overwrite):
+    lock = _lock_on_rank0(output_dir, info=info)
+    try:
+        _check_and_clean(output_dir, fresh=not (resume or overwrite), info=info)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+def _lock_on_rank0(output_dir: str, *, info: DistInfo) -> RunLock | None:
+    """Rank 0 takes the lock; every rank learns whether it could (so none waits for a rank that gave up)."""
+    lock, refused = None, None
+    if info.is_main:
+        try:
+            lock = RunLock.of(output_dir).acquire()
+        except RunLocked as e:
+            refused = e
+    if max_across_ranks(int(refused is not None), info=info):
+        raise refused or RunLocked(f"output_dir {output_dir!r} is in use by another run (rank 0 names it)")
+    return lock
+
+
+def _check_and_clean(output_dir: str, *, fresh: bool, info: DistInfo) -> None:
+    if fresh:
         refuse_existing_run(output_dir)
     barrier(info)  # every rank has looked before rank 0 changes anything
     if info.is_main:

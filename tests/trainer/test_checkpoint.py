@@ -286,3 +286,65 @@ def test_settings_that_do_not_change_the_math_may_differ_on_resume():
     assert rundir.run_changes(saved, load_config("tiny-cpu", list(free))) == []
     changed = rundir.run_changes(saved, load_config("tiny-cpu", [*free, "reward_timeout=2.0", "top_p=0.9"]))
     assert [c.split(":")[0] for c in changed] == ["top_p", "reward_timeout"], changed
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 21, findings 6 and 7: a symlinked checkpoint, a full disk during a save
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_symlinked_checkpoint_is_replaced_as_a_link_and_its_archive_kept(run, tmp_path, capsys):
+    """checkpoint-2 linked to an archive: resuming the finished run re-saves step 2 in place of the link (the archive
+    untouched), leaves no .replaced-* behind, and the folder resumes and overwrites again afterwards."""
+    archive = tmp_path / "archive" / "checkpoint-000002"
+    archive.parent.mkdir()
+    (run / "checkpoint-000002").rename(archive)
+    os.symlink(archive, run / "checkpoint-000002")
+    before = sorted(p.relative_to(archive) for p in archive.rglob("*"))
+    final_save = ("num_steps=2", "save_every=0")  # a finished run saves its last step again at the end
+    assert train_cli(run, "--resume", settings=final_save) == 0, capsys.readouterr().err
+    assert not (run / "checkpoint-000002").is_symlink() and (run / "checkpoint-000002" / "model").is_dir()
+    assert sorted(p.relative_to(archive) for p in archive.rglob("*")) == before  # the archive is whole
+    assert not [p.name for p in run.iterdir() if p.name.startswith((checkpoint.REPLACED_PREFIX, ".tmp-"))]
+    assert train_cli(run, "--resume", settings=final_save) == 0
+    assert train_cli(run, "--overwrite", settings=("num_steps=1",)) == 0
+
+
+def test_a_leftover_replaced_link_never_blocks_a_run(run, tmp_path):
+    """A ``.replaced-checkpoint-N`` that is a link (left by the old code) is removed as a link at the next start."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    os.symlink(target, run / (checkpoint.REPLACED_PREFIX + "checkpoint-000002"))
+    assert checkpoint.remove_leftovers(str(run)) == [checkpoint.REPLACED_PREFIX + "checkpoint-000002"]
+    assert (target / "keep.txt").read_text() == "mine"
+    assert train_cli(run, "--resume", settings=("num_steps=2",)) == 0
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4480 vs 4368"),
+        OSError(28, "No space left on device"),
+    ],
+    ids=["torch.save", "ENOSPC"],
+)
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(run, monkeypatch, capsys, failure):
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith(checkpoint.STATE_FILE) and "checkpoint-000003" in str(f):
+            real_save(obj, f, *args, **kwargs)  # a partial file, as a disk that fills up leaves
+            raise failure
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    before = (run / "checkpoint-000002" / checkpoint.STATE_FILE).read_bytes()
+    assert train_cli(run, "--resume", settings=("num_steps=3",)) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"cannot write checkpoint {run / 'checkpoint-000003'}" in lines[0], lines
+    assert "free, about" in lines[0] and f"the previous checkpoint {run / 'checkpoint-000002'} is intact" in lines[0]
+    assert not (run / ".tmp-checkpoint-000003").exists() and not (run / "checkpoint-000003").exists()
+    assert (run / "checkpoint-000002" / checkpoint.STATE_FILE).read_bytes() == before
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    assert train_cli(run, "--resume", settings=("num_steps=3",)) == 0  # space freed: the run goes on

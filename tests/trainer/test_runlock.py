@@ -1,0 +1,72 @@
+"""One run per output_dir: a second run or resume of a folder is refused naming the holder; a lock whose holder
+was SIGKILLed is taken over; dry runs see it without writing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from tiny_run import train_cli
+
+from cppo.runlock import LOCK_NAME, RunLock, RunLocked, check_free
+
+HOLD = """
+import sys, time
+from cppo.runlock import RunLock
+RunLock.of(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(folder) -> subprocess.Popen:
+    """A process that takes the lock of ``folder`` and sleeps (it prints "locked" once it holds it)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_over(tmp_path, caplog):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RunLocked, match=rf"in use by another run \(PID {proc.pid} on host \S+, started 20"):
+            RunLock(str(tmp_path)).acquire()
+        with pytest.raises(RunLocked, match=f"PID {proc.pid}"):
+            check_free(str(tmp_path))  # a dry run sees it too
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with caplog.at_level("WARNING", logger="cppo.runlock"):
+        lock = RunLock(str(tmp_path)).acquire()  # the kernel dropped the dead holder's lock
+    assert "took over the lock of a run that ended without releasing it" in caplog.text
+    assert f"PID {os.getpid()}" not in caplog.text
+    lock.release()
+    assert (tmp_path / LOCK_NAME).read_text() == ""  # released on purpose: the next run warns of nothing
+    check_free(str(tmp_path))
+
+
+def test_the_lock_nests_within_a_process(tmp_path):
+    lock = RunLock.of(str(tmp_path))
+    with lock, RunLock.of(str(tmp_path)):
+        assert lock.depth == 2
+        check_free(str(tmp_path))  # this process holds it: free for its own dry-run checks
+    assert lock.depth == 0 and lock.fd is None
+
+
+def test_cppo_train_into_a_folder_in_use_is_one_line(tmp_path, capsys):
+    """Two ``cppo train`` (or two ``--resume``) of one folder: the second is refused before it writes anything."""
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = _holder(out)
+    try:
+        for extra in ([], ["--resume"], ["--dry-run"]):
+            assert train_cli(out, *extra) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith("cppo train: error: output_dir") and f"PID {proc.pid}" in err[-1], err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
