@@ -35,6 +35,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, tot
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig) -> None:
+    """After a resume restored ``optimizer`` and ``scheduler`` from a checkpoint: the run's own ``lr`` and
+    ``weight_decay`` replace the saved ones, and the schedule (built from ``config``: ``lr_schedule``,
+    ``warmup_ratio``, the run's length) sets the current learning rate at the restored step, so that a setting a
+    resume accepts is applied, never recorded and ignored. With unchanged settings nothing changes (the same
+    formula the schedule applied at its last step)."""
+    scheduler.base_lrs = [float(config.lr)] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = float(config.lr)
+        group["weight_decay"] = float(config.weight_decay)
+        group["lr"] = float(config.lr) * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def optimizer_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, max_grad_norm: float
 ) -> tuple[float, bool]:

@@ -348,3 +348,40 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert (run / "checkpoint-000002" / checkpoint.STATE_FILE).read_bytes() == before
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert train_cli(run, "--resume", settings=("num_steps=3",)) == 0  # space freed: the run goes on
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 21, finding 2: --allow-config-change applies what it accepts
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_accepted_change_of_lr_weight_decay_and_schedule_is_applied(tmp_path, monkeypatch):
+    """Restoring the optimizer and scheduler used to bring the saved lr and weight decay back; the resumed run's own
+    values now apply from the first step after the resume, on the run's own schedule."""
+    from tiny_run import tiny_config
+
+    from cppo import Trainer
+
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
+    base = dict(num_steps=2, lr=1e-2, weight_decay=0.0, lr_schedule="constant", mu=1)
+    first = Trainer(tiny_config(tmp_path / "run", **base))
+    first.train()
+    saved = checkpoint.read_state(str(tmp_path / "run" / "checkpoint-000002"))["optimizer"]["param_groups"]
+    same = Trainer(tiny_config(tmp_path / "run", **base))
+    same.load_checkpoint(str(tmp_path / "run" / "checkpoint-000002"))
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in saved]  # unchanged: bit for bit
+    changed = dict(base, num_steps=6, lr=5e-3, weight_decay=0.1, lr_schedule="cosine", warmup_ratio=0.5)
+    resumed = Trainer(tiny_config(tmp_path / "run", **changed))
+    resumed.load_checkpoint(str(tmp_path / "run" / "checkpoint-000002"))
+    lam = resumed.scheduler.lr_lambdas[0]
+    want = 5e-3 * lam(2)  # step 2 of 6 under a 3-step warm-up, then cosine
+    assert want != 5e-3 and all(g["lr"] == want and g["weight_decay"] == 0.1 for g in resumed.optimizer.param_groups)
+    record = resumed.train_step()
+    assert record["lr"] == 5e-3 * lam(3)
+    assert all(g["weight_decay"] == 0.1 for g in resumed.optimizer.param_groups)
+
+
+def test_settings_a_resume_cannot_apply_are_refused_naming_them(run):
+    config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "max_questions=16", "lr=0.5"])
+    with pytest.raises(ValueError, match=r"settings that a resume cannot apply \(max_questions: 32 -> 16\)"):
+        rundir.resume_candidates(config, allow_config_change=True, info=DistInfo())
