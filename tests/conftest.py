@@ -1,5 +1,6 @@
 """Test set-up: the Triton interpreter must be on before any @triton.jit runs."""
 
+import importlib.util
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -12,6 +13,12 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import cppo_kernels  # noqa: E402, F401  (imported after TRITON_INTERPRET is set)
+
+# triton decorates its own @jit helpers (tl.sum, tl.max, ...) at its first import, under the TRITON_INTERPRET of that
+# moment, and cppo_kernels imports it lazily: import it now, so that a test setting TRITON_INTERPRET=0 before anything
+# imported triton cannot break every interpreted kernel after it (tests/kernels/test_dispatch.py)
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: E402, F401
 
 settings.register_profile(
     "ci",

@@ -51,6 +51,17 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         use_triton(torch.zeros(1))
 
 
+def test_triton_helpers_stay_interpreted_after_a_test_sets_interpret_off():
+    """Runs right after the test above, which sets TRITON_INTERPRET=0 and reaches ``import triton``: triton decorates
+    its own @jit helpers (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) when first imported, under the TRITON_INTERPRET of
+    that moment, so had that been triton's first import, every interpreted kernel launched afterwards would fail
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"). tests/conftest.py imports triton up front."""
+    standard = pytest.importorskip("triton.language.standard")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert all(isinstance(f, InterpretedFunction) for f in (standard.sum, standard.max, standard.cdiv))
+
+
 def test_backend_module_follows_the_choice():
     x = torch.zeros(1)
     for op in ("advantages", "loss"):
