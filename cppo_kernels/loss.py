@@ -322,6 +322,13 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
     # Targets at padding (any value) are clamped into range; their rows are dropped below.
     targets = p.targets if p.flat is None else p.targets.clamp(0, vocab - 1)
     logp = z.gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1) - lse  # [N]
+    counted = logp.detach() if p.flat is None else logp.detach()[p.flat]
+    if not torch.isfinite(counted).all():  # a target at a -inf logit: probability 0, log-prob -inf
+        row = int((~torch.isfinite(counted)).nonzero()[0])
+        raise ValueError(
+            f"logits: the target token of counted position {row} has logit -inf (probability 0), so its log-prob is "
+            "-inf and the loss undefined: mask that position out, or do not mask the target's logit"
+        )
     entropy = None
     if cfg.compute_entropy:
         with torch.no_grad():

@@ -828,3 +828,46 @@ def test_float_mask_of_zeros_and_ones_is_accepted(path, dtype):
     bool_mask = kw.pop("mask")
     want = _run(fused_cppo_loss, [kw["hidden"]], **kw, mask=bool_mask)
     _assert_same(_run(fused_cppo_loss, [kw["hidden"]], **kw, mask=bool_mask.to(dtype)), want)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 21, finding 13: finite or a clear error
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_target_at_a_minus_inf_logit_is_a_clear_error_not_nan(layout):
+    """A target whose logit is -inf has probability 0: its log-prob is -inf, and the loss was NaN."""
+    logits = torch.zeros(4, 5)
+    logits[1, 2] = float("-inf")
+    targets = torch.tensor([0, 2, 1, 1])
+    if layout == "packed":
+        call = dict(cu_seqlens=torch.tensor([0, 4]))
+        args = (logits, targets, torch.tensor([1.0]))
+    else:
+        call = dict(mask=torch.ones(2, 2))
+        args = (logits.reshape(2, 2, 5), targets.reshape(2, 2), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match=r"logits: the target token of counted position 1 has logit -inf"):
+        cppo_loss_from_logits(*args, **call)
+    logits[1, 2], logits[1, 3] = 0.0, float("-inf")  # a -inf logit elsewhere is fine: the target is possible
+    loss, metrics = cppo_loss_from_logits(logits, targets, torch.tensor([1.0]), cu_seqlens=torch.tensor([0, 4]))
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_fp16_hidden_at_its_range_gives_fp32_finite_metrics(backend_name, monkeypatch):
+    """fp16 hidden states near fp16's maximum (6e4) with a large head: logits far past fp16's range. The loss and
+    every metric come back fp32 and finite."""
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", backend_name)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.full((6, 16), 6e4).half().requires_grad_()
+    weight = (torch.randn(50, 16, generator=g) * 0.5).half()
+    targets = torch.randint(0, 50, (6,), generator=g)
+    old = torch.zeros(6, dtype=torch.float16)
+    loss, metrics = fused_cppo_loss(
+        hidden, weight, targets, torch.tensor([1.0, -1.0]), cu_seqlens=torch.tensor([0, 3, 6]),
+        old_logprobs=old, ref_logprobs=old, beta=0.04, compute_entropy=True,
+    )  # fmt: skip
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    for name, value in metrics.items():
+        assert value.dtype == torch.float32 and torch.isfinite(value), (name, value)
