@@ -228,6 +228,17 @@ def logprobs_fwd_grads(
     return logp, lse, entropy, grads.dhidden, grads.dweight, grads.dbias
 
 
+def _softmax_minus_onehot(q: Tensor, lse: Tensor, targets: Tensor, v0: int) -> None:
+    """In place: the logits block ``q [n, Vb]`` (vocab columns ``v0 ...``) becomes ``softmax - onehot(target)``, so
+    that ``dz = -g q / temperature``; a scatter, not ``nonzero()``: no device sync."""
+    q.sub_(lse).exp_()  # [n, Vb] softmax (lse: [n, 1])
+    width = q.shape[1]
+    col = (targets - v0).clamp_(0, width - 1).unsqueeze(1)  # [n, 1]
+    at = q.gather(1, col)  # [n, 1]
+    hit = ((targets >= v0) & (targets < v0 + width)).unsqueeze(1)  # [n, 1] rows whose target is in this block
+    q.scatter_(1, col, torch.where(hit, at - 1.0, at))
+
+
 def logprobs_bwd(
     hidden: Tensor,
     weight: Tensor,
@@ -275,12 +286,7 @@ def logprobs_bwd(
                 v1 = min(v0 + BWD_VOCAB, vocab)
                 w_b = w[v0:v1]  # [Vb, H]
                 q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], inv_t)
-                q.sub_(lse_c).exp_()  # [n, Vb] softmax
-                # q = softmax - onehot, so dz = -g q / temperature; scatter, not nonzero(): no device sync
-                col = (tgt - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)  # [n, 1]
-                at = q.gather(1, col)  # [n, 1]
-                hit = ((tgt >= v0) & (tgt < v1)).unsqueeze(1)  # [n, 1] rows whose target is in this block
-                q.scatter_(1, col, torch.where(hit, at - 1.0, at))
+                _softmax_minus_onehot(q, lse_c, tgt, v0)  # [n, Vb]
                 if dh is not None:
                     dh[:n].addmm_(q, w_b)
                 if dweight is not None:
