@@ -179,11 +179,14 @@ def load_problems(
     split: str = "train",
     dataset_path: str | None = None,
     max_questions: int | None = None,
-    seed: int = 0,
+    question_seed: int | None = None,
 ) -> list[dict]:
     """Problems of ``dataset``: "arith" (generated; the test split uses other seeds), "gsm8k" / "math" / "math500"
     (from ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
-    .jsonl path, or a hub dataset name. ``max_questions`` caps the count (the first ones).
+    .jsonl path, or a hub dataset name. ``max_questions`` caps the count: the first ones, or with ``question_seed``
+    a sample of that many drawn by it (in file order); arith's training problems are generated from
+    ``question_seed`` (0 when None). The trainer passes the run's ``question_seed`` for the training split, so that
+    runs of other seeds train other questions; evaluation keeps the first (the same for every run).
 
     "math500" is an evaluation set only: asking for its train split is an error (train on "math", the MATH
     training set). The test split of "math" is MATH-500, the set the paper's recipe reports."""
@@ -196,7 +199,8 @@ def load_problems(
         dataset = "math500"
     if dataset == "arith":
         count = check_arith_count(max_questions or ARITH_DEFAULT)
-        problems = arithmetic_problems(count, seed=seed + ARITH_SPLIT_SEED.get(split, 7))
+        base = question_seed if question_seed is not None and split == "train" else 0
+        problems = arithmetic_problems(count, seed=base + ARITH_SPLIT_SEED.get(split, 7))
     elif dataset.endswith(".jsonl"):
         problems = read_jsonl(dataset)
     elif dataset_path is not None:
@@ -209,6 +213,9 @@ def load_problems(
         problems = _load_hub(dataset, split)
     if not problems:
         raise ValueError(f"dataset {dataset!r} ({split}) has no problems")
+    if max_questions and question_seed is not None and dataset != "arith" and max_questions < len(problems):
+        picked = sorted(random.Random(question_seed).sample(range(len(problems)), max_questions))
+        return [problems[i] for i in picked]
     return problems[:max_questions] if max_questions else problems
 
 

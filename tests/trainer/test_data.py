@@ -125,3 +125,33 @@ def test_arith_is_counted_without_building_and_bounded():
         count_local_problems("arith", max_questions=100_000_000)
     with pytest.raises(ValueError, match="max_questions must be <= 1,000,000"):
         load_problems("arith", max_questions=100_000_000)
+
+
+def test_the_question_seed_draws_the_training_questions(tmp_path):
+    """Runs of other seeds train other questions (arith generates them from the seed; a file is sampled), and every
+    run evaluates on the same test problems."""
+    a = load_problems("arith", split="train", max_questions=64, question_seed=42)
+    b = load_problems("arith", split="train", max_questions=64, question_seed=43)
+    assert a != b and a == load_problems("arith", split="train", max_questions=64, question_seed=42)
+    assert load_problems("arith", split="train", max_questions=64) == load_problems(
+        "arith", split="train", max_questions=64, question_seed=0
+    )  # seed 0 keeps the questions of earlier runs
+    test = load_problems("arith", split="test", max_questions=20, question_seed=42)
+    assert test == load_problems("arith", split="test", max_questions=20, question_seed=43)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}?", "answer": str(i)}) + "\n" for i in range(50)))
+    first = load_problems(str(path), max_questions=5)
+    assert [p["answer"] for p in first] == ["0", "1", "2", "3", "4"]
+    sampled = [load_problems(str(path), max_questions=5, question_seed=s) for s in (1, 2)]
+    assert sampled[0] != sampled[1] and all(len(s) == 5 for s in sampled)
+    assert [p["answer"] for p in sampled[0]] == sorted((p["answer"] for p in sampled[0]), key=int)  # file order
+
+
+def test_trainer_takes_question_seed_else_seed():
+    from cppo import TrainConfig
+
+    base = dict(max_prompt_length=8, max_completion_length=8)
+    assert TrainConfig(seed=7, **base).training_question_seed == 7
+    assert TrainConfig(seed=7, question_seed=3, **base).training_question_seed == 3
+    with pytest.raises(ValueError, match="question_seed must be >= 0"):
+        TrainConfig(question_seed=-1, **base)
