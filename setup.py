@@ -16,9 +16,10 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist", "hypothesis>=6.100", "liger-kernel>=0.6", "ruff"],
+        "test": ["pytest>=8", "pytest-xdist", "hypothesis>=6.100", "liger-kernel>=0.6", "ruff", "tensorboard", "wandb"],
         "train": ["transformers>=4.46", "accelerate", "gguf", "math-verify", "tqdm", "pyyaml"],
         "bench": ["matplotlib"],
+        "report": ["tensorboard", "wandb"],  # report_to: tensorboard, wandb (imported only when named)
         "hub": ["datasets"],
         "vllm": ["vllm"],
         "flash": ["flash-attn"],

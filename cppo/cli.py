@@ -207,9 +207,10 @@ def _eval(args) -> int:
     from . import fileio
     from .checkpoint import model_folder
     from .data import load_problems
+    from .device import resolve_device
     from .engines import EngineSettings, make_engine
     from .evaluate import evaluate_model
-    from .models import load_model_and_tokenizer, resolve_device
+    from .models import load_model_and_tokenizer
 
     _check_eval_args(args)
     device = resolve_device(args.device)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import pathlib
 import re
@@ -16,23 +15,23 @@ from dataclasses import dataclass, field
 import yaml
 
 from cppo_kernels import LossConfig
-from cppo_kernels.config import METRICS, check_choice, check_float, check_int
+from cppo_kernels.config import check_choice, check_float, check_int
+
+from .device import check_device
+from .engines import check_engine_name
+from .math_grading import check_timeout
+from .selection import Pruning
+from .sinks import check_report_to
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 #: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
 #: ``dtype``: the compute dtype (master weights and optimizer state are always float32).
 DTYPES = ("float32", "bfloat16", "float16")
-#: ``device``: these, or ``"cuda:N"`` (:func:`cppo.models.resolve_device` resolves ``"auto"``).
-DEVICES = ("auto", "cpu", "cuda")
 #: ``lr_schedule``: cosine / linear decay or constant, each after a linear warm-up.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 #: ``parallelism``: how the model is replicated over torchrun's processes (``none``: one process only).
 PARALLELISMS = ("none", "ddp", "fsdp2")
-#: ``selection_scope``: per question, pooled per rank, or pooled over all ranks.
-SELECTION_SCOPES = ("group", "batch", "global")
-#: ``rollout_backend``: transformers ``generate``, vLLM, or vLLM on CUDA when installed.
-ROLLOUT_BACKENDS = ("auto", "hf", "vllm")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 #: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
@@ -41,8 +40,6 @@ DATASETS = ("arith", "gsm8k", "math", "math500")
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 #: ``seed`` is at most this (the per-step seeds derived from it must fit torch's 64-bit seed).
 MAX_SEED = 2**32 - 1
-#: How :func:`cppo.distributed.reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
-REDUCTIONS = ("sum", "mean", "min", "max")
 
 
 def setting(default, help: str, *, factory=None):
@@ -59,14 +56,11 @@ def setting_help() -> dict[str, str]:
 
 @dataclass
 class TrainConfig:
-    """Every setting of a CPPO run. ``validate()`` (run on construction) rejects bad values naming the setting.
+    """Every setting of a CPPO run. ``validate()`` (run on construction, once) rejects bad values naming the
+    setting; it reads no file and loads no library: whether the model and the data exist is checked where they
+    load (:func:`check_model_and_data`, by the trainer and the CLI before anything trains).
 
-    Pruning uses the official count: of a pool of N completions, ``int(N * pruning_rate)`` (Python's float product,
-    truncated) with the smallest |advantage| are pruned and the rest kept. The pool is the rank's whole step with
-    ``selection_scope: batch`` (the official Open-R1 code), each question's G completions with ``group``, and the
-    step over all ranks with ``global``. With ``allocation`` a step draws ``ceil(questions_per_step / (1 -
-    pruning_rate))`` questions (rounded up, so a step never trains fewer completions than GRPO would), else
-    ``questions_per_step``.
+    The pruning rule (counts, scopes, allocation) is :class:`cppo.selection.Pruning`, built by :attr:`pruning`.
     """
 
     # model
@@ -135,10 +129,18 @@ class TrainConfig:
     reward_timeout: float = setting(
         0.5, "seconds math-verify may spend on one MATH completion (a worker process is killed past it; scores 0)"
     )
-    rollout_backend: str = setting("auto", "auto, hf (transformers generate) or vllm")
+    rollout_backend: str = setting(
+        "auto", "auto (vllm on CUDA when installed, else hf), hf (transformers generate), vllm, or a registered engine"
+    )
+    report_to: list[str] = setting(
+        None, "metric sinks: jsonl (metrics.jsonl), tensorboard, wandb, or none", factory=lambda: ["jsonl"]
+    )
     kernel_backend: str = setting("auto", "auto, triton or torch: the cppo_kernels path")
     # bookkeeping
     seed: int = setting(0, "seed of the question order, the sampling and a tiny model's initialisation (< 2**32)")
+    question_seed: int | None = setting(
+        None, "seed that picks the training questions (arith: generates them; max_questions: samples them); null: seed"
+    )
     parallelism: str = setting("ddp", "ddp or fsdp2 under torchrun")
     output_dir: str = setting("runs/cppo", "folder of metrics.jsonl, metrics.png and checkpoint-NNNNNN/")
     save_every: int = setting(0, "save a checkpoint every N steps (0: only at the end)")
@@ -150,39 +152,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def kept_count(self, num_completions: int) -> int:
-        """Completions kept of a pool of ``num_completions``: the official ``N - int(N * P)``."""
-        return num_completions - int(num_completions * self.pruning_rate)
-
     @property
-    def keep(self) -> int:
-        """Completions kept per question with ``selection_scope: group``: ``G - int(G * P)``."""
-        return self.kept_count(self.group_size)
-
-    @property
-    def completions_per_step(self) -> int:
-        """Completions a step generates (over all processes): ``questions_drawn * G``."""
-        return self.questions_drawn * self.group_size
-
-    @property
-    def kept_per_step(self) -> int:
-        """Completions a step trains in one process (``batch`` and ``global`` pool the whole step; under torchrun
-        ``batch`` pools each rank's share, which can keep a few more when the shares' counts truncate)."""
-        if self.selection_scope == "group":
-            return self.keep * self.questions_drawn
-        return self.kept_count(self.completions_per_step)
-
-    @property
-    def questions_drawn(self) -> int:
-        """Questions a step draws: ``ceil(questions_per_step / (1 - P))`` with allocation, else questions_per_step."""
-        if not self.allocation:
-            return self.questions_per_step
-        # round() first so that e.g. 2 / (1 - 0.75) = 8.000000001 does not become 9
-        return math.ceil(round(self.questions_per_step / (1.0 - self.pruning_rate), 9))
+    def pruning(self) -> Pruning:
+        """The run's pruning policy (:class:`cppo.selection.Pruning`): counts per step and the selection itself."""
+        return Pruning.from_config(self)
 
     def steps_for(self, problems: int) -> int:
         """Training steps over ``problems`` questions: ``num_steps``, else ``num_epochs`` passes (at least 1)."""
-        return self.num_steps or max(1, self.num_epochs * problems // self.questions_drawn)
+        return self.num_steps or max(1, self.num_epochs * problems // self.pruning.questions_drawn)
 
     @property
     def loss_config(self) -> LossConfig:
@@ -212,8 +189,6 @@ class TrainConfig:
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
-        if not 0.0 <= self.pruning_rate < 1.0:
-            raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
         if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:
@@ -221,11 +196,11 @@ class TrainConfig:
                 f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + max_completion_length "
                 f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
             )
-        check_choice("selection_scope", self.selection_scope, SELECTION_SCOPES)
+        self.pruning  # noqa: B018  pruning_rate, selection_scope, selection_metric, allocation, questions_per_step
         check_choice("parallelism", self.parallelism, PARALLELISMS)
-        check_choice("selection_metric", self.selection_metric, METRICS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        check_engine_name(self.rollout_backend)
+        check_report_to(self.report_to)
         check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
         if not 0.0 < self.top_p <= 1.0:
@@ -235,21 +210,28 @@ class TrainConfig:
         check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         check_int("max_skipped_updates", self.max_skipped_updates, low=1)
         check_int("seed", self.seed, low=0, high=MAX_SEED)
+        if self.question_seed is not None:
+            check_int("question_seed", self.question_seed, low=0, high=MAX_SEED)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.rewards:
             raise ValueError("rewards must name at least one reward function")
-        from .math_grading import check_timeout
-
         check_timeout(self.reward_timeout)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_device(self.device)
+
+    @property
+    def training_question_seed(self) -> int:
+        """The seed that picks the training questions: ``question_seed``, else ``seed``."""
+        return self.seed if self.question_seed is None else self.question_seed
+
+    def check_sources(self) -> None:
+        """Whether the model and the data exist (:func:`check_model_and_data`): the file-system checks, apart from
+        :meth:`validate`; the trainer and :func:`load_config` run them before anything loads."""
         check_model_and_data(
-            model=self.model,
-            model_config=self.model_config,
-            dataset=self.dataset,
-            dataset_path=self.dataset_path,
-            dtype=self.dtype,
-            device=self.device,
-        )
+            model=self.model, model_config=self.model_config, dataset=self.dataset,
+            dataset_path=self.dataset_path, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -264,7 +246,9 @@ def check_model_and_data(
     dtype: str = "float32",
     device: str = "auto",
 ) -> None:
-    """The checks training and ``cppo eval`` share, before anything loads: ``ValueError`` naming the setting."""
+    """Whether the model and the data exist, checked before anything loads (the trainer, ``cppo train --dry-run`` and
+    ``cppo eval`` call it; it reads the file system and imports transformers for a tiny model's config):
+    ``ValueError`` naming the setting."""
     check_choice("dtype", dtype, DTYPES)
     check_device(device)
     if dataset_path is not None and not os.path.exists(dataset_path):
@@ -305,19 +289,44 @@ def check_tiny_config(model_config: dict) -> None:
         )
 
 
+#: TRL's GRPOConfig / transformers' TrainingArguments names a user types, and what to use here.
+TRL_NAMES = {
+    "learning_rate": "lr",
+    "num_generations": "group_size",
+    "per_device_train_batch_size": "questions_per_step (questions per step; each brings group_size completions)",
+    "gradient_accumulation_steps": "questions_per_step (one optimizer step per generation step here)",
+    "num_iterations": "mu",
+    "epsilon": "epsilon_low",
+    "num_train_epochs": "num_epochs",
+    "max_steps": "num_steps",
+    "lr_scheduler_type": "lr_schedule",
+    "save_steps": "save_every",
+    "logging_steps": "log_every",
+    "eval_steps": "eval_every",
+    "loss_type": "loss_agg (dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm)",
+    "bf16": "dtype=bfloat16",
+    "fp16": "dtype=float16",
+    "model_name_or_path": "model",
+    "dataset_name": "dataset",
+    "use_vllm": "rollout_backend=vllm",
+    "pruning_metric": "selection_metric",
+}
+
+
+def _suggest(key: str, hints) -> str:
+    """``" (TRL's name: use lr)"`` for a TRL / transformers name, else the closest setting (:func:`did_you_mean`)."""
+    if key in TRL_NAMES:
+        return f" (that is TRL's name: here use {TRL_NAMES[key]})"
+    close = difflib.get_close_matches(key, [*hints, *TRL_NAMES], n=1, cutoff=0.6)
+    if close and close[0] in TRL_NAMES:
+        return f" (did you mean TRL's {close[0]!r}? here use {TRL_NAMES[close[0]]})"
+    return did_you_mean(key, hints)
+
+
 def did_you_mean(name: str, choices) -> str:
     """``" (did you mean 'x'?)"`` for the choice closest to ``name``, or ``""`` when none is close."""
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def check_device(device: str) -> str:
-    """``device`` when it is one of :data:`DEVICES` or ``"cuda:N"``, else a ``ValueError`` (the format only: whether
-    CUDA is there is checked when the device is resolved)."""
-    numbered = isinstance(device, str) and device.startswith("cuda:") and device.removeprefix("cuda:").isdigit()
-    if not (device in DEVICES or numbered):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return device
 
 
 def _field_types() -> dict[str, typing.Any]:
@@ -340,13 +349,47 @@ def _check_type(name: str, value, hint) -> None:
             return
         if t is int and isinstance(value, bool):
             continue
+        if t is list and isinstance(value, list):
+            _check_items(name, value, typing.get_args(_alternatives(hint)[0]))
+            return
         if isinstance(t, type) and t is not type(None) and isinstance(value, t):
             return
-    raise ValueError(f"{name} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    raise ValueError(f"{name} must be {_type_name(hint)}, got {_shown(value)}")
+
+
+def _check_items(name: str, value: list, item_types: tuple) -> None:
+    """Each item of a ``list[T]`` setting is a ``T`` (``rewards: [format, [digits]]`` names item 2)."""
+    for i, item in enumerate(value, start=1):
+        if item_types and not isinstance(item, item_types):
+            kinds = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in item_types)
+            raise ValueError(f"{name} must be a list of {kinds}s, but item {i} is {_shown(item)}")
+
+
+#: Type names as a YAML user reads them (no Python reprs in errors).
+_TYPE_WORDS = {str: "name", int: "integer", float: "number", bool: "true/false", list: "list", dict: "mapping"}
+
+
+def _shown(value) -> str:
+    """A value as YAML would write it, with its kind: ``abc (text)``, ``[1, 2] (a list)``."""
+    kind = {str: "text", bool: "true/false", int: "an integer", float: "a number", list: "a list", dict: "a mapping"}
+    text = yaml.safe_dump(value, default_flow_style=True, width=80).strip().removesuffix("...").strip()
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({kind.get(type(value), type(value).__name__)})" if value is not None else "null"
 
 
 def _type_name(hint) -> str:
-    return str(hint).replace("typing.", "").replace("NoneType", "null")
+    """A setting's type as a YAML user reads it: ``a number``, ``an integer or null``, ``a list of names``."""
+    words = {float: "a number", int: "an integer", str: "text", bool: "true or false", dict: "a mapping"}
+    parts = []
+    for t in _alternatives(hint):
+        if t is type(None):
+            parts.append("null")
+        elif (typing.get_origin(t) or t) is list:
+            parts.append("a list of names" if typing.get_args(t) == (str,) else "a list")
+        else:
+            parts.append(words.get(t, getattr(t, "__name__", str(t))))
+    return " or ".join(parts)
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:
@@ -408,12 +451,14 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
     for key in values:
         if key not in hints:
             raise ValueError(
-                f"{origin[key]}: unknown setting {key!r}{did_you_mean(key, hints)}; cppo train --help lists them all"
+                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints)}; cppo train --help lists them all"
             )
     values = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
     values.setdefault("preset", preset)
     try:
-        return TrainConfig(**values)
+        config = TrainConfig(**values)
+        config.check_sources()
+        return config
     except ValueError as e:  # the checks' messages start with the setting's name: say where it was set
         name = re.match(r"\w*", str(e)).group()
         if name not in origin:
@@ -421,10 +466,17 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         raise ValueError(f"{origin[name]}: {e}") from None
 
 
+#: Deepest nesting of a config file (settings are scalars, lists and the tiny model's flat mapping).
+MAX_YAML_DEPTH = 16
+
+
 def _read_yaml(path: pathlib.Path) -> tuple[dict, dict]:
-    """The settings of a YAML file and where each was set (``"FILE, line N"``)."""
+    """The settings of a YAML file and where each was set (``"FILE, line N"``). Refused in one line naming the file:
+    aliases (``*name``: a config needs none, and a few hundred bytes of them expand to gigabytes), nesting deeper
+    than :data:`MAX_YAML_DEPTH`, and a key written twice in any mapping."""
     try:
         text = path.read_text(encoding="utf-8")
+        _check_events(text, path)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         values = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError) as e:
@@ -435,13 +487,41 @@ def _read_yaml(path: pathlib.Path) -> tuple[dict, dict]:
         return {}, {}
     if not isinstance(values, dict):
         raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
-    lines: dict[str, int] = {}
-    for key, _ in node.value:
-        line = key.start_mark.line + 1
-        if key.value in lines:  # YAML keeps the last silently: a setting written twice is a mistake to name
-            raise ValueError(f"{path}, line {line}: {key.value!r} is set twice (line {lines[key.value]} and {line})")
-        lines[key.value] = line
+    _check_duplicates(node, path)
+    lines = {key.value: key.start_mark.line + 1 for key, _ in node.value}
     return values, {k: f"{path}, line {lines.get(str(k), '?')}" for k in values}
+
+
+def _check_events(text: str, path: pathlib.Path) -> None:
+    """Walks the YAML event stream (no recursion, nothing built): aliases and deep nesting are refused."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise ValueError(f"{path}, line {line}: YAML aliases (*{event.anchor}) are not allowed in a config")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ValueError(f"{path}, line {line}: nested deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _check_duplicates(node: yaml.Node, path: pathlib.Path) -> None:
+    """A key written twice in any mapping of the file is named (YAML keeps the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if key.value in lines:
+                raise ValueError(
+                    f"{path}, line {line}: {key.value!r} is set twice (line {lines[key.value]} and {line})"
+                )
+            lines[key.value] = line
+            _check_duplicates(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_duplicates(item, path)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

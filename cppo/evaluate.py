@@ -11,13 +11,13 @@ AIME24 with 4 samples at temperature 0.6, top_p 0.95 and 3,072 new tokens, avera
 from __future__ import annotations
 
 from .distributed import DistInfo, question_slice, reduce_metrics
+from .engines import RolloutEngine
 from .prompts import build_prompt
 from .rewards import eval_correct, has_official_format
-from .rollout import HFRollout
 
 
 def evaluate_model(
-    rollout: HFRollout,
+    rollout: RolloutEngine,
     tokenizer,
     problems: list[dict],
     *,
@@ -27,8 +27,8 @@ def evaluate_model(
     greedy: bool = True,
     progress: bool = False,
 ) -> dict:
-    """Decodes ``num_samples`` completions per problem (greedy, or sampled with the rollout's temperature and
-    top_p), ``batch_size`` prompts at a time, and grades each one.
+    """Decodes ``num_samples`` completions per problem with the engine ``rollout`` (greedy, or sampled with its
+    temperature and top_p), ``batch_size`` prompts at a time, and grades each one.
 
     Returns:
         ``{"accuracy": correct / total, "correct", "total" (completions graded), "problems", "format_rate"}``; the
@@ -66,7 +66,7 @@ def evaluate_model(
 
 
 def evaluate_split(
-    rollout: HFRollout, tokenizer, problems: list[dict], *, info: DistInfo, system_prompt: str | None = None
+    rollout: RolloutEngine, tokenizer, problems: list[dict], *, info: DistInfo, system_prompt: str | None = None
 ) -> dict:
     """:func:`evaluate_model` (greedy, one completion each) over all ranks: each decodes its contiguous block of
     ``problems`` and the counts are summed (every rank gets the result). A single process evaluates them all."""
@@ -86,17 +86,3 @@ def evaluate_split(
         "problems": n,
         "format_rate": out["formatted"] / n,
     }
-
-
-def greedy_rollout(rollout) -> HFRollout:
-    """The rollout evaluation decodes with: the training ``rollout`` when it runs transformers ``generate``, else an
-    :class:`HFRollout` on the same model, tokenizer, lengths and compute dtype (e.g. beside a vLLM engine)."""
-    if isinstance(rollout, HFRollout):
-        return rollout
-    return HFRollout(
-        rollout.model,
-        rollout.tokenizer,
-        max_prompt_length=rollout.max_prompt_length,
-        max_completion_length=rollout.max_completion_length,
-        compute_dtype=getattr(rollout, "compute_dtype", None),
-    )

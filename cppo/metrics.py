@@ -1,5 +1,5 @@
-"""A step's metrics: the timer of its phases, how each metric combines over ranks, the JSON-lines log and the PNG of
-the reward and per-phase time curves."""
+"""A step's metrics: the timer of its phases, how each metric combines over ranks, reading and writing the JSON-lines
+log (the ``jsonl`` sink of :mod:`cppo.sinks` writes it) and the PNG of the reward and per-phase time curves."""
 
 from __future__ import annotations
 
@@ -55,8 +55,7 @@ def metric_reduction(name: str) -> str:
 
 
 def append_jsonl(path: str, record: dict) -> None:
-    """Appends ``record`` as one line and flushes it to disk."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Appends ``record`` as one JSON line and fsyncs it (a log: see :class:`cppo.sinks.JsonlSink`)."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
@@ -89,13 +88,6 @@ def read_jsonl(path: str) -> list[dict]:
             raise ValueError(f"{path}, line {i + 1}: not a step record (a JSON object with a 'step')")
         records.append(record)
     return records
-
-
-def truncate_jsonl(path: str, *, last_step: int) -> None:
-    """Drops the records after ``last_step`` (what a killed run logged after the checkpoint it resumes from) and a
-    torn last line from the log at ``path``, if there is one."""
-    if os.path.isfile(path):
-        write_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= last_step])
 
 
 def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:

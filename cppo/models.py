@@ -14,8 +14,6 @@ import string
 
 import torch
 
-from .device import autocast, resolve_device  # noqa: F401  (re-exported for cppo.rollout)
-
 DEFAULT_TINY = {
     "vocab_size": 2048,
     "hidden_size": 64,

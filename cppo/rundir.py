@@ -28,6 +28,11 @@ RESUMABLE = frozenset(
 )
 
 
+#: Settings a resume cannot apply, even with --allow-config-change: the weights are of that model, the data
+#: position of that question list.
+FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
+
+
 def check_writable(output_dir: str, *, create: bool = True) -> None:
     """``ValueError`` unless ``output_dir`` is (or, with ``create``, can be made) a folder this process can write
     in. ``create=False`` only checks, creating nothing: the nearest existing folder on the path must be writable."""
@@ -156,6 +161,12 @@ def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: D
                 logger.warning("--resume: skipping %s: %s", path, e)
             continue
         changes = run_changes(state.get("config", {}), config)
+        fixed = [c for c in changes if c.split(":")[0] in FIXED]
+        if fixed:
+            raise ValueError(
+                f"--resume: {path} was saved with other settings that a resume cannot apply ({'; '.join(fixed)}): the "
+                "checkpoint's weights and data position belong to those; start a new run (another output_dir) instead"
+            )
         if changes and not allow_config_change:
             raise ValueError(
                 f"--resume: {path} was saved with other settings ({'; '.join(changes)}): resume with the saved "

@@ -29,17 +29,11 @@ from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 from . import checkpoint, distributed, math_grading, metrics, parallel, rundir, sinks
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
+from .device import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
-from .models import (
-    autocast,
-    completion_hidden,
-    enable_gradient_checkpointing,
-    lm_head,
-    load_model_and_tokenizer,
-    resolve_device,
-)
-from .optim import SkipCounter, make_optimizer, make_scheduler, optimizer_step
+from .models import completion_hidden, enable_gradient_checkpointing, lm_head, load_model_and_tokenizer
+from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
@@ -78,8 +72,9 @@ class Trainer:
         rundir.check_writable(config.output_dir)  # before anything loads, not after the first step
         self.sinks = sinks.make_sinks(config) if self.rank == 0 else []  # report_to: checked before the model loads
         self.problems = load_problems(
-            config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions
-        )
+            config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions,
+            question_seed=config.training_question_seed,
+        )  # fmt: skip
         self.reward_fns = get_rewards(config.rewards)
         math_grading.verifier(timeout=config.reward_timeout)
         self.sampler = QuestionSampler(len(self.problems), seed=config.seed, rank=self.rank, world_size=self.world_size)
@@ -440,6 +435,7 @@ class Trainer:
             info=self.info,
             required=checkpoint.TRAINER_KEYS,
         )
+        apply_settings(self.optimizer, self.scheduler, self.config)  # lr, weight decay, schedule: this run's
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         self.rollout.sync_weights()

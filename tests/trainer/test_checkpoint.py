@@ -141,7 +141,7 @@ def test_resume_skips_corrupt_checkpoints_and_cleans_up_killed_saves(run, capsys
     for name in ("checkpoint-000003", "checkpoint-000002", "metrics.jsonl", ".tmp-checkpoint-000004"):
         assert any("warning" in line and name in line for line in err.splitlines()), (name, err)
     assert steps_logged(run) == [1, 2, 3]
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".tmp-notes"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".cppo-run.lock", ".tmp-notes"]
     for step in (1, 2, 3):  # the corrupt ones were saved again, whole
         assert checkpoint.read_state(str(run / f"checkpoint-00000{step}"))["step"] == step
 
@@ -188,7 +188,22 @@ def test_a_changed_model_shape_is_one_line(run, capsys):
     assert train_cli(run, "--resume", settings=("num_steps=3", shape)) == 2
     assert "model_config" in error_lines(capsys.readouterr().err)[0]
     assert train_cli(run, "--resume", "--allow-config-change", settings=("num_steps=3", shape)) == 2
-    (line,) = error_lines(capsys.readouterr().err)
+    (line,) = error_lines(capsys.readouterr().err)  # refused before any model loads: no flag can apply it
+    assert "that a resume cannot apply (model_config:" in line and "start a new run" in line
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line(run, capsys):
+    """Past the settings check (a checkpoint whose recorded settings say nothing of the shape), the weights
+    themselves are refused naming the file."""
+    from tiny_run import tiny_config
+
+    from cppo import Trainer
+
+    shape = {**TINY, "hidden_size": 64}
+    trainer = Trainer(tiny_config(run, model_config=shape))
+    with pytest.raises(ValueError) as e:
+        trainer.load_checkpoint(str(run / "checkpoint-000002"))
+    line = str(e.value)
     assert "does not fit the model" in line and "model.safetensors" in line and "size mismatch" in line
 
 

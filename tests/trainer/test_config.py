@@ -5,8 +5,9 @@ import torch
 
 from cppo import TrainConfig, Trainer, load_config
 from cppo.config import available_presets
+from cppo.device import resolve_device
 from cppo.distributed import DistInfo
-from cppo.models import lm_head, resolve_device
+from cppo.models import lm_head
 
 
 def test_presets_load():
@@ -115,3 +116,52 @@ def test_resolve_device(monkeypatch):
         resolve_device("cuda", local_rank=2)
     with pytest.raises(ValueError, match="under torchrun"):
         resolve_device("cuda:0", local_rank=0)
+
+
+ALIAS_BOMB = """model: tiny-qwen2
+a: &a [x, x, x, x, x, x, x, x, x]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+model_config: {hidden_size: [*d, *d, *d, *d, *d, *d, *d, *d, *d]}
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rewards: " + "[" * 20_000 + "]" * 20_000 + "\n", r"line 1: nested deeper than 16 levels"),
+        (ALIAS_BOMB, r"line 3: YAML aliases \(\*a\) are not allowed in a config"),
+        (
+            "model_config:\n  hidden_size: 32\n  hidden_size: 64\n",
+            r"line 3: 'hidden_size' is set twice \(line 2 and 3\)",
+        ),
+        (
+            "rewards: [format, [digits]]\n",
+            r"line 1: rewards must be a list of names, but item 2 is \[digits\] \(a list\)",
+        ),
+        ("lr: abc\n", r"line 1: lr must be a number, got abc \(text\)"),
+    ],
+)
+def test_hostile_yaml_is_one_line_naming_the_file(tmp_path, text, message):
+    """Deep nesting (a RecursionError before), an alias bomb (478 bytes that expand to gigabytes), a key twice inside
+    a mapping (kept silently before) and a list inside rewards (a TypeError before) name the file and line."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        load_config(str(path))
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("learning_rate=1e-6", r"unknown setting 'learning_rate' \(that is TRL's name: here use lr\)"),
+        ("learning_rat=1e-6", r"did you mean TRL's 'learning_rate'\? here use lr"),
+        ("num_generations=8", "here use group_size"),
+        ("prunning_rate=0.5", r"did you mean 'pruning_rate'\?"),
+    ],
+)
+def test_trl_names_point_to_ours(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("tiny-cpu", [override])

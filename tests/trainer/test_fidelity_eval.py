@@ -8,9 +8,9 @@ import official_cppo as off
 import pytest
 
 from cppo.cli import _parser, main
+from cppo.engines import Rollout
 from cppo.evaluate import evaluate_model
 from cppo.models import tiny_tokenizer
-from cppo.rollout import Rollout
 
 GSM8K_OUTPUTS = [
     "<think>16 - 3 - 4 = 9, 9 * 2 = 18</think>\n<answer>18</answer>",  # tagged, right

@@ -169,6 +169,7 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path, capsys, monkey
     fake_run(tmp_path)
     assert train_cli(tmp_path, "--overwrite", settings=("num_steps=1",)) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".cppo-run.lock",  # the run lock, free again (empty) once the run ended
         "checkpoint-000001",
         "metrics.jsonl",
         "metrics.png",

@@ -1,16 +1,19 @@
 """Rollouts: the completion mask (cut after the first EOS), seeded sampling, and the lazy vLLM backend."""
 
 import importlib.util
-import types
 
 import pytest
 import torch
+from toy_engine import FixedEngine
 
-from cppo.evaluate import greedy_rollout
+from cppo.engines import EngineSettings, HFEngine, cut_after_eos, make_engine
 from cppo.models import load_model_and_tokenizer
-from cppo.rollout import HFRollout, cut_after_eos, make_rollout
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+
+def settings(prompt: int, completion: int, **options) -> EngineSettings:
+    return EngineSettings(model_name="x", max_prompt_length=prompt, max_completion_length=completion, **options)
 
 
 def test_cut_after_eos():
@@ -29,7 +32,7 @@ def test_hf_generate_is_seeded_and_cut_at_eos():
         return logits
 
     model.lm_head.register_forward_hook(favour_eos)
-    r = HFRollout(model, tok, max_prompt_length=6, max_completion_length=12, temperature=1.0)
+    r = HFEngine(model, tok, settings(6, 12, temperature=1.0))
     prompts = ["What is 1 + 1?", "Hi"]
     torch.manual_seed(0)
     a = r.generate(prompts, 3)
@@ -50,18 +53,16 @@ def test_hf_generate_is_seeded_and_cut_at_eos():
 def test_vllm_backend_missing_gives_a_clear_error():
     model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
     with pytest.raises(ImportError, match="pip install vllm"):
-        make_rollout("vllm", model, tok, model_name="x", max_prompt_length=4, max_completion_length=4)
-    assert isinstance(make_rollout("auto", model, tok, model_name="x", max_prompt_length=4, max_completion_length=4),
-                      HFRollout)  # fmt: skip
+        make_engine("vllm", model, tok, settings(4, 4))
+    assert isinstance(make_engine("auto", model, tok, settings(4, 4)), HFEngine)
 
 
 def test_evaluation_decodes_with_transformers():
-    """Evaluation reuses a transformers rollout and builds one on the same model, tokenizer and lengths beside
-    another engine (vLLM)."""
+    """Evaluation reuses a transformers engine and builds one on the same model, tokenizer and lengths beside
+    another engine (vLLM, or any engine that keeps the default ``for_evaluation``)."""
     model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
-    hf = HFRollout(model, tok, max_prompt_length=5, max_completion_length=7)
-    assert greedy_rollout(hf) is hf
-    engine = types.SimpleNamespace(model=model, tokenizer=tok, max_prompt_length=5, max_completion_length=7)
-    built = greedy_rollout(engine)
-    assert isinstance(built, HFRollout) and built.model is model and built.tokenizer is tok
-    assert (built.max_prompt_length, built.max_completion_length) == (5, 7)
+    hf = HFEngine(model, tok, settings(5, 7))
+    assert hf.for_evaluation() is hf
+    built = FixedEngine(model, tok, settings(5, 7)).for_evaluation()
+    assert isinstance(built, HFEngine) and built.model is model and built.tokenizer is tok
+    assert (built.settings.max_prompt_length, built.settings.max_completion_length) == (5, 7)

@@ -1,0 +1,41 @@
+"""Rollout engines behind one interface, picked by name (``rollout_backend``: ``auto``, ``hf``, ``vllm`` or any
+registered name; ``cppo eval --rollout-backend``).
+
+A new engine (SGLang, a vLLM server, ...) is one file: a :class:`RolloutEngine` subclass with ``generate`` and
+``sync_weights``, and one ``register_engine("name", EngineClass)`` in it, imported below (or by the user's code
+before the config is built).
+"""
+
+from .base import (
+    EngineFactory,
+    EngineSettings,
+    Rollout,
+    RolloutEngine,
+    available_engines,
+    check_engine_name,
+    cut_after_eos,
+    encode_prompts,
+    eos_ids,
+    make_engine,
+    register_engine,
+    resolve_engine_name,
+)
+from .hf import HFEngine  # importing an engine's module registers it
+from .vllm import VLLMEngine  # vLLM itself is imported only when this engine is built
+
+__all__ = [
+    "EngineFactory",
+    "EngineSettings",
+    "HFEngine",
+    "Rollout",
+    "RolloutEngine",
+    "VLLMEngine",
+    "available_engines",
+    "check_engine_name",
+    "cut_after_eos",
+    "encode_prompts",
+    "eos_ids",
+    "make_engine",
+    "register_engine",
+    "resolve_engine_name",
+]

@@ -1,0 +1,165 @@
+"""The rollout-engine seam: the :class:`Rollout` record, the :class:`RolloutEngine` interface, the settings every
+engine is built from, the registry that maps a ``rollout_backend`` name to an engine, and the token helpers the
+engines share (prompt encoding, the completion mask as a cut after the first EOS)."""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "Rollout",
+    "EngineSettings",
+    "RolloutEngine",
+    "EngineFactory",
+    "register_engine",
+    "make_engine",
+    "available_engines",
+    "check_engine_name",
+    "resolve_engine_name",
+    "cut_after_eos",
+    "encode_prompts",
+    "eos_ids",
+]
+
+
+@dataclass
+class Rollout:
+    """N = num_prompts * G completions, prompt after prompt (completion i belongs to prompt i // G)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(c) for c in self.completion_ids]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine is built from: the model's name or folder (an engine that loads its own copy reads it),
+    the prompt / completion lengths, the sampling parameters, the compute dtype (``None``: the weights' own) and
+    whether FSDP2 shards the policy over the ranks (``sharded``: every rank's generate must step in lockstep)."""
+
+    model_name: str
+    max_prompt_length: int
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    compute_dtype: torch.dtype | None = None
+    sharded: bool = False
+
+
+class RolloutEngine(ABC):
+    """Generates G completions per prompt from the policy ``model``. A new engine subclasses this, implements
+    :meth:`generate` and :meth:`sync_weights` and is registered with :func:`register_engine`; training and ``cppo
+    eval`` then pick it by name (``rollout_backend``)."""
+
+    #: Can generate from a policy whose parameters FSDP2 shards over the ranks (``parallelism: fsdp2``).
+    supports_sharded: ClassVar[bool] = False
+
+    def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+
+    @abstractmethod
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
+        """``num_per_prompt`` completions of each prompt, prompt after prompt: sampled with the settings'
+        temperature and top_p from torch's global RNG (seed it first), or greedy."""
+
+    @abstractmethod
+    def sync_weights(self) -> None:
+        """Takes the policy's current weights, after each optimizer step and checkpoint load (nothing to do for an
+        engine that generates with ``model`` itself)."""
+
+    def for_evaluation(self) -> RolloutEngine:
+        """The engine greedy evaluation decodes with: by default transformers ``generate`` (the ``hf`` engine) on
+        the same model, tokenizer, lengths and compute dtype."""
+        return make_engine("hf", self.model, self.tokenizer, self.settings)
+
+
+#: Builds an engine: ``factory(model, tokenizer, settings)``; a :class:`RolloutEngine` subclass is one. Its
+#: ``supports_sharded`` attribute (False when absent) says whether it may run under ``parallelism: fsdp2``.
+EngineFactory = Callable[..., RolloutEngine]
+
+_ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Makes ``factory`` the engine ``rollout_backend: name`` builds (a name registered again is replaced)."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"register_engine: name must be a non-empty string other than 'auto', got {name!r}")
+    if not callable(factory):
+        raise ValueError(f"register_engine: factory of {name!r} must be callable, got {type(factory).__name__}")
+    _ENGINES[name] = factory
+
+
+def available_engines() -> tuple[str, ...]:
+    """The registered engine names, in registration order (``rollout_backend`` also takes ``auto``)."""
+    return tuple(_ENGINES)
+
+
+def check_engine_name(name: str) -> str:
+    """``name`` when ``rollout_backend`` may take it (``auto`` or a registered engine), else a ``ValueError``."""
+    if not isinstance(name, str) or (name != "auto" and name not in _ENGINES):
+        raise ValueError(f"rollout_backend must be 'auto' or a registered engine {available_engines()}, got {name!r}")
+    return name
+
+
+def resolve_engine_name(name: str, *, device: torch.device, model_name: str) -> str:
+    """``auto`` -> ``vllm`` on CUDA when vLLM is installed (and the model is not a tiny one built in code), else
+    ``hf``; any other name is itself."""
+    if name != "auto":
+        return check_engine_name(name)
+    use_vllm = device.type == "cuda" and importlib.util.find_spec("vllm") is not None
+    return "vllm" if use_vllm and not model_name.startswith("tiny-") else "hf"
+
+
+def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> RolloutEngine:
+    """The engine ``name`` (``rollout_backend``; ``auto`` resolved on ``model.device``) on ``model``.
+
+    Raises:
+        ValueError: ``name`` is not registered, or ``settings.sharded`` and the engine cannot generate from a sharded
+            policy (both before the engine is built).
+    """
+    name = resolve_engine_name(name, device=torch.device(model.device), model_name=settings.model_name)
+    factory = _ENGINES[name]
+    if settings.sharded and not getattr(factory, "supports_sharded", False):
+        capable = tuple(n for n, f in _ENGINES.items() if getattr(f, "supports_sharded", False))
+        raise ValueError(
+            f"parallelism='fsdp2' generates from the sharded policy, which rollout_backend={name!r} cannot: set "
+            f"rollout_backend to one of {capable}"
+        )
+    return factory(model, tokenizer, settings)
+
+
+def cut_after_eos(ids: list[int], eos: set[int], max_length: int) -> list[int]:
+    """The completion mask as a cut: tokens up to and including the first EOS, at most ``max_length`` tokens."""
+    ids = ids[:max_length]
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
+    """Token ids of each prompt, truncated on the left to ``max_prompt_length``."""
+    return [p[-max_prompt_length:] for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+
+
+def eos_ids(tokenizer, model) -> set[int]:
+    """Every EOS id of the tokenizer and of the model's generation config (a completion ends at any of them)."""
+    eos = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source is not None:
+            eos.update(source)
+    if not eos:
+        raise ValueError("the tokenizer has no eos_token: completions could never end")
+    return eos

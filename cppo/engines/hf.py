@@ -1,0 +1,74 @@
+"""The ``hf`` engine: transformers ``generate`` on the policy itself (CPU and GPU, batched, left-padded), in the
+compute dtype under ``torch.autocast``; under FSDP2 every rank keeps stepping until all are done (``synced_gpus``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import autocast
+from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
+
+
+class HFEngine(RolloutEngine):
+    """Batched sampling with ``model.generate`` (temperature / top-p, no top-k), stopping at EOS."""
+
+    supports_sharded = True  # FSDP2's blocks gather their shards in every forward: the ranks stay in step
+
+    def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
+        super().__init__(model, tokenizer, settings)
+        self.eos_ids = eos_ids(tokenizer, model)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
+        """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first)."""
+        s = self.settings
+        encoded = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        prompt_ids = [p for p in encoded for _ in range(num_per_prompt)]
+        if not prompt_ids:
+            return Rollout([], [], [])
+        device = self.model.device
+        width = max(len(p) for p in prompt_ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [N, Lp]
+        attention_mask = torch.zeros_like(input_ids)  # [N, Lp]
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
+        was_training = self.model.training
+        self.model.eval()
+        with autocast(device, s.compute_dtype):
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self._generation_config(greedy=greedy),
+                synced_gpus=s.sharded,
+            )  # [N, Lp + Lc]
+        self.model.train(was_training)
+        completions = [cut_after_eos(row, self.eos_ids, s.max_completion_length) for row in out[:, width:].tolist()]
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return Rollout(prompt_ids, completions, texts)
+
+    def _generation_config(self, *, greedy: bool):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            max_new_tokens=self.settings.max_completion_length,
+            do_sample=not greedy,
+            temperature=None if greedy else self.settings.temperature,
+            top_p=None if greedy else self.settings.top_p,
+            top_k=None if greedy else 0,  # sampling: 0 disables top-k (None would fall back to the default 50)
+            repetition_penalty=1.0,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+        )
+
+    def sync_weights(self) -> None:
+        """Nothing to do: generate runs the policy itself."""
+
+    def for_evaluation(self) -> HFEngine:
+        """Itself: evaluation decodes with ``generate`` on the policy too."""
+        return self
+
+
+register_engine("hf", HFEngine)

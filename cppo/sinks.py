@@ -1,0 +1,210 @@
+"""Metric sinks, chosen by ``report_to`` (the name TRL and transformers use): each is one small class in a registry
+that imports its library inside it, as transformers' ``INTEGRATION_TO_CALLBACK``.
+
+- ``jsonl``: ``output_dir/metrics.jsonl``, one JSON object per logged step, rewritten atomically; a resumed run
+  drops what a killed run logged after the checkpoint it resumes from (and a torn last line).
+- ``tensorboard``: event files under ``output_dir/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``); a
+  resumed run purges the events a killed run wrote after its checkpoint (``purge_step``).
+- ``wandb``: a Weights & Biases run under ``output_dir/wandb/``, offline unless ``WANDB_MODE`` says otherwise (a
+  resumed run is a new wandb run, logging from the resumed step on).
+- ``none``: nothing (the progress bar and ``metrics.png`` are drawn whatever ``report_to`` says).
+
+Only rank 0 has sinks. A sink is built (its library imported, its folder checked) before the model loads, started
+when training starts and closed when it ends; tensorboard and wandb skip metrics that are not numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from . import metrics
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = [
+    "MetricSink",
+    "JsonlSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "register_sink",
+    "available_sinks",
+    "check_report_to",
+    "make_sinks",
+    "scalars",
+]
+
+
+class MetricSink(ABC):
+    """One destination of the step metrics. Building it checks that it can start (its library is importable and its
+    folder writable) and raises a ``ValueError`` naming ``report_to`` otherwise; it writes nothing before
+    :meth:`start`."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+
+    @abstractmethod
+    def start(self, config: TrainConfig, *, step: int) -> None:
+        """Opens the sink for a run of ``config`` that continues after ``step`` (0: a new run)."""
+
+    @abstractmethod
+    def log(self, record: dict, step: int) -> None:
+        """Writes one step's metrics."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flushes and releases what :meth:`start` opened; safe to call when it never started."""
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The metrics of ``record`` that are numbers (bools as 0 / 1), without ``step``; None and other values skipped."""
+    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+
+
+def _check_folder(output_dir: str, name: str, folder: str) -> str:
+    """``output_dir/folder``, or a ``ValueError`` naming ``report_to`` when it cannot be written (nothing created)."""
+    from . import rundir  # here: rundir imports the config, which imports this module
+
+    path = os.path.join(output_dir, folder)
+    try:
+        rundir.check_writable(path, create=False)
+    except ValueError as e:
+        raise ValueError(f"report_to: {name!r} writes to {path!r}, which cannot be written ({e})") from None
+    return path
+
+
+def _import(name: str, module: str, package: str) -> None:
+    """Imports ``module``, or a ``ValueError`` naming ``report_to`` and the package to install."""
+    try:
+        __import__(module)
+    except ImportError as e:
+        raise ValueError(
+            f"report_to: {name!r} needs the {package} package ({e}): pip install {package} (or cppo-kernels[report])"
+        ) from None
+
+
+class JsonlSink(MetricSink):
+    """``output_dir/metrics.jsonl``: the run's records, one JSON object a line, each appended and fsynced (a log
+    grows by a line a step: rewriting it whole would cost the square of the run's length). A kill can tear only the
+    last line, which :func:`cppo.metrics.read_jsonl` drops; a resume first rewrites the log atomically up to its
+    checkpoint (:func:`cppo.metrics.write_jsonl`)."""
+
+    FILE = "metrics.jsonl"
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__(output_dir)
+        self.path = os.path.join(output_dir, self.FILE)
+
+    def start(self, config: TrainConfig, *, step: int) -> None:
+        """Keeps the log's records up to ``step``: a resumed run drops what a killed run logged after its
+        checkpoint, and a torn last line."""
+        if os.path.isfile(self.path):
+            metrics.write_jsonl(self.path, [r for r in metrics.read_jsonl(self.path) if r["step"] <= step])
+
+    def log(self, record: dict, step: int) -> None:
+        metrics.append_jsonl(self.path, record)
+
+    def close(self) -> None:
+        """Nothing to release: every line is on disk once logged."""
+
+
+class TensorBoardSink(MetricSink):
+    """Scalars in TensorBoard event files under ``output_dir/tensorboard/``, one tag per metric (``time/step``
+    ...), the step as TensorBoard's global step."""
+
+    FOLDER = "tensorboard"
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__(output_dir)
+        _import("tensorboard", "torch.utils.tensorboard", "tensorboard")
+        self.log_dir = _check_folder(output_dir, "tensorboard", self.FOLDER)
+        self.writer = None
+
+    def start(self, config: TrainConfig, *, step: int) -> None:
+        """Opens a writer; after ``step`` > 0 (a resume) TensorBoard discards the older files' events past it."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step + 1 if step else None)
+
+    def log(self, record: dict, step: int) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class WandbSink(MetricSink):
+    """A Weights & Biases run in ``output_dir/wandb/``: ``mode="offline"`` unless ``WANDB_MODE`` is set (``wandb
+    sync`` uploads an offline run later), project ``$WANDB_PROJECT`` or ``cppo``, the run's settings as its config."""
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__(output_dir)
+        _import("wandb", "wandb", "wandb")
+        _check_folder(output_dir, "wandb", "wandb")
+        self.run = None
+
+    def start(self, config: TrainConfig, *, step: int) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            dir=self.output_dir,
+            mode=os.environ.get("WANDB_MODE") or "offline",
+            project=os.environ.get("WANDB_PROJECT") or "cppo",
+            name=os.path.basename(os.path.abspath(self.output_dir)),
+            config=config.to_dict(),
+        )
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log(scalars(record), step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+_SINKS: dict[str, type[MetricSink]] = {}
+
+
+def register_sink(name: str, sink: type[MetricSink]) -> None:
+    """Makes ``report_to: [name]`` build ``sink(output_dir)`` (a name registered again is replaced)."""
+    if not isinstance(name, str) or not name or name == "none":
+        raise ValueError(f"register_sink: name must be a non-empty string other than 'none', got {name!r}")
+    if not (isinstance(sink, type) and issubclass(sink, MetricSink)):
+        raise ValueError(f"register_sink: sink of {name!r} must be a MetricSink subclass, got {sink!r}")
+    _SINKS[name] = sink
+
+
+def available_sinks() -> tuple[str, ...]:
+    """The registered sink names (``report_to`` also takes ``none``)."""
+    return tuple(_SINKS)
+
+
+def check_report_to(names: list[str]) -> list[str]:
+    """``names`` when ``report_to`` may take them: registered sinks, each once, or ``none`` alone; else a
+    ``ValueError`` naming ``report_to``."""
+    choices = (*available_sinks(), "none")
+    if not names:
+        raise ValueError(f"report_to must name at least one of {choices} (none: no sink), got []")
+    for name in names:
+        if not isinstance(name, str) or name not in choices:
+            raise ValueError(f"report_to must list names of {choices}, got {name!r} in {names!r}")
+    if len(set(names)) != len(names) or ("none" in names and len(names) > 1):
+        raise ValueError(f"report_to must name each sink once, or be [none] alone, got {names!r}")
+    return names
+
+
+def make_sinks(config: TrainConfig) -> list[MetricSink]:
+    """The sinks ``config.report_to`` names, built (so checked) before anything loads; not yet started."""
+    return [_SINKS[name](config.output_dir) for name in check_report_to(config.report_to) if name != "none"]
+
+
+register_sink("jsonl", JsonlSink)
+register_sink("tensorboard", TensorBoardSink)
+register_sink("wandb", WandbSink)

@@ -1,0 +1,82 @@
+"""The rollout-engine registry: a toy engine registered by name trains a step through ``Trainer`` and decodes
+``cppo eval``; unknown names, FSDP2 without a sharding-capable engine and bad registrations are one-line errors."""
+
+import json
+
+import pytest
+import torch
+from tiny_run import TINY, tiny_config
+from toy_engine import TEXTS, FixedEngine
+
+from cppo import Trainer
+from cppo.cli import main
+from cppo.data import load_problems
+from cppo.engines import EngineSettings, available_engines, base, make_engine, register_engine
+from cppo.models import load_model_and_tokenizer
+from cppo.rewards import digits_reward, eval_correct
+
+
+@pytest.fixture
+def fixed(monkeypatch):
+    """Registers :class:`FixedEngine` as ``fixed`` for one test (the registry is restored after it)."""
+    monkeypatch.setattr(base, "_ENGINES", dict(base._ENGINES))
+    register_engine("fixed", FixedEngine)
+    return "fixed"
+
+
+def test_a_registered_engine_trains_a_step(tmp_path, fixed):
+    assert available_engines() == ("hf", "vllm", "fixed")
+    trainer = Trainer(tiny_config(tmp_path, rollout_backend=fixed, num_steps=1))
+    engine = trainer.rollout
+    assert isinstance(engine, FixedEngine) and engine.model is trainer.model and engine.tokenizer is trainer.tokenizer
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    record = trainer.train_step()
+    cfg = trainer.config
+    [(prompts, per_prompt, greedy)] = engine.calls
+    assert (len(prompts), per_prompt, greedy) == (cfg.pruning.questions_drawn, cfg.group_size, False)
+    texts = [TEXTS[i % len(TEXTS)] for i in range(len(prompts) * per_prompt)]  # what the step trained on
+    assert record["reward/digits"] == sum(digits_reward(prompts, texts)) / len(texts)
+    assert record["completions"] == len(texts)
+    assert record["completion_length"] == sum(len(t) + 1 for t in texts) / len(texts)  # a char each, then EOS
+    assert engine.syncs == cfg.mu  # the engine took the weights after every applied optimizer step
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed  # the step trained on the engine's completions
+
+
+def test_cppo_eval_decodes_with_a_registered_engine(tmp_path, fixed, capsys):
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", "tiny-qwen2", "--dataset", "arith", "--limit", "3", "--max-completion-length", "8"]
+    assert main([*argv, "--rollout-backend", fixed, "--no-progress", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    problems = load_problems("arith", split="test", max_questions=3)
+    want = eval_correct(list(TEXTS[:3]), answer=[p["answer"] for p in problems], kind=[p["kind"] for p in problems])
+    assert (result["total"], result["correct"]) == (3, sum(want))  # graded on the engine's fixed texts
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
+
+
+def test_unknown_engine_is_one_line_naming_the_setting_and_the_registered_names(tmp_path, capsys):
+    code = main(["train", "--config", "tiny-cpu", "--dry-run", "--set", f"output_dir={tmp_path}", "rollout_backend=x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "rollout_backend must be 'auto' or a registered engine ('hf', 'vllm'), got 'x'" in err
+    assert main(["eval", "--model", "tiny-qwen2", "--rollout-backend", "sgl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "cppo eval: error: --rollout-backend must be 'auto' or a registered engine ('hf', 'vllm'), got 'sgl'"
+
+
+def test_fsdp2_needs_an_engine_that_generates_from_the_sharded_policy(fixed):
+    model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
+    sharded = EngineSettings(model_name="x", max_prompt_length=4, max_completion_length=4, sharded=True)
+    for name in ("vllm", fixed):  # refused before it is built: no vLLM import error, no engine
+        with pytest.raises(ValueError, match=rf"parallelism='fsdp2' .* rollout_backend='{name}' cannot: .*\('hf',\)"):
+            make_engine(name, model, tok, sharded)
+    assert make_engine("hf", model, tok, sharded).settings.sharded  # generate runs with synced_gpus
+
+
+def test_bad_registrations_are_refused(monkeypatch):
+    monkeypatch.setattr(base, "_ENGINES", dict(base._ENGINES))
+    with pytest.raises(ValueError, match="register_engine: name must be a non-empty string other than 'auto'"):
+        register_engine("auto", FixedEngine)
+    with pytest.raises(ValueError, match="register_engine: factory of 'x' must be callable, got str"):
+        register_engine("x", "FixedEngine")
+    assert available_engines() == ("hf", "vllm")
