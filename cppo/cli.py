@@ -12,11 +12,13 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 
 import yaml
 
 from .config import TrainConfig, setting_help
+from .interrupt import Interrupted
 from .optim import NonFiniteUpdates
 
 
@@ -262,17 +264,35 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteUpdates as e:
         _error(args.command, e)
         return 1
+    except Interrupted as e:  # the first Ctrl-C / SIGTERM: stopped at a safe point, this step saved
+        _error(args.command, e, kind="stopped")
+        _resume_hint(argv)
+        return e.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: at once (saves are renamed into place: nothing half-written)
+        _error(
+            args.command,
+            "stopped at once by a second signal: the last checkpoint in output_dir is whole",
+            kind="stopped",
+        )
+        _resume_hint(argv)
+        return 130
     finally:
         logging.getLogger("cppo").removeHandler(handler)
 
 
-def _error(command: str, e: BaseException) -> None:
+def _resume_hint(argv: list[str] | None) -> None:
+    """One line saying how to continue: the same command with ``--resume`` (without ``--overwrite``)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
+    print(f"cppo train: to continue: cppo {' '.join(shlex.quote(a) for a in args)} --resume", file=sys.stderr)
+
+
+def _error(command: str, e: BaseException | str, *, kind: str = "error") -> None:
     """Prints ``cppo COMMAND: error: ...`` as one line of its own (after closing a progress bar the error stopped)."""
     from tqdm import tqdm
 
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
-    print(f"cppo {command}: error: {_one_line(e)}", file=sys.stderr)
+    print(f"cppo {command}: {kind}: {_one_line(e) if isinstance(e, BaseException) else e}", file=sys.stderr)
 
 
 def _one_line(e: BaseException) -> str:

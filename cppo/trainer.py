@@ -32,11 +32,13 @@ from .data import QuestionSampler, load_problems
 from .device import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
+from .interrupt import Interrupted, StopSignals
 from .models import completion_hidden, enable_gradient_checkpointing, lm_head, load_model_and_tokenizer
 from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
+from .runlock import RunLock
 
 
 def _on_kernel_backend(method):
@@ -354,6 +356,14 @@ class Trainer:
         end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
 
+        lock = RunLock.of(self.config.output_dir).acquire() if self.rank == 0 else None  # nested in the CLI's lock
+        try:
+            return self._train(tqdm)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self, tqdm) -> list[dict]:
         cfg = self.config
         history, logged = [], []
         if self.step == 0:  # a new run never mixes with one already there (resume it, or delete it)
@@ -362,29 +372,51 @@ class Trainer:
         try:
             for sink in self.sinks:  # a resumed run drops what a killed run logged after its last checkpoint
                 sink.start(cfg, step=self.step)
-            while self.step < self.num_steps:
-                record = self.train_step()
-                evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
-                if evaluated:  # as the official runs: every eval_every steps and once more at the end
-                    record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
-                history.append(record)
-                if evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps:
-                    logged.append(record)
-                    for sink in self.sinks:
-                        sink.log(record, self.step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}")
-                if cfg.save_every and self.step % cfg.save_every == 0:
-                    self.save_checkpoint(self._checkpoint_path())
+            with StopSignals() as stop:
+                while self.step < self.num_steps:
+                    record = self._step_and_log(logged)
+                    history.append(record)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}")
+                    saved = cfg.save_every and self.step % cfg.save_every == 0
+                    if saved:
+                        self.save_checkpoint(self._checkpoint_path())
+                    self._stop_if_signalled(stop, saved=bool(saved))
             bar.close()
             if not cfg.save_every or self.step % cfg.save_every:
                 self.save_checkpoint(self._checkpoint_path())
         finally:
+            bar.close()
             for sink in self.sinks:
                 sink.close()
         if self.rank == 0:
             self._plot(logged)
         return history
+
+    def _step_and_log(self, logged: list[dict]) -> dict:
+        """One step, its evaluation when due (every ``eval_every`` steps and after the last, as the official runs),
+        and its record to the sinks when due."""
+        cfg = self.config
+        record = self.train_step()
+        evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
+        if evaluated:
+            record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
+        if evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps:
+            logged.append(record)
+            for sink in self.sinks:
+                sink.log(record, self.step)
+        return record
+
+    def _stop_if_signalled(self, stop: StopSignals, *, saved: bool) -> None:
+        """At the safe point after a step: when any rank received SIGINT / SIGTERM, every rank saves this step (unless
+        just saved) and raises :class:`cppo.interrupt.Interrupted` (the ranks agree, so none waits for another)."""
+        signum = distributed.max_across_ranks(stop.received or 0, info=self.info)
+        if not signum:
+            return
+        path = self._checkpoint_path()
+        if not saved:
+            self.save_checkpoint(path)
+        raise Interrupted(signum, step=self.step, checkpoint=path)
 
     def _plot(self, logged: list[dict]) -> None:
         """``metrics.png`` over the whole run: from ``metrics.jsonl`` when ``report_to`` keeps it, else from the
