@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make bench   -> python benchmarks/speedup.py (CPU-sized default)
+#   make bench   -> python benchmarks/speedup.py (CPU-sized default; results in a new benchmarks/runs/ folder)
 #   make test    -> ruff + the whole test suite
 # On a GPU machine, with its own python3 (no venv, nothing installed):
 #   make gpu-check -> python3 benchmarks/gpu_check.py (the GPU validation kit; a dry run without CUDA)

@@ -27,6 +27,10 @@ them; the script checks this at start-up by measuring one filled ``[T, V]`` fp32
 
     python benchmarks/bench_loss.py                      # CPU: T=2048, H=896, V=151,936, fp32
     python benchmarks/bench_loss.py --device cuda        # also T=16,384, H=1,536 in bf16
+
+The JSON goes to ``--out`` and the PNG next to it, by default ``loss.json`` and ``loss.png`` in a new folder of the
+run's own, ``benchmarks/runs/loss-<UTC time>/`` (ignored by git); the committed reference,
+``benchmarks/results/loss.json``, changes only with ``--out``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import pathlib
 import platform
 import statistics
@@ -44,10 +47,11 @@ from typing import NamedTuple
 
 import torch
 from bench_args import check_output_file, count
+from bench_out import out_file
 
+from cppo.fileio import atomic_path, run_metadata, write_json
 from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
 SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences
 
@@ -348,7 +352,9 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
         ax_m.legend()
         ax_m.set_title("working memory, " + title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
 
 
 def main() -> None:
@@ -360,15 +366,17 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU")
     ap.add_argument("--repeats", type=count(1), default=3)
     ap.add_argument("--warmup", type=count(0), default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
-    ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "loss.json", help="JSON; the PNG goes next to it")
+    ap.add_argument("--out", type=pathlib.Path, help="the JSON; the PNG next to it (default: in benchmarks/runs/)")
     args = ap.parse_args()
-    check_output_file(ap, "--out", args.out)
+    if args.out is not None:
+        check_output_file(ap, "--out", args.out)
     if args.tokens is not None and args.tokens % SEQ_LEN:
         ap.error(f"--tokens must be a multiple of {SEQ_LEN} (the benchmark's sequence length), got {args.tokens}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     warmup = args.warmup if args.warmup is not None else (2 if device.type == "cuda" else 0)
+    out = out_file(args.out, benchmark="loss", filename="loss.json", prog="bench_loss.py")
     if args.tokens is None and args.hidden is None and args.dtype is None and device.type == "cuda":
         configs = [(2048, 896, args.vocab, "float32"), (16_384, 1536, args.vocab, "bfloat16")]
     else:
@@ -377,7 +385,7 @@ def main() -> None:
         run_config(T, H, V, getattr(torch, dt), device, args.repeats, warmup) for T, H, V, dt in configs
     ]  # fmt: skip
     meta = {
-        "torch": torch.__version__,
+        **run_metadata(device=args.device),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
@@ -385,12 +393,12 @@ def main() -> None:
         "warmup": warmup,
         "options": OPTIONS,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    png = args.out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {"meta": meta, "results": results})
+    png = out.with_suffix(".png")
     plot(results, png)
     print("\n" + table(results))
-    print(f"\nwrote {args.out} and {png}")
+    print(f"\nwrote {out} and {png}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
     python benchmarks/bench_select.py                      # CPU: torch path + Triton under the interpreter
     python benchmarks/bench_select.py --device cuda        # GPU: torch path + compiled Triton kernels
 
+The JSON goes to ``--out``, by default ``select.json`` in a new folder of the run's own, ``benchmarks/runs/select-<UTC
+time>/`` (ignored by git); the committed reference, ``benchmarks/results/select.json``, changes only with ``--out``.
+
 N = 16 x {64, 1024, 4096} completions (group size 16, keep 4: CPPO's P = 0.75), scopes "group"
 and "batch". Median of ``--repeats`` timed calls after ``--warmup`` calls: on CUDA each call is timed
 with CUDA events recorded around it (GPU time from the call's start to its end, launch gaps and host
@@ -18,8 +21,6 @@ The pieces (:func:`make_cases`, :func:`timer`, :func:`matches`, :func:`run`) are
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench_args import check_output_file, count
+from bench_out import out_file
 
 GROUP_SIZE = 16
 KEEP = 4
@@ -59,12 +61,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=count(1), default=15)
     p.add_argument("--interpreter-repeats", type=count(1), default=2)
     p.add_argument("--threads", type=count(1), default=1, help="torch CPU threads (1: steadier on a shared machine)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "select.json")
+    p.add_argument("--out", type=pathlib.Path, help="the JSON (default: select.json in a new benchmarks/runs/ folder)")
     args = p.parse_args()
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if not backends or set(backends) - {"torch", "triton"}:
         p.error(f"--backend must be a comma-separated subset of torch,triton, got {args.backend!r}")
-    check_output_file(p, "--out", args.out)
+    if args.out is not None:
+        check_output_file(p, "--out", args.out)
     return args
 
 
@@ -201,16 +204,15 @@ def run(
 
 
 def meta(device: str) -> dict:
-    """Where the rows were measured."""
+    """Where the rows were measured: :func:`cppo.fileio.run_metadata` (date, machine, versions of torch, triton and
+    the rest, torch threads, git commit, command line) and the device as this benchmark names it."""
     import torch
-    import triton
+
+    from cppo.fileio import run_metadata
 
     return {
+        **run_metadata(device=device),
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores visible)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch_threads": torch.get_num_threads(),
         "note": "mode=interpreter: Triton kernels run by the CPU interpreter (TRITON_INTERPRET=1), not a GPU",
     }
 
@@ -227,13 +229,16 @@ def main() -> None:
         sys.exit("--device cuda but no CUDA device is visible")
     if device == "cpu" and "triton" in backends:
         os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. when cppo_kernels is imported
+    from cppo.fileio import write_json  # after TRITON_INTERPRET: importing cppo imports cppo_kernels
+
+    out = out_file(args.out, benchmark="select", filename="select.json", prog="bench_select.py")
 
     results = run(
         backends, device, repeats=args.repeats, warmup=args.warmup, interpreter_repeats=args.interpreter_repeats
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta(device), "results": results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {"meta": meta(device), "results": results}, indent=1)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ several pruning rates P from the same model, seed and questions, and reports eac
 the run, the speedups of the training phases and of the whole run against P = 0, the ideal training speedup
 1/(1 - P) and the paper's GSM8K speedups. The trainer config comes from ``cppo.load_config`` as in ``cppo train``
 (default: the ``speedup-cpu`` preset); the benchmark sets only each rate's ``pruning_rate``, ``num_steps`` and
-``max_questions``, on the trainer's rules: a rate keeps ``TrainConfig.keep`` completions per question and a step
-draws ``TrainConfig.questions_drawn`` questions, so every rate processes the same ``questions``.
+``max_questions``, on the trainer's rules: a rate keeps ``TrainConfig.pruning.keep`` completions per question and a step
+draws ``TrainConfig.pruning.questions_drawn`` questions, so every rate processes the same ``questions``.
 
 What is timed (wall clock, summed over every measured step of a rate):
 
@@ -40,8 +40,11 @@ final 95% interval (None: never).
 
 Writes ``NAME.json`` (one row per run plus a ``meta`` block: every setting of the base trainer config, the machine
 and the software), ``NAME.png`` (stacked phase bars) and with ``--eval`` ``NAME-accuracy.png`` (accuracy against
-training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables. This file plans and
-runs; the rows, tables, JSON, PNGs and metadata are pure functions in ``benchmarks/speedup_report.py``.
+training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables and the files it
+wrote. Without ``--out`` they go to a new folder of the run's own, ``benchmarks/runs/NAME-<UTC time>[-N]/`` (ignored
+by git): the committed reference results in ``benchmarks/results/`` change only with ``--out benchmarks/results``.
+This file plans and runs; the command line is ``benchmarks/speedup_args.py``, and the rows, tables, JSON, PNGs and
+metadata are pure functions in ``benchmarks/speedup_report.py``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from bench_out import new_run_folder
+from speedup_args import base_config, check_out, out_folder, output_files, parse_ablation, parse_args
 from speedup_report import (
     EvalPoint,
     RateRun,
@@ -77,45 +82,9 @@ from tqdm.auto import tqdm
 import cppo
 from cppo import TrainConfig
 from cppo.data import count_local_problems, load_problems
-from cppo.models import resolve_device
-from cppo.rundir import check_writable
 
 #: ``on_step(plan, metrics)`` after every measured step (progress).
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
-#: ``--preset NAME`` is ``--config PRESETS[NAME]`` (a trainer preset under cppo/presets/).
-PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
-#: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
-SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-
-#: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics).
-ABLATION_METRICS = ("random", "largest")
-
-
-def check_out(out: pathlib.Path, *, create: bool) -> None:
-    """``--out`` is (or can be made) a writable folder: a ``ValueError`` naming ``--out`` otherwise."""
-    try:
-        check_writable(str(out), create=create)
-    except ValueError as e:
-        raise ValueError("--out" + str(e).removeprefix("output_dir")) from None
-
-
-def parse_ablation(text: str) -> tuple[str, float]:
-    """``"random@0.75"`` -> ``("random", 0.75)``: an ablation run (``--selection-metric``) that prunes P with METRIC
-    (:data:`ABLATION_METRICS`). ValueError naming the flag for anything else (P = 0 prunes nothing to ablate)."""
-    metric, at, rate = str(text).partition("@")
-    try:
-        p = float(rate)
-    except ValueError:
-        p = math.nan
-    if not at or metric not in ABLATION_METRICS or not 0.0 < p < 1.0:
-        raise ValueError(
-            f"--selection-metric {text!r}: expected METRIC@P with METRIC in {'/'.join(ABLATION_METRICS)} and P in "
-            f"(0, 1), e.g. random@0.75 (the smallest |A|, CPPO itself, is every --pruning-rates run)"
-        )
-    return metric, p
 
 
 def plan_schedule(
@@ -147,18 +116,21 @@ def plan_schedule(
         except ValueError as e:
             flag = f"--pruning-rates {p:g}" if i < len(rates) else f"--selection-metric {metric}@{p:g}"
             raise ValueError(f"{flag}: {e}") from None
-    per_step = [c.questions_drawn for c in configs]
+    per_step = [c.pruning.questions_drawn for c in configs]
     least = math.lcm(*per_step)
     questions = least * least_times if questions is None else questions
     if questions < 1:
         raise ValueError(f"--questions must be >= 1, got {questions}")
     if questions % least:
-        drawn = {run_label(c): c.questions_drawn for c in configs}
+        drawn = {run_label(c): c.pruning.questions_drawn for c in configs}
         raise ValueError(
             f"--questions must be a multiple of {least} (the questions one step draws in each run: {drawn}) so that "
             f"every rate processes the same questions; got {questions}, e.g. use {-(-questions // least) * least}"
         )
-    return [dataclasses.replace(c, num_steps=questions // c.questions_drawn, max_questions=questions) for c in configs]
+    return [
+        dataclasses.replace(c, num_steps=questions // c.pruning.questions_drawn, max_questions=questions)
+        for c in configs
+    ]
 
 
 def run_label(config: TrainConfig) -> str:
@@ -293,101 +265,6 @@ def _finish(
     return RateRun(config=plan, sums=sums, setup_seconds=setup, cpu_seconds=sum(c for _, _, c in steps), curve=curve)
 
 
-#: Shortcut flags, each a ``--set`` of one trainer setting: (flag, setting, how the value becomes YAML, help).
-SHORTCUTS = (
-    ("--model", "model", json.dumps, "'tiny-qwen2', a hub name, a local path or a .gguf file"),
-    ("--model-config", "model_config", None, "JSON overrides of the tiny model's config"),
-    ("--dataset", "dataset", json.dumps, "arith | gsm8k | math500 | a .jsonl path | a hub dataset"),
-    ("--dataset-path", "dataset_path", json.dumps, "local file or folder for --dataset gsm8k / math500"),
-    ("--device", "device", json.dumps, "auto | cpu | cuda | cuda:N"),
-    ("--dtype", "dtype", json.dumps, "float32 | bfloat16 | float16"),
-    ("--group-size", "group_size", int, "completions per question G"),
-    ("--questions-per-step", "questions_per_step", int, "questions a GRPO step draws"),
-    ("--max-new-tokens", "max_completion_length", int, "completion length cap"),
-    ("--max-prompt-length", "max_prompt_length", int, "prompts keep their last N tokens"),
-    ("--micro-batch-tokens", "micro_batch_tokens", int, "token budget per packed micro-batch"),
-    ("--mu", "mu", int, "policy updates per rollout"),
-    ("--backend", "kernel_backend", json.dumps, "auto | triton | torch (triton on CPU runs the interpreter)"),
-    ("--rollout-backend", "rollout_backend", json.dumps, "auto | hf | vllm"),
-    ("--seed", "seed", int, "the same seed for every rate"),
-    ("--allocation", "allocation", None, "CPPO draws 1/(1-P) times more questions per step (the paper's allocation)"),
-)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; ``args.config`` and ``args.overrides`` are what ``cppo train --config --set`` takes.
-
-    A shortcut flag given adds its ``setting=value`` after ``--set``'s; ``--model`` with a model that is not
-    ``tiny-*`` also sets ``model_config=null`` (the preset's, if any, only applies to a tiny model).
-    """
-    ap = argparse.ArgumentParser(description="CPPO against GRPO, end to end, on the same questions (see docstring).")
-    add = ap.add_argument
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--config", help="a trainer preset or a YAML file (default: speedup-cpu)")
-    which.add_argument("--preset", choices=sorted(PRESETS), help=f"a shortcut for --config: {PRESETS}")
-    add("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="trainer setting")
-    for flag, setting, to_yaml, text in SHORTCUTS:
-        kind = {"action": argparse.BooleanOptionalAction} if setting == "allocation" else {"type": to_yaml}
-        add(flag, dest=setting, **kind, help=f"--set {setting}=...: {text}")
-    add("--pruning-rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="the first must be 0 (GRPO)")
-    add("--questions", type=int, help="questions every rate processes (default: the least valid, x2 on CPU)")
-    add(
-        "--selection-metric",
-        dest="ablations",
-        nargs="+",
-        default=[],
-        metavar="METRIC@P",
-        help="ablation runs: prune P with METRIC (random: at random; largest: the largest |A|) instead of the "
-        "smallest |A|, e.g. random@0.75; each is one more row and plot line, on the same questions and seed",
-    )
-    add(
-        "--eval",
-        type=int,
-        metavar="N",
-        help="greedy accuracy on the first N test problems (the dataset's official check) before training and during "
-        "every run, evaluation time excluded from the training time; 95%% Wilson intervals",
-    )
-    add(
-        "--eval-points",
-        type=int,
-        metavar="K",
-        help="with --eval: evaluate each run after K evenly spaced steps, the last at its end (default: 4, at most "
-        "the shortest run's steps)",
-    )
-    add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
-    add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
-    add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
-    add("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results", help="for NAME.json and the PNGs")
-    add("--name", default="speedup", help="file name stem: NAME.json, NAME.png, NAME-accuracy.png (with --eval)")
-    add("--no-plot", action="store_true", help="skip the PNG")
-    add("--no-progress", action="store_true", help="no progress bar")
-    add("--dry-run", action="store_true", help="validate the whole plan: no model built, nothing trained or written")
-    args = ap.parse_args(argv)
-    values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
-    given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
-    if "model" in given and not json.loads(given["model"]).startswith("tiny-"):
-        given = {"model_config": "null", **given}  # only a tiny model takes a model_config
-    args.overrides = [*args.overrides, *(f"{s}={v}" for s, v in given.items())]
-    if args.config is None:
-        args.preset = args.preset or "cpu"
-        args.config = PRESETS[args.preset]
-    return args
-
-
-def base_config(args: argparse.Namespace, *, need_cuda: bool = True) -> TrainConfig:
-    """``load_config(args.config, args.overrides)`` with ``device`` resolved (and ../shared's GSM8K if present).
-    ``need_cuda=False`` (``--dry-run``) leaves a CUDA device unresolved on a machine without one."""
-    config = cppo.load_config(args.config, args.overrides)
-    if config.dataset == "gsm8k" and config.dataset_path is None and SHARED_GSM8K.is_dir():
-        config = dataclasses.replace(config, dataset_path=str(SHARED_GSM8K))
-    if not need_cuda and config.device.startswith("cuda") and not torch.cuda.is_available():
-        return config
-    device = resolve_device(config.device)  # ValueError when CUDA is asked for and absent
-    if args.preset == "gsm8k" and device.type != "cuda":
-        raise ValueError("--preset gsm8k trains Qwen2.5-1.5B-Instruct and needs a CUDA device (--device cuda)")
-    return dataclasses.replace(config, device=str(device))
-
-
 def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPlan | None:
     """``--eval N --eval-points K`` checked against the plan (None without ``--eval``): N >= 1; K (default 4, at most
     the shortest run's steps) in [1, the shortest run's steps]; a held-out test split (not the training file of a
@@ -424,8 +301,8 @@ def dry_run(
     """Validates the whole plan without building a model: the trainer config of every run (``plan_schedule``
     built each one, so every setting and the local model and dataset paths are checked), the schedule, the training
     data (read when local; a hub dataset is not downloaded), the evaluation (:func:`check_eval` ran) and the ``--out``
-    folder. Prints and returns the plan."""
-    check_out(args.out, create=False)
+    folder (the one it names, not created). Prints and returns the plan."""
+    check_out(out_folder(args), create=False)
     base = plans[0]
     problems = count_local_problems(base.dataset, dataset_path=base.dataset_path)
     order = step_order(plans, interleave=schedule == "interleaved")
@@ -439,32 +316,17 @@ def dry_run(
         "schedule": schedule,
         "steps": len(order),
         "rates": [
-            {"pruning_rate": c.pruning_rate, "selection_metric": c.selection_metric, "keep": c.keep,
-             "questions_per_step": c.questions_drawn, "steps": c.num_steps, "questions": c.max_questions,
+            {"pruning_rate": c.pruning_rate, "selection_metric": c.selection_metric, "keep": c.pruning.keep,
+             "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps, "questions": c.max_questions,
              "eval_steps": eval_steps(c.num_steps, evaluation.points) if evaluation else []}
             for c in plans
         ],
         "eval": dataclasses.asdict(evaluation) if evaluation else None,
-        "out": str(args.out),
-        "files": list(output_files(args, evaluation=evaluation).values()),
+        "out": str(out_folder(args)),
+        "files": list(output_files(args, accuracy=evaluation is not None).values()),
     }  # fmt: skip
     print(json.dumps(plan, indent=1))
     return plan
-
-
-def output_files(args: argparse.Namespace, *, evaluation: EvalPlan | None) -> dict[str, str]:
-    """What the run writes under ``--out``: ``json``, ``png`` (unless ``--no-plot``), ``accuracy_png`` (with
-    ``--eval``). ValueError unless ``--name`` is a plain file name stem."""
-    name = str(args.name)
-    if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
-        raise ValueError(f"--name must be a file name stem (no folder), got {name!r}")
-    out = pathlib.Path(args.out)
-    files = {"json": out / f"{name}.json"}
-    if not args.no_plot:
-        files["png"] = out / f"{name}.png"
-        if evaluation is not None:
-            files["accuracy_png"] = out / f"{name}-accuracy.png"
-    return {k: str(v) for k, v in files.items()}
 
 
 def eval_meta(evaluation: EvalPlan | None, runs: Sequence[RateRun], config: TrainConfig) -> dict[str, Any] | None:
@@ -502,9 +364,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     schedule = args.schedule or ("interleaved" if on_cpu else "sequential")
     evaluation = check_eval(args, plans)
-    files = output_files(args, evaluation=evaluation)
+    files = output_files(args, accuracy=evaluation is not None)
     if args.dry_run:
         return dry_run(args, plans, schedule=schedule, evaluation=evaluation)
+    if args.out is None:  # a new folder of this run's own: never the committed benchmarks/results
+        args.out = new_run_folder(args.name)
+        files = output_files(args, accuracy=evaluation is not None)
     check_out(args.out, create=True)  # before the run, not after it
     if config.kernel_backend == "triton" and on_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
@@ -542,7 +407,7 @@ def measure(
         warmup = run_plans([warm], device=device, interleave=False)[0].sums["total_seconds"]
 
     def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
-        bar.set_postfix_str(f"{run_label(plan)} keep {plan.keep}/{plan.group_size}", refresh=False)
+        bar.set_postfix_str(f"{run_label(plan)} keep {plan.pruning.keep}/{plan.group_size}", refresh=False)
         bar.update(1)
 
     def on_eval(plan: TrainConfig, point: EvalPoint) -> None:

@@ -2,28 +2,20 @@
 
 Phase seconds summed over a run, the rows with their speedups (:func:`build_rows`), the accuracy columns (Wilson
 intervals, the curve, the time to reach GRPO's final accuracy), the Markdown tables, ``NAME.json``, the two PNGs, and
-where and how the numbers were measured (:func:`collect_meta`). Nothing here trains or times anything.
+where and how the numbers were measured (:func:`collect_meta`). Nothing here trains or times anything; every file is
+written atomically through :mod:`cppo.fileio`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import importlib.util
-import json
 import math
-import os
 import pathlib
-import platform
-import subprocess
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
-
-from cppo import TrainConfig
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from cppo import TrainConfig, fileio
+from cppo.fileio import git_commit  # noqa: F401  (re-exported: benchmarks/gpu_check.py imports it from here)
 
 #: Phase in the results -> (the trainer metric with its seconds in one step, plot label, plot colour): greys for
 #: the phases pruning leaves alone, colours for the training phases; ``other`` is the rest of a step's wall clock.
@@ -149,9 +141,9 @@ def _ratio(num: float, den: float) -> float | None:
 def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     """Result rows, one per rate, with speedups against the first run (which must be P = 0).
 
-    - ``keep``, ``kept_per_step``, ``questions_per_step``, ``steps``, ``questions``: the rate's ``TrainConfig.keep``
-      (per question), ``kept_per_step`` (the step's official count), ``questions_drawn``, ``num_steps`` and
-      ``max_questions``; ``questions_seen``: what its steps reported;
+    - ``keep``, ``kept_per_step``, ``questions_per_step``, ``steps``, ``questions``: the rate's
+      ``TrainConfig.pruning.keep`` (per question), ``kept_per_step`` (the step's official count), ``questions_drawn``,
+      ``num_steps`` and ``max_questions``; ``questions_seen``: what its steps reported;
     - ``train_seconds``: old/ref log-probs + policy forward/backward + optimizer;
     - ``speedup_train`` / ``speedup_total``: P = 0's train / total seconds over this rate's;
     - ``ideal_speedup_train``: 1 / (1 - P); ``fraction_of_ideal``: speedup_train / ideal;
@@ -183,10 +175,10 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
         ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
         amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
         rows.append({
-            "pruning_rate": p, "selection_metric": c.selection_metric, "keep": c.keep,
-            "kept_per_step": c.kept_per_step, "group_size": c.group_size,
+            "pruning_rate": p, "selection_metric": c.selection_metric, "keep": c.pruning.keep,
+            "kept_per_step": c.pruning.kept_per_step, "group_size": c.group_size,
             "questions": c.max_questions,
-            "questions_seen": sums["questions"], "questions_per_step": c.questions_drawn, "steps": c.num_steps,
+            "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps,
             "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
             "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
             **{k: sums[k] for k in COUNTERS[:-1]},
@@ -269,12 +261,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null; the file is replaced whole."""
-    safe = json.loads(json.dumps({"meta": meta, "rows": list(rows)}), parse_constant=lambda _: None)
+    """``{"meta": ..., "rows": [...]}``, NaN and infinities written as null; the file is replaced whole, atomically
+    (:func:`cppo.fileio.write_json`: an interrupted write leaves the old file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(safe, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, path)  # whole or not at all: an interrupted write leaves the old file
+    fileio.write_json(path, {"meta": meta, "rows": list(rows)})
 
 
 def _pyplot():
@@ -288,9 +278,11 @@ def _pyplot():
 
 
 def _save(plt, fig, path: pathlib.Path) -> None:
+    """The figure as a PNG at ``path``, replaced atomically (:func:`cppo.fileio.atomic_path`), then closed."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with fileio.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -353,45 +345,13 @@ def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict
     _save(plt, fig, path)
 
 
-def git_commit(repo: pathlib.Path = REPO) -> tuple[str, bool | None]:
-    """``(HEAD commit, working tree dirty)``, ``("unknown", None)`` outside a git checkout."""
-    try:
-        out = [
-            subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, check=True, timeout=10).stdout
-            for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain"])
-        ]
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-    return out[0].strip() or "unknown", bool(out[1].strip())
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
-
-
 def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how the numbers were measured: every setting of the base trainer config, the machine, the software."""
-    triton = importlib.import_module("triton") if importlib.util.find_spec("triton") else None
-    commit, dirty = git_commit()
+    """Where and how the numbers were measured: every setting of the base trainer config, then
+    :func:`cppo.fileio.run_metadata` (date, machine, torch threads, library versions, git commit, ``argv``) and what
+    the timings mean."""
     return {
         **config.to_dict(),
-        "device_name": _device_name(config.device),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "triton": getattr(triton, "__version__", None),
-        "python": platform.python_version(),
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": list(argv),
+        **fileio.run_metadata(device=config.device, argv=list(argv)),
         "timing": (
             "wall clock summed over every measured train_step; train = old/ref log-probs + policy forward/backward"
             " + optimizer; total = sum of train_step wall clocks; model build and warm-up excluded"

@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import platform
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,10 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[str]:
     target = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix + ".tmp", dir=folder)
-    os.close(fd)
+    try:  # mkstemp makes it 0600: the file gets the mode a plain open() would give (the target's, else umask's)
+        os.fchmod(fd, _mode_for(target))
+    finally:
+        os.close(fd)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -57,6 +61,19 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO], Any
             else:
                 f.write(data)
             f.flush()
+
+
+def _mode_for(target: str) -> int:
+    """The permission bits of an existing (regular) ``target``, else ``0o666`` less the process's umask."""
+    try:
+        st = os.stat(target, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_mode & 0o7777
+    except OSError:
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _fsync_folder(folder: str) -> None:
@@ -122,9 +139,12 @@ def device_name(device: str = "cpu") -> str:
 LIBRARIES = ("torch", "triton", "transformers", "trl", "peft", "accelerate", "liger-kernel", "flash-attn", "vllm")
 
 
-def run_metadata(*, device: str = "cpu", commit: str | None = None, argv: list[str] | None = None) -> dict:
+def run_metadata(
+    *, device: str = "cpu", commit: str | None = None, argv: list[str] | None = None, cuda: bool = False
+) -> dict:
     """Where and with what a result was measured: date, machine, Python, library versions, the git commit (``commit``
-    when given: a copied tree may lack ``.git``) and the command line."""
+    when given: a copied tree may lack ``.git``) and the command line; with ``cuda=True`` also the CUDA side
+    (:func:`_cuda_metadata`, which imports torch; nothing else here does)."""
     found, dirty = git_commit()
     versions = {}
     for name in LIBRARIES:
@@ -141,6 +161,33 @@ def run_metadata(*, device: str = "cpu", commit: str | None = None, argv: list[s
         "git_dirty": None if commit else dirty,
         "argv": list(sys.argv if argv is None else argv),
     }
+    if cuda:
+        meta.update(_cuda_metadata())
     if "torch" in sys.modules:
         meta["torch_threads"] = sys.modules["torch"].get_num_threads()
     return meta
+
+
+def _cuda_metadata() -> dict:
+    """Whether torch sees a CUDA device, its CUDA runtime, and with a device the first GPU's name, memory (GiB),
+    compute capability, multiprocessor count and driver version (``nvidia-smi``; None where it is absent)."""
+    import torch
+
+    meta: dict[str, Any] = {"cuda_available": torch.cuda.is_available(), "cuda_runtime": torch.version.cuda}
+    if meta["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        meta.update(
+            gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), compute_capability=f"{p.major}.{p.minor}",
+            multiprocessors=p.multi_processor_count, driver=_nvidia_smi("driver_version"),
+        )  # fmt: skip
+    return meta
+
+
+def _nvidia_smi(field: str) -> str | None:
+    """One ``nvidia-smi --query-gpu`` field of the first GPU, or None when nvidia-smi is absent or fails."""
+    try:
+        cmd = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None

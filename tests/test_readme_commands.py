@@ -166,6 +166,9 @@ def test_the_long_lines_are_valid_plans(item, tmp_path):
     out = done.stdout.strip()
     plan_json = json.loads(out[out.index("{") :])
     assert plan_json["dry_run"] == "ok"
+    if command[1:2] == [str(REPO / "benchmarks" / "speedup.py")] and "--out" not in command:
+        # a user trying the line writes to a new folder of the run's own, never over the committed results
+        assert pathlib.Path(plan_json["out"]).parent == REPO / "benchmarks" / "runs", plan_json["out"]
     argv = item[1]
     if argv[0] == "torchrun":  # the dry run is one process: the step's questions must split over the real world size
         world = int(flag(argv, "--nnodes", "1")) * int(flag(argv, "--nproc-per-node", "1"))

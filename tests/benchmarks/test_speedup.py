@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import speedup_args
 import torch
 
-from cppo import TrainConfig, load_config
+from cppo import TrainConfig, fileio, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "speedup.py"
@@ -55,7 +56,7 @@ def test_presets_are_trainer_presets(speedup):
     assert (gsm8k.model, gsm8k.dtype, gsm8k.group_size, gsm8k.questions_per_step) == (
         "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", 16, 1
     )  # fmt: skip
-    assert speedup.plan_schedule(gsm8k, speedup.DEFAULT_RATES)[0].max_questions == 16
+    assert speedup.plan_schedule(gsm8k, speedup_args.DEFAULT_RATES)[0].max_questions == 16
 
 
 TINY = (
@@ -92,7 +93,7 @@ def test_each_flag_is_a_set_of_one_setting(speedup, flag, raw, setting, value):
 
 
 def test_flags_cover_every_shortcut_and_allocation(speedup):
-    assert {f for f, *_ in FLAGS} | {"--allocation"} == {f for f, *_ in speedup.SHORTCUTS}
+    assert {f for f, *_ in FLAGS} | {"--allocation"} == {f for f, *_ in speedup_args.SHORTCUTS}
     assert speedup.parse_args(["--no-allocation"]).overrides == ["allocation=false"]
     assert speedup.parse_args(["--no-allocation", "--allocation"]).overrides == ["allocation=true"]
     # strings stay strings (YAML would read 123 as a number), and a flag comes after --set
@@ -153,9 +154,9 @@ def test_the_readme_smollm2_plan_keeps_the_official_count(speedup):
     """The README's SmolLM2 line (G = 8, 32 questions): P = 0.9375 prunes int(128 * 0.9375) = 120 of a step's 128
     completions and keeps 8 (the old round(G * (1 - P)) rule kept 0 per question and refused it)."""
     base = speedup.base_config(speedup.parse_args(["--group-size", "8", "--device", "cpu"]))
-    plans = speedup.plan_schedule(base, speedup.DEFAULT_RATES, questions=32)
-    assert [p.kept_per_step for p in plans] == [8] * 5
-    assert [p.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
+    plans = speedup.plan_schedule(base, speedup_args.DEFAULT_RATES, questions=32)
+    assert [p.pruning.kept_per_step for p in plans] == [8] * 5
+    assert [p.pruning.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,35 +166,38 @@ def test_the_readme_smollm2_plan_keeps_the_official_count(speedup):
 
 def test_schedule_with_allocation_processes_the_same_questions(speedup):
     base = _config()
-    plans = speedup.plan_schedule(base, speedup.DEFAULT_RATES, questions=32)
-    assert [p.keep for p in plans] == [16, 8, 4, 2, 1]
-    assert [p.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
+    plans = speedup.plan_schedule(base, speedup_args.DEFAULT_RATES, questions=32)
+    assert [p.pruning.keep for p in plans] == [16, 8, 4, 2, 1]
+    assert [p.pruning.questions_drawn for p in plans] == [1, 2, 4, 8, 16]
     assert [p.num_steps for p in plans] == [32, 16, 8, 4, 2]
-    assert all(p.num_steps * p.questions_drawn == 32 == p.max_questions for p in plans)
-    for p, rate in zip(plans, speedup.DEFAULT_RATES):
+    assert all(p.num_steps * p.pruning.questions_drawn == 32 == p.max_questions for p in plans)
+    for p, rate in zip(plans, speedup_args.DEFAULT_RATES):
         assert p == dataclasses.replace(base, pruning_rate=rate, num_steps=p.num_steps, max_questions=32)
 
 
 def test_schedule_without_allocation_runs_the_same_steps(speedup):
     base = _config("allocation=false", "group_size=8", "questions_per_step=2")
     plans = speedup.plan_schedule(base, [0, 0.5, 0.75], questions=6)
-    assert [p.keep for p in plans] == [8, 4, 2]
-    assert [(p.questions_drawn, p.num_steps) for p in plans] == [(2, 3)] * 3
+    assert [p.pruning.keep for p in plans] == [8, 4, 2]
+    assert [(p.pruning.questions_drawn, p.num_steps) for p in plans] == [(2, 3)] * 3
 
 
 def test_schedule_uses_the_trainers_rounding(speedup):
     """ceil(2 / (1 - 0.3)) = 3 questions a step, as the trainer draws (the old script refused P = 0.3 here)."""
     base = _config("group_size=10", "questions_per_step=2")
     plans = speedup.plan_schedule(base, [0, 0.3], questions=6)
-    assert [(p.keep, p.questions_drawn, p.num_steps) for p in plans] == [(10, 2, 3), (7, 3, 2)]
+    assert [(p.pruning.keep, p.pruning.questions_drawn, p.num_steps) for p in plans] == [(10, 2, 3), (7, 3, 2)]
     trainer_rule = TrainConfig(group_size=10, questions_per_step=2, pruning_rate=0.3)
-    assert (plans[1].keep, plans[1].questions_drawn) == (trainer_rule.keep, trainer_rule.questions_drawn)
+    assert (plans[1].pruning.keep, plans[1].pruning.questions_drawn) == (
+        trainer_rule.pruning.keep,
+        trainer_rule.pruning.questions_drawn,
+    )
 
 
 def test_default_question_count(speedup):
     base = _config()
-    assert speedup.plan_schedule(base, speedup.DEFAULT_RATES)[0].max_questions == 16
-    assert speedup.plan_schedule(base, speedup.DEFAULT_RATES, least_times=2)[0].max_questions == 32
+    assert speedup.plan_schedule(base, speedup_args.DEFAULT_RATES)[0].max_questions == 16
+    assert speedup.plan_schedule(base, speedup_args.DEFAULT_RATES, least_times=2)[0].max_questions == 32
     assert speedup.plan_schedule(_config("questions_per_step=3"), [0, 0.5, 0.75])[0].max_questions == 12
     no_alloc = _config("questions_per_step=3", "allocation=false")
     assert speedup.plan_schedule(no_alloc, [0, 0.5, 0.75])[0].max_questions == 3
@@ -249,8 +253,8 @@ def _run(report, p, *, gen, train, steps=1):
     config = dataclasses.replace(config, num_steps=steps, max_questions=16)
     phases = dict.fromkeys(report.PHASES, 0.0)
     phases |= {"generation": gen, "old_ref_logprobs": train / 4, "policy_fwd_bwd": train / 2, "optimizer": train / 4}
-    sums = {"phase_seconds": phases, "total_seconds": gen + train, "tokens_trained": 100 * config.keep}
-    sums |= {"tokens_forward": 0, "completions": 256, "completions_kept": 16 * config.keep, "questions": 16}
+    sums = {"phase_seconds": phases, "total_seconds": gen + train, "tokens_trained": 100 * config.pruning.keep}
+    sums |= {"tokens_forward": 0, "completions": 256, "completions_kept": 16 * config.pruning.keep, "questions": 16}
     return report.RateRun(config=config, sums=sums | {"reward_mean": 0.5, "accuracy": float("nan")})
 
 
@@ -307,14 +311,15 @@ def test_writers(report, speedup, tmp_path):
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_git_commit_outside_a_repo(report, tmp_path):
-    assert report.git_commit(tmp_path) == ("unknown", None)
-    commit, _ = report.git_commit()
+def test_git_commit_outside_a_repo(tmp_path):
+    """The meta's commit (cppo.fileio.git_commit, which collect_meta's run_metadata calls)."""
+    assert fileio.git_commit(tmp_path) == ("unknown", None)
+    commit, _ = fileio.git_commit()
     assert commit == "unknown" or len(commit) == 40
 
 
 def test_ideal_is_one_over_one_minus_p(report, speedup):
-    for p in speedup.DEFAULT_RATES[1:]:
+    for p in speedup_args.DEFAULT_RATES[1:]:
         rows = report.build_rows([_run(report, 0.0, gen=1.0, train=1.0), _run(report, p, gen=1.0, train=1.0)])
         assert math.isclose(rows[1]["ideal_speedup_train"], 1.0 / (1.0 - p))
 
@@ -333,8 +338,10 @@ class _FakeTrainer:
         self.config = config
 
     def train_step(self):
-        q = self.config.questions_drawn + self.extra
-        return _metrics(questions=q, completions=q * self.config.group_size, completions_kept=q * self.config.keep)
+        q = self.config.pruning.questions_drawn + self.extra
+        return _metrics(
+            questions=q, completions=q * self.config.group_size, completions_kept=q * self.config.pruning.keep
+        )
 
 
 def test_step_order(speedup):
@@ -379,7 +386,8 @@ def test_main_smoke(report, speedup, tmp_path, capsys):
     settings = ["max_completion_length=4", f"model_config={TINY}", "group_size=4", "kernel_backend=torch", "device=cpu"]
     expected = load_config("speedup-cpu", settings).to_dict() | {"preset": "cpu"}  # meta's preset: the --preset
     assert {k: data["meta"][k] for k in expected} == expected  # meta records every setting of the trainer config
-    for key in ("device_name", "torch", "triton", "git_commit", "date", "argv", "warmup_seconds", "timing"):
+    run_keys = ("python", "python_executable", "cpu_count", "git_dirty")  # cppo.fileio.run_metadata's, added
+    for key in ("device_name", "torch", "triton", "git_commit", "date", "argv", "warmup_seconds", "timing", *run_keys):
         assert key in data["meta"], key
     meta = data["meta"]
     assert (meta["device"], meta["argv"], meta["preset"], meta["config"]) == ("cpu", argv, "cpu", "speedup-cpu")

@@ -74,7 +74,7 @@ def test_eval_steps_are_evenly_spaced_and_end_the_run(speedup):
 
 def test_eval_points_fall_on_the_same_questions_at_every_rate(speedup):
     plans = speedup.plan_schedule(_config("group_size=8"), [0, 0.5, 0.75, 0.875], questions=32)
-    seen = {tuple(k * p.questions_drawn for k in speedup.eval_steps(p.num_steps, 4)) for p in plans}
+    seen = {tuple(k * p.pruning.questions_drawn for k in speedup.eval_steps(p.num_steps, 4)) for p in plans}
     assert seen == {(8, 16, 24, 32)}
 
 
@@ -113,7 +113,7 @@ def test_accuracy_fields(report):
 
 def _run(report, p, *, total, curve, metric="smallest"):
     config = TrainConfig(group_size=8, pruning_rate=p, selection_metric=metric, questions_per_step=1)
-    config = dataclasses.replace(config, num_steps=8 // config.questions_drawn, max_questions=8)
+    config = dataclasses.replace(config, num_steps=8 // config.pruning.questions_drawn, max_questions=8)
     phases = dict.fromkeys(report.PHASES, 0.0) | {"generation": total / 2, "policy_fwd_bwd": total / 2}
     sums = {"phase_seconds": phases, "total_seconds": total, "tokens_trained": 10, "tokens_forward": 30}
     sums |= {"completions": 64, "completions_kept": 8, "questions": 8, "reward_mean": 0.1, "accuracy": 0.1}
@@ -179,7 +179,7 @@ def test_schedule_adds_ablation_runs_on_the_same_questions(speedup):
     # the pooled scopes keep the official count at any rate (cppo_kernels' num_kept), global scope included
     glob = _config("group_size=8", "selection_scope=global")
     high = speedup.plan_schedule(glob, [0], ablations=[("random", 0.99)], questions=100)[1]
-    assert (high.questions_drawn, high.kept_per_step, high.num_steps) == (100, 800 - int(800 * 0.99), 1)
+    assert (high.pruning.questions_drawn, high.pruning.kept_per_step, high.num_steps) == (100, 800 - int(800 * 0.99), 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,10 +255,10 @@ class _FakeTrainer:
 
     def train_step(self):
         self.step += 1
-        q, g = self.config.questions_drawn, self.config.group_size
+        q, g = self.config.pruning.questions_drawn, self.config.group_size
         m = {k: 0.0 for k in ("time/generate", "time/reward", "time/select", "time/logprobs", "time/update")}
         m |= {"time/optimizer": 0.0, "tokens_trained": 1, "tokens_forward": 1, "reward_mean": 0.0, "accuracy": 0.0}
-        return m | {"completions": q * g, "completions_kept": q * self.config.keep, "questions": q}
+        return m | {"completions": q * g, "completions_kept": q * self.config.pruning.keep, "questions": q}
 
     def evaluate(self, limit):
         _FakeTrainer.calls.append((self.config.pruning_rate, self.step))
@@ -364,6 +364,6 @@ def test_the_reference_preset_plans_the_documented_run(speedup):
         questions=args.questions,
     )
     assert [speedup.run_label(p) for p in plans] == ["P=0", "P=0.5", "P=0.75", "P=0.875", "P=0.75 random"]
-    assert [p.num_steps for p in plans] == [32, 16, 8, 4, 8] and {p.kept_per_step for p in plans} == {8}
+    assert [p.num_steps for p in plans] == [32, 16, 8, 4, 8] and {p.pruning.kept_per_step for p in plans} == {8}
     assert [speedup.eval_steps(p.num_steps, args.eval_points) for p in plans][0] == [16, 32]
     assert base.max_questions == args.questions and base.eval_limit == args.eval  # as a trainer preset: the GRPO row

@@ -51,3 +51,16 @@ def test_run_metadata_names_commit_and_versions():
     assert meta["git_commit"] == "abc123" and meta["git_dirty"] is None
     assert meta["argv"] == ["x", "--y"] and meta["python"] and meta["torch"]
     assert "cores" in meta["device_name"]
+
+
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        fileio.atomic_write(tmp_path / "new.txt", "x")
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        (tmp_path / "kept.txt").write_text("y")
+        os.chmod(tmp_path / "kept.txt", 0o640)
+        fileio.atomic_write(tmp_path / "kept.txt", "z")
+        assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o640  # a replaced file keeps its mode
+    finally:
+        os.umask(old)
