@@ -1,30 +1,34 @@
-"""benchmarks/gpu_check.py, the GPU validation kit: its dry run end to end (what CI can run of it) and its pieces."""
+"""benchmarks/gpu_check.py and benchmarks/gpukit/, the GPU validation kit: its dry run end to end (what CI can run
+of it) and its pieces."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
 import zipfile
 
+import gpu_check
 import pytest
+from gpukit import part_loss, part_tests, parts, plan, report, runner, wheels
+
+from cppo.fileio import run_metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+TESTS = REPO / "tests"
 
 
-@pytest.fixture(scope="module")
-def kit():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def readme_budgets() -> dict[str, float]:
+    """The budget column of the README's table of the kit's parts (section "GPU validation kit")."""
+    section = (REPO / "README.md").read_text(encoding="utf-8").split("## GPU validation kit", 1)[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `(\w+)` \|.*\| (\d+) s \|$", section, re.M)
+    return {part: float(seconds) for part, seconds in rows}
 
 
 def _demo_wheel(folder: pathlib.Path) -> pathlib.Path:
@@ -49,39 +53,19 @@ def _demo_wheel(folder: pathlib.Path) -> pathlib.Path:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_dry_run(tmp_path):
-    """Every part's code path on tiny CPU shapes, a carried wheel, the JSON per part and the summary."""
-    out = tmp_path / "out"
-    _demo_wheel(tmp_path / "wheels")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("TRITON_INTERPRET", None)  # the kit sets it for its parts itself
-    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "wheels")]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    first = done.stdout.splitlines()[0]
-    assert first.startswith("gpu_check: ") and "dry run" in first, first
-
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["exit_status"] == 0 and summary["kit"]["dry_run"] is True
-    assert all(c["ok"] for c in summary["kit"]["checks"]), summary["kit"]["checks"]
-    assert summary["kit"]["wheels"]["installed"] == ["gpu_kit_demo-0.1"]
-    assert summary["kit"]["wheels"]["imports"] == {"gpu_kit_demo": "ok"}
-    assert set(summary["kit"]["environment"]) >= {"torch", "triton", "python", "git_commit", "cuda_available"}
-    parts = {p: json.loads((out / f"{p}.json").read_text()) for p in ("tests", "loss", "select", "e2e")}
-    assert list(summary["parts"]) == list(parts)
-    for name, part in parts.items():
-        assert part["status"] == "pass" and part["checks"], name
-        assert all(c["ok"] for c in part["checks"]), part["checks"]
-        assert summary["parts"][name]["status"] == "pass" and part["budget_s"] > 0
-
+def _assert_dry_results(parts: dict[str, dict], out: pathlib.Path) -> None:
+    """What each part of the dry run recorded: the tests it selected, the loss shapes and methods, the selection rows,
+    the packed forward's errors and the speedup runs."""
     selected = parts["tests"]["results"]["selected"]  # collection only: the CUDA tests, nothing else
-    assert "tests/test_loss_triton.py::test_new_token_count_or_temperature_does_not_recompile" in selected
-    assert any(t.startswith("tests/test_cuda_kernels.py::test_loss_matches_reference") for t in selected)
+    assert parts["tests"]["results"]["command"][1:4] == ["pytest", "-m", "cuda"]
+    assert "tests/kernels/test_loss_triton.py::test_new_token_count_or_temperature_does_not_recompile" in selected
+    assert any(t.startswith("tests/kernels/test_cuda_kernels.py::test_loss_matches_reference") for t in selected)
+    assert any(t.startswith("tests/kernels/test_cuda_kernels.py::test_the_loss_at_the_kits_shapes") for t in selected)
     assert {t.split("::")[0] for t in selected} == {
-        "tests/test_cuda_kernels.py",
-        "tests/test_loss_triton.py",
-        "tests/test_loss_grad_in_forward.py",
+        "tests/kernels/test_cuda_kernels.py",
+        "tests/kernels/test_loss_triton.py",
+        "tests/kernels/test_loss_grad_in_forward.py",
+        "tests/trainer/test_cuda_models.py",
     }
     shapes = {k: v for k, v in parts["loss"]["results"].items() if isinstance(v, dict) and "methods" in v}
     assert list(shapes) == ["T=512 H=32 V=1000 float32", "T=512 H=48 V=700 bfloat16"]
@@ -100,6 +84,40 @@ def test_dry_run(tmp_path):
         e2e["speedup vllm"].startswith("dry run: arguments checked") and "--rollout-backend vllm" in e2e["speedup vllm"]
     )
 
+
+@pytest.mark.slow
+def test_dry_run(tmp_path):
+    """Every part's code path on tiny CPU shapes, a carried wheel, the JSON per part and the summary."""
+    out = tmp_path / "out"
+    _demo_wheel(tmp_path / "wheels")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)  # the kit sets it for its parts itself
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "wheels")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: ") and "dry run" in first, first
+    budgets = readme_budgets()  # the dry run announces the budgets the README documents
+    assert budgets == {"tests": 150.0, "loss": 140.0, "select": 40.0, "e2e": 100.0}
+    for part, seconds in budgets.items():
+        assert f"[{part}] start (budget {seconds:.0f} s)" in done.stdout, done.stdout[-3000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_status"] == 0 and summary["kit"]["dry_run"] is True
+    assert summary["kit"]["budgets_s"] == budgets
+    assert all(c["ok"] for c in summary["kit"]["checks"]), summary["kit"]["checks"]
+    assert summary["kit"]["wheels"]["installed"] == ["gpu_kit_demo-0.1"]
+    assert summary["kit"]["wheels"]["imports"] == {"gpu_kit_demo": "ok"}
+    assert set(summary["kit"]["environment"]) >= {"torch", "triton", "python", "git_commit", "cuda_available"}
+    parts = {p: json.loads((out / f"{p}.json").read_text()) for p in ("tests", "loss", "select", "e2e")}
+    assert list(summary["parts"]) == list(parts)
+    for name, part in parts.items():
+        assert part["status"] == "pass" and part["checks"], name
+        assert all(c["ok"] for c in part["checks"]), part["checks"]
+        assert summary["parts"][name]["status"] == "pass" and part["budget_s"] == budgets[name]
+
+    _assert_dry_results(parts, out)
+
     md = (out / "summary.md").read_text()
     assert md.startswith("# GPU validation kit: results") and "**Dry run**" in md
     for part in parts:
@@ -112,33 +130,82 @@ def test_dry_run(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-class _Item:
-    """A collected test as the selection sees it: its markers."""
-
-    def __init__(self, *marks) -> None:
-        self.marks = [m.mark for m in marks]
-
-    def iter_markers(self, name: str):
-        return (m for m in self.marks if m.name == name)
-
-
-def test_the_cuda_tests_are_those_skipped_without_cuda(kit):
-    needs = pytest.mark.skipif
-    for cuda in (False, True):
-        assert kit.needs_cuda(_Item(needs(not cuda, reason="needs a CUDA device")), cuda=cuda)
-        assert kit.needs_cuda(_Item(needs(not cuda, reason="bit-exactness needs GPU MMA")), cuda=cuda)
-        assert kit.needs_cuda(_Item(pytest.mark.slow, needs(not cuda, reason="needs a GPU")), cuda=cuda)
-        assert not kit.needs_cuda(_Item(needs(cuda, reason="needs a machine without CUDA")), cuda=cuda)
-        assert not kit.needs_cuda(_Item(needs(True, reason="../shared is absent")), cuda=cuda)
-        assert not kit.needs_cuda(_Item(needs("sys.platform == 'x'", reason="cuda")), cuda=cuda)
-        assert not kit.needs_cuda(_Item(), cuda=cuda)
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """``cuda`` for ``pytest.mark.cuda``, ``skip`` for ``pytest.mark.skipif(not torch.cuda.is_available(), ...)``."""
+    found = set()
+    for node in decorators:
+        text = ast.unparse(node)
+        if text == "pytest.mark.cuda":
+            found.add("cuda")
+        elif text.startswith("pytest.mark.skipif(not torch.cuda.is_available()"):
+            found.add("skip")
+    return found
 
 
-def test_a_child_is_ended_with_everything_it_started(kit, tmp_path):
+def test_a_test_skipped_without_cuda_is_marked_cuda_and_the_other_way_round():
+    """The kit's tests part selects with ``-m cuda``: a CUDA test without the marker would never run on the GPU, a
+    marked test that runs without CUDA would be a CPU test in the GPU's time."""
+    tests = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+                module |= _marks(list(getattr(node.value, "elts", [node.value])))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                marks = module | _marks(node.decorator_list)
+                tests.append((f"{path.relative_to(REPO)}::{node.name}", marks))
+                assert marks != {"cuda"} and marks != {"skip"}, f"{tests[-1][0]}: marks {marks}"
+    marked = [name for name, marks in tests if marks]
+    assert "tests/kernels/test_loss_grad_in_forward.py::test_cuda_grad_in_forward_matches_the_triton_two_pass" in marked
+    assert len({name.split("::")[0] for name in marked}) == 4, marked
+
+
+def test_no_benchmark_module_imports_a_test_module():
+    test_modules = {path.stem for path in TESTS.rglob("*.py")}  # test_*, conftest and the helpers of tests/support
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            bad = {name.split(".")[0] for name in names} & test_modules
+            assert not bad, f"{path.relative_to(REPO)}:{node.lineno} imports the test module(s) {sorted(bad)}"
+
+
+def test_the_tests_part_selects_by_marker(tmp_path):
+    for dry in (True, False):
+        cmd = part_tests.tests_command(plan.DRY_PLAN if dry else plan.GPU_PLAN, tmp_path)
+        assert cmd[1:5] == ["-m", "pytest", "-m", "cuda"] and str(TESTS) in cmd and "gpu_check" not in cmd
+        assert ("--collect-only" in cmd) == dry and any(a.startswith("--junitxml=") for a in cmd) != dry
+
+
+def test_the_budgets_are_the_readmes_and_fit_the_deadline():
+    assert readme_budgets() == plan.BUDGET_S
+    assert list(parts.PART_FUNCTIONS) == list(plan.PARTS) == list(plan.BUDGET_S)
+    assert sum(plan.BUDGET_S.values()) + plan.RESERVE_S <= plan.DEADLINE_S <= 8 * 60
+
+
+def test_the_environment_record_is_run_metadata_with_the_cuda_side():
+    """What the kit records (cppo.fileio.run_metadata(cuda=True)); on a machine without CUDA, no GPU fields."""
+    import torch
+
+    meta = run_metadata(device="cpu", commit="abc", argv=["gpu_check.py"], cuda=True)
+    assert meta["cuda_available"] == torch.cuda.is_available() and meta["cuda_runtime"] == torch.version.cuda
+    assert meta["git_commit"] == "abc" and meta["git_dirty"] is None and meta["argv"] == ["gpu_check.py"]
+    assert {"date", "python", "torch", "triton", "device_name"} <= set(meta)
+    assert ("gpu" in meta) == torch.cuda.is_available()
+    assert "cuda_runtime" not in run_metadata(device="cpu", commit="abc")
+
+
+def test_a_child_is_ended_with_everything_it_started(tmp_path):
     """At its timeout, the child and its own child (a pytest worker, speedup.py) are ended, not left running."""
     log = tmp_path / "child.log"
     code = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
-    rc, timed_out, _ = kit.run_child([sys.executable, "-c", code], timeout=3, log=log)
+    rc, timed_out, _ = runner.run_child([sys.executable, "-c", code], timeout=3, log=log)
     assert (rc, timed_out) == (None, True)
     grandchild = int(log.read_text().split()[0])
     stat = pathlib.Path(f"/proc/{grandchild}/stat")
@@ -148,7 +215,7 @@ def test_a_child_is_ended_with_everything_it_started(kit, tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"process {grandchild} still runs after its group was ended")
-    rc, timed_out, _ = kit.run_child([sys.executable, "-c", "raise SystemExit(4)"], timeout=30, log=log)
+    rc, timed_out, _ = runner.run_child([sys.executable, "-c", "raise SystemExit(4)"], timeout=30, log=log)
     assert (rc, timed_out) == (4, False)
 
 
@@ -170,10 +237,10 @@ def _part(path: pathlib.Path, status: str, *oks: bool) -> None:
         (None, 1, False, "error"),  # crashed before writing anything
     ],
 )
-def test_a_parts_final_status(kit, tmp_path, written, rc, timed_out, status):
+def test_a_parts_final_status(tmp_path, written, rc, timed_out, status):
     if written is not None:
         _part(tmp_path / "loss.json", *written)
-    data = kit.finish_part(tmp_path, "loss", rc=rc, timed_out=timed_out, seconds=1.23, budget=10.0)
+    data = runner.finish_part(tmp_path, "loss", rc=rc, timed_out=timed_out, seconds=1.23, budget=10.0)
     assert data["status"] == status and data["seconds"] == 1.2 and data["exit_status"] == rc
     assert json.loads((tmp_path / "loss.json").read_text()) == data
     if written is not None:
@@ -182,13 +249,13 @@ def test_a_parts_final_status(kit, tmp_path, written, rc, timed_out, status):
         assert "loss.log" in data["error"]
 
 
-def test_exit_status(kit):
-    assert kit.exit_status(["pass", "pass"]) == 0
-    assert kit.exit_status(["pass", "timeout"]) == kit.exit_status(["skipped"]) == 3
-    assert kit.exit_status(["timeout", "fail"]) == kit.exit_status(["error", "pass"]) == 1
+def test_exit_status():
+    assert report.exit_status(["pass", "pass"]) == 0
+    assert report.exit_status(["pass", "timeout"]) == report.exit_status(["skipped"]) == 3
+    assert report.exit_status(["timeout", "fail"]) == report.exit_status(["error", "pass"]) == 1
 
 
-def test_the_summary_of_an_incomplete_run(kit, tmp_path):
+def test_the_summary_of_an_incomplete_run(tmp_path):
     kit_info = {
         "dry_run": False, "deadline_s": 450.0, "elapsed_s": 449.0, "checks": [],
         "environment": {"date": "d", "python": "3.12", "torch": "2.11", "cuda_runtime": "13.0", "git_commit": "abc",
@@ -203,7 +270,7 @@ def test_the_summary_of_an_incomplete_run(kit, tmp_path):
         "loss": {"status": "skipped", "checks": [], "seconds": 0.0, "budget_s": 140.0, "results": {},
                  "error": "only 3 s left of --deadline"},
     }  # fmt: skip
-    assert kit.write_summary(tmp_path, kit_info, parts) == 3
+    assert report.write_summary(tmp_path, kit_info, parts) == 3
     md = (tmp_path / "summary.md").read_text()
     assert "NVIDIA H200, 139.8 GiB, compute capability 9.0, 132 SMs, driver 580" in md
     assert "| tests | timeout | 150.0 | 150 | 0/0 |" in md and "| loss | skipped |" in md
@@ -211,7 +278,7 @@ def test_the_summary_of_an_incomplete_run(kit, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["exit_status"] == 3
 
 
-def test_outcomes_from_junit_or_from_the_log(kit, tmp_path):
+def test_outcomes_from_junit_or_from_the_log(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text(
         '<testsuites><testsuite name="pytest"><testcase classname="tests.test_a" name="test_ok"/>'
@@ -219,28 +286,28 @@ def test_outcomes_from_junit_or_from_the_log(kit, tmp_path):
         '<testcase classname="tests.test_b" name="test_skip"><skipped message="needs vllm"/></testcase>'
         "</testsuite></testsuites>"
     )
-    got = kit.junit_results(junit)
+    got = part_tests.junit_results(junit)
     assert (got["passed"], got["failed"], len(got["skipped"])) == (
         1, [{"test": "tests.test_a::test_bad", "message": "assert 1 == 2"}], 1
     )  # fmt: skip
-    assert kit.junit_results(tmp_path / "absent.xml") is None
+    assert part_tests.junit_results(tmp_path / "absent.xml") is None
     log = (
         "[gw0] [ 25%] PASSED tests/test_a.py::test_ok[bf16]\n[gw1] [ 50%] FAILED tests/test_a.py::test_bad\n"
         "tests/test_b.py::test_c PASSED [ 75%]\ntests/test_b.py::test_d SKIPPED (needs vllm) [100%]\n"
     )
-    got = kit.log_results(log)
+    got = part_tests.log_results(log)
     assert got["passed"] == 2 and [x["test"] for x in got["failed"]] == ["tests/test_a.py::test_bad"]
     assert [x["test"] for x in got["skipped"]] == ["tests/test_b.py::test_d"] and got["errors"] == []
 
 
-def test_loss_summary_against_the_gemm_floor(kit):
+def test_loss_summary_against_the_gemm_floor():
     row = dict(fwd_s=0.001, bwd_s=0.002, peak_extra_bytes=2e9, workspace_bytes=1e9, loss=0.5)
     res = {
         "tokens": 4, "hidden": 8, "vocab": 16, "matmul_s": 0.001,
         "methods": {"fused-triton": {**row, "fwd_bwd_s": 0.003}, "naive": {**row, "fwd_bwd_s": 0.002, "loss": 0.7},
                     "liger-chunked": {**row, "fwd_bwd_s": 0.006}},
     }  # fmt: skip
-    got = kit.loss_summary(res, {"loss64": 0.5})
+    got = part_loss.loss_summary(res, {"loss64": 0.5})
     fused = got["methods"]["fused-triton"]
     assert fused["x_gemm_floor"] == pytest.approx(1.0) and fused["tflops"] == pytest.approx(
         6 * 4 * 8 * 16 / 3e-3 / 1e12
@@ -251,8 +318,8 @@ def test_loss_summary_against_the_gemm_floor(kit):
     assert got["methods"]["naive"]["loss_error"] == pytest.approx(0.2)
 
 
-def test_no_wheel_folder_is_fine(kit, tmp_path):
-    got = kit.install_wheels(tmp_path / "absent", tmp_path / "site")
+def test_no_wheel_folder_is_fine(tmp_path):
+    got = wheels.install_wheels(tmp_path / "absent", tmp_path / "site")
     assert got["wheels"] == got["installed"] == [] and got["imports"] == {}
 
 
@@ -266,21 +333,20 @@ def test_no_wheel_folder_is_fine(kit, tmp_path):
         (["--part", "loss"], "--out"),
     ],
 )
-def test_bad_arguments_are_refused_naming_the_flag(kit, capsys, argv, match):
+def test_bad_arguments_are_refused_naming_the_flag(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
-        kit.parse_args(argv)
+        gpu_check.parse_args(argv)
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("below", ["", "sub"])
-def test_an_out_that_is_or_lies_under_a_file_is_refused(kit, capsys, tmp_path, below):
+def test_an_out_that_is_or_lies_under_a_file_is_refused(capsys, tmp_path, below):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit) as e:
-        kit.parse_args(["--out", str(tmp_path / "file" / below)])
+        gpu_check.parse_args(["--out", str(tmp_path / "file" / below)])
     assert e.value.code == 2 and f"'{tmp_path / 'file'}' is a file" in capsys.readouterr().err
 
 
-def test_parts_run_in_their_order(kit):
-    assert kit.parse_args(["--parts", "e2e, tests"]).parts == ["tests", "e2e"]
-    assert kit.parse_args([]).parts == list(kit.PARTS)
-    assert sum(kit.BUDGET_S.values()) + kit.RESERVE_S <= kit.DEADLINE_S <= 8 * 60
+def test_parts_run_in_their_order():
+    assert gpu_check.parse_args(["--parts", "e2e, tests"]).parts == ["tests", "e2e"]
+    assert gpu_check.parse_args([]).parts == list(plan.PARTS)

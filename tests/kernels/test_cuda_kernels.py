@@ -1,14 +1,17 @@
-"""The kernels' properties on a CUDA device; skipped without one (``benchmarks/gpu_check.py`` runs them on a GPU).
+"""The kernels' properties on a CUDA device (marker ``cuda``); skipped without one (``benchmarks/gpu_check.py`` runs
+them on a GPU with ``pytest -m cuda``).
 
 On both backends and in fp32, bf16 and fp16: ``fused_cppo_loss`` (loss, metrics, gradients) and the advantages /
 selection ops against the float64 oracles of :mod:`cppo_kernels.reference`; a token's results bit for bit the same
 computed alone or packed among other tokens, at any offset; the same call twice gives the same bits; a new batch
-shape or new loss settings compile no new Triton binary. Problems, helpers and tolerances are the CPU tests'
-(``test_loss``, ``test_advantages``, ``test_loss_triton``): on a GPU the Triton dots run on tensor cores (bf16, fp16)
-or as 3xTF32 (fp32) and stores round to nearest instead of truncating, which those tolerances already cover.
-Shapes keep H and V off multiples of 16 (masked tails; one Triton binary per dtype and flag set). The loss is
-compared with the relative tolerance of the CPU tests plus what the kernels' forward error bound on each log-prob
-(``test_loss_triton``) can do to it: a loss that cancels to near zero is otherwise judged by its own size.
+shape or new loss settings compile no new Triton binary; at the GPU kit's loss shapes (V = 151,936),
+``fused_logprobs`` and the loss of both library methods within the kernels' error bound of the float64 oracle.
+Problems, helpers and tolerances are the CPU tests' (``test_loss``, ``test_advantages``, ``test_loss_triton``): on a
+GPU the Triton dots run on tensor cores (bf16, fp16) or as 3xTF32 (fp32) and stores round to nearest instead of
+truncating, which those tolerances already cover. Shapes keep H and V off multiples of 16 (masked tails; one Triton
+binary per dtype and flag set). The loss is compared with the relative tolerance of the CPU tests plus what the
+kernels' forward error bound on each log-prob (``test_loss_triton``) can do to it: a loss that cancels to near zero
+is otherwise judged by its own size.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from cppo_kernels import (
 from cppo_kernels._dispatch import backend_module
 
 pytestmark = [
+    pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.usefixtures("small_chunks"),
 ]
@@ -153,6 +157,59 @@ def test_loss_matches_reference(
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, loss_tests.grads(want, params64, upstream)):
         assert got.dtype == dtype and got.device.type == "cuda", name
         loss_tests.assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
+
+
+#: The GPU kit's loss shapes (benchmarks/gpukit/plan.py: a Qwen2-1.5B-sized head, and the CPU benchmark's shape)
+#: and bench_loss's options (the CPPO recipe): its loss part records the errors, this test judges them.
+KIT_SHAPES = [(16_384, 1536, 151_936, torch.bfloat16), (2048, 896, 151_936, torch.float32)]
+KIT_OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
+
+
+def _fp64_logprobs(hidden, weight, targets, *, chunk: int = 1024) -> tuple[torch.Tensor, float]:
+    """The float64 log-probs ``[T]`` of ``targets`` on CUDA, ``chunk`` tokens at a time, and Z = max(1, max_tv
+    |h_t| . |w_v|), the logit scale of the kernels' forward error bound."""
+    w64 = weight.double()  # [V, H]
+    w_abs = w64.abs()  # [V, H]
+    logp64 = torch.empty(len(targets), dtype=torch.float64, device=hidden.device)  # [T]
+    z_max = 1.0
+    with torch.no_grad():
+        for a in range(0, len(targets), chunk):
+            h64 = hidden[a : a + chunk].double()  # [C, H]
+            logp64[a : a + chunk] = reference.token_logprobs(h64, w64, targets[a : a + chunk])[0]
+            z_max = max(z_max, (h64.abs() @ w_abs.t()).max().item())
+    return logp64, z_max
+
+
+@pytest.mark.parametrize("T,H,V,dtype", KIT_SHAPES, ids=["T16384-H1536-V151936-bf16", "T2048-H896-V151936-fp32"])
+def test_the_loss_at_the_kits_shapes_matches_the_fp64_oracle(T, H, V, dtype):
+    """At the kit's shapes: ``fused_logprobs`` (the default backend, Triton) within the kernels' forward bound E
+    of the float64 log-probs, and the loss of both library methods (gradient-in-forward on cuBLAS, the Triton
+    two-pass kernels) within what errors E can do to it, ``2 E sum_t |dloss/dlogp_t|`` (the gradient from
+    autograd), plus 1e-5 of the loss's scale for the fp32 arithmetic of the policy terms and their sum."""
+    lengths = [512] * (T // 512)
+    hidden, weight, _, targets, adv, g = loss_tests.problem(0, lengths, H, V, dtype, logit_scale=2.0, bias=False)
+    hidden, weight, targets = hidden.to(CUDA), weight.to(CUDA), targets.to(CUDA)
+    logp64, z_max = _fp64_logprobs(hidden, weight, targets)
+    # old / reference log-probs near the current ones (fp32, as the trainer passes them): ratios straddle the clip
+    old, ref = ((logp64.cpu() + 0.1 * torch.randn(T, generator=g, dtype=torch.float64)).float() for _ in range(2))
+    cu = loss_tests.cu_seqlens(lengths)
+    logp = logp64.cpu().requires_grad_()
+    loss64, _ = reference.policy_loss(logp, adv.double(), cu, old_logprobs=old.double(), ref_logprobs=ref.double(),
+                                      config=LossConfig(**KIT_OPTIONS))  # fmt: skip
+    (dlogp,) = torch.autograd.grad(loss64, logp)  # [T]
+    bound, sensitivity = loss_tests.logit_error(z_max, H), dlogp.abs().sum().item()
+    with use_backend("auto"):
+        error = (fused_logprobs(hidden, weight, targets).double() - logp64).abs().max().item()
+    assert error <= bound, f"fused_logprobs: max abs error {error:.3g} > bound {bound:.3g}"
+    loss_bound = 2 * bound * sensitivity + 1e-5 * (abs(loss64.item()) + sensitivity) + 1e-7
+    for backend, mode in (("torch", "grad-in-forward"), ("triton", "two-pass")):
+        params = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        with use_backend(backend):
+            loss, _ = fused_cppo_loss(params[0], params[1], targets, adv.to(CUDA), cu_seqlens=cu.to(CUDA),
+                                      old_logprobs=old.to(CUDA), ref_logprobs=ref.to(CUDA), mode=mode,
+                                      **KIT_OPTIONS)  # fmt: skip
+        error = abs(loss.item() - loss64.item())
+        assert error <= loss_bound, f"{backend} {mode}: loss error {error:.3g} > bound {loss_bound:.3g}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -231,6 +231,7 @@ def test_token_results_do_not_depend_on_the_batch(dtype, path):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bit-exactness at any offset needs GPU MMA")
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_token_results_do_not_depend_on_the_offset_cuda(dtype):
@@ -322,6 +323,7 @@ def test_only_tiles_flags_and_dtypes_are_constexpr(kernel):
     assert "T" in dns
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize(
     "T,H,V,dtype",
@@ -335,6 +337,7 @@ def test_cuda_default_config_matches_reference(T, H, V, dtype):
     _check_bwd(hidden, weight, targets, b, 0.7, torch.randn(T, generator=torch.Generator().manual_seed(1)).cuda())
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compile cache is only observable on CUDA")
 def test_new_token_count_or_temperature_does_not_recompile():
     hidden, weight, targets, b = _problem(64, 128, 1000, torch.bfloat16, bias=False, scale=1.0, seed=0)

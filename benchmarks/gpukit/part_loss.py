@@ -1,0 +1,121 @@
+"""Part ``loss``: every method of ``bench_loss.build_methods`` (forward + backward) at the plan's shapes against the
+plain ``[T,H] x [H,V]`` GEMM timed in the same run (ms, TFLOP/s, peak memory), with each method's loss and
+``fused_logprobs`` compared with a float64 oracle. The kit records those errors; whether they are within the
+kernels' error bound at these shapes is a test, ``tests/kernels/test_cuda_kernels.py``'s
+``test_the_loss_at_the_kits_shapes_matches_the_fp64_oracle``, run by the ``tests`` part."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+import sys
+
+from gpukit.plan import Plan
+from gpukit.runner import Report, seconds_left
+
+#: Method-name prefixes of ``bench_loss``'s reference points; every other method is the library's own.
+COMPARISONS = ("naive", "liger")
+
+
+def mask_broken(*modules: str) -> dict[str, str]:
+    """Optional modules that are installed but fail to import with something other than ImportError (a carried wheel
+    built for other versions) are set to None in ``sys.modules``, so that later imports raise ImportError and
+    ``bench_loss``'s ``except ImportError`` skips their methods instead of the whole part failing."""
+    broken = {}
+    for name in modules:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+        except Exception as e:  # noqa: BLE001 - any failure of an optional package
+            broken[name] = f"{type(e).__name__}: {e}"[:300]
+            sys.modules[name] = None  # type: ignore[assignment]
+    return broken
+
+
+def oracle_errors(inputs: dict, *, chunk: int = 1024) -> dict:
+    """The float64 oracle at a benchmark shape (``bench_loss.make_inputs``'s inputs), ``chunk`` tokens at a time:
+    ``logp_error``, the largest |fused_logprobs - fp64 log-prob| (the default backend: Triton on CUDA), and
+    ``loss64``, the fp64 loss with ``bench_loss.OPTIONS``."""
+    import bench_loss
+    import torch
+
+    from cppo_kernels import LossConfig, fused_logprobs, reference, use_backend
+
+    h, w, t = inputs["hidden"].detach(), inputs["weight"].detach(), inputs["targets"]
+    w64 = w.double()  # [V, H]
+    logp64 = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)  # [T]
+    with torch.no_grad():
+        for a in range(0, h.shape[0], chunk):
+            logp64[a : a + chunk] = reference.token_logprobs(h[a : a + chunk].double(), w64, t[a : a + chunk])[0]
+        del w64
+        with use_backend("auto"):
+            got = fused_logprobs(h, w, t)  # [T] fp32
+        loss64, _ = reference.policy_loss(
+            logp64, inputs["adv"].double(), inputs["cu"], old_logprobs=inputs["old"].double(),
+            ref_logprobs=inputs["ref"].double(), config=LossConfig(**bench_loss.OPTIONS),
+        )  # fmt: skip
+    return {"logp_error": (got.double() - logp64).abs().max().item(), "loss64": loss64.item()}
+
+
+def loss_summary(res: dict, accuracy: dict) -> dict:
+    """``bench_loss.run_config``'s result in the kit's terms. FLOPs are counted as the three GEMMs any method needs
+    (logits, dhidden, dweight: ``6 T H V``), so TFLOP/s ranks the methods, and ``x_gemm_floor`` is the time over
+    three plain GEMMs of the same shape measured in the same run (1.0 = as fast as the floor)."""
+    T, H, V = res["tokens"], res["hidden"], res["vocab"]
+    gemm_s, gemm_flop = res["matmul_s"], 2 * T * H * V
+    methods = {}
+    for name, row in res["methods"].items():
+        seconds = row["fwd_bwd_s"]
+        methods[name] = {
+            "fwd_ms": row["fwd_s"] * 1e3,
+            "bwd_ms": row["bwd_s"] * 1e3,
+            "fwd_bwd_ms": seconds * 1e3,
+            "tflops": 3 * gemm_flop / seconds / 1e12,
+            "x_gemm_floor": seconds / (3 * gemm_s),
+            "peak_extra_gb": row["peak_extra_bytes"] / 1e9,
+            "workspace_gb": row["workspace_bytes"] / 1e9,
+            "loss": row["loss"],
+            "loss_error": abs(row["loss"] - accuracy["loss64"]),
+            "library": not name.startswith(COMPARISONS),
+        }
+    library = [n for n, m in methods.items() if m["library"]]
+    fastest = min(methods, key=lambda n: methods[n]["fwd_bwd_ms"]) if methods else None
+    return {
+        "gemm": {"ms": gemm_s * 1e3, "tflops": gemm_flop / gemm_s / 1e12},
+        "methods": methods,
+        "fastest": fastest,
+        "fastest_library": min(library, key=lambda n: methods[n]["fwd_bwd_ms"]) if library else None,
+        "accuracy": accuracy,
+        "bench_loss": res,
+    }
+
+
+def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
+    """Each shape: the fp64 oracle's numbers, then ``bench_loss.run_config`` (every method and the GEMM,
+    interleaved); the check that every method was timed, the library's among them."""
+    import torch
+
+    report.add("masked_optional_modules", mask_broken("liger_kernel.chunked_loss", "liger_kernel.transformers"))
+    import bench_loss
+
+    device = torch.device(plan.device)
+    for T, H, V, dtype_name in plan.loss_shapes:
+        seconds_left(until)
+        key = f"T={T} H={H} V={V} {dtype_name}"
+        dtype = getattr(torch, dtype_name)
+        accuracy = oracle_errors(bench_loss.make_inputs(T, H, V, dtype, device))
+        row = loss_summary(bench_loss.run_config(T, H, V, dtype, device, plan.loss_repeats, plan.loss_warmup), accuracy)
+        methods = row["methods"]
+        timed = row["gemm"]["ms"] > 0 and all(m["fwd_bwd_ms"] > 0 for m in methods.values())
+        report.check(
+            f"{key}: every method of bench_loss timed, the library's among them",
+            timed and any(m["library"] for m in methods.values()),
+            f"{len(methods)} methods: {', '.join(methods)}",
+        )
+        report.add(key, row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
