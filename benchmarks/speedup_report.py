@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cppo import TrainConfig, fileio
-from cppo.fileio import git_commit  # noqa: F401  (re-exported: benchmarks/gpu_check.py imports it from here)
 
 #: Phase in the results -> (the trainer metric with its seconds in one step, plot label, plot colour): greys for
 #: the phases pruning leaves alone, colours for the training phases; ``other`` is the rest of a step's wall clock.
