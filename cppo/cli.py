@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 
@@ -192,19 +193,46 @@ def _check_eval_args(args) -> None:
             rundir.check_writable(os.path.dirname(os.path.abspath(args.output)), create=False)
         except ValueError as e:
             raise ValueError(f"--output {args.output!r}: " + str(e).replace("output_dir", "its folder", 1)) from None
-    check_model_and_data(
-        model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
-    )
+    try:
+        check_model_and_data(
+            model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
+        )
+    except ValueError as e:
+        raise ValueError(_as_flags(str(e))) from None
+    _check_not_a_run_folder(args.model)
     try:
         check_engine_name(args.rollout_backend)
     except ValueError as e:
         raise ValueError(f"--{e}".replace("rollout_backend", "rollout-backend", 1)) from None
 
 
+#: ``cppo eval``'s flags for the settings its checks name.
+EVAL_FLAGS = {"dataset_path": "--dataset-path", "dataset": "--dataset", "model": "--model", "dtype": "--dtype"}
+
+
+def _as_flags(message: str) -> str:
+    """A setting's message in ``cppo eval``'s words: ``dataset_path`` becomes ``--dataset-path`` (and so on)."""
+    for name, flag in EVAL_FLAGS.items():
+        message = re.sub(rf"(^|: |pass ){name}\b(?!_)", lambda m, flag=flag: m.group(1) + flag, message)
+    return re.sub(r"^device\b", "--device", message)
+
+
+def _check_not_a_run_folder(model: str) -> None:
+    """A training run's folder (checkpoints, no model of its own) is named with the checkpoint to evaluate."""
+    from .checkpoint import latest, model_folder
+
+    found = latest(model) if os.path.isdir(model) else None
+    if found and not os.path.isfile(os.path.join(model_folder(model), "config.json")):
+        raise ValueError(
+            f"--model {model!r} is a run folder, not a model: evaluate its latest checkpoint, --model {found}"
+        )
+
+
 def _eval(args) -> int:
     """``cppo eval``: :func:`_check_eval_args`, then the model's accuracy on the test split, printed as JSON (and
     written atomically to ``--output``)."""
     import torch
+    from safetensors import SafetensorError
 
     from . import fileio
     from .checkpoint import model_folder
@@ -216,13 +244,21 @@ def _eval(args) -> int:
 
     _check_eval_args(args)
     device = resolve_device(args.device)
-    problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
+    try:
+        problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
+    except ValueError as e:
+        raise ValueError(_as_flags(str(e))) from None
     try:
         model, tokenizer = load_model_and_tokenizer(
             model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
         )
     except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
+    except SafetensorError as e:  # a truncated or corrupt weights file
+        weights = os.path.join(model_folder(args.model), "model.safetensors")
+        raise ValueError(
+            f"--model {args.model!r}: {weights} cannot be read ({e}): a truncated or corrupt file"
+        ) from None
     settings = EngineSettings(
         model_name=model_folder(args.model),
         max_prompt_length=args.max_prompt_length,

@@ -242,7 +242,13 @@ def _load_hub(dataset: str, split: str) -> list[dict]:
     name, config = HUB_NAMES.get(dataset, (dataset, None))
     if dataset == "math500":
         split = "test"
-    rows = datasets.load_dataset(name, config, split=split)
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except (OSError, ConnectionError, ValueError) as e:  # no network, no cache, no such dataset
+        raise ValueError(
+            f"dataset {dataset!r}: {name} cannot be loaded from the hub ({type(e).__name__}): pass dataset_path, a "
+            ".jsonl file or a folder of train.jsonl / test.jsonl"
+        ) from None
     return [normalise_row(dict(r), source=name) for r in rows]
 
 

@@ -72,3 +72,43 @@ def test_bad_input_exits_with_a_message(argv, match, capsys, tmp_path):
 def test_resume_without_checkpoint(tmp_path, capsys):
     assert main(["train", "--config", "tiny-cpu", "--resume", "--set", f"output_dir={tmp_path}"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    from tiny_run import train_cli
+
+    out = tmp_path_factory.mktemp("eval") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPPO_KERNELS_BACKEND", "torch")
+        assert train_cli(out, settings=("num_steps=1",)) == 0
+    return out
+
+
+def _eval_error(capsys, *argv) -> str:
+    assert main(["eval", *argv]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cppo eval: error: ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_eval_names_a_run_folders_latest_checkpoint(one_step_run, capsys):
+    line = _eval_error(capsys, "--model", str(one_step_run), "--dataset", "arith", "--limit", "2")
+    assert f"is a run folder, not a model: evaluate its latest checkpoint, --model {one_step_run}/checkpoint-" in line
+
+
+def test_eval_of_a_truncated_checkpoint_names_the_file(one_step_run, tmp_path, capsys):
+    broken = shutil.copytree(one_step_run / "checkpoint-000001", tmp_path / "broken")
+    weights = broken / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    line = _eval_error(capsys, "--model", str(broken), "--dataset", "arith", "--limit", "2")
+    assert f"{weights} cannot be read" in line and "truncated or corrupt" in line
+
+
+def test_eval_names_its_own_flags(one_step_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = str(one_step_run / "checkpoint-000001")
+    line = _eval_error(capsys, "--model", model, "--dataset", "gsm8k", "--dataset-path", str(tmp_path / "none"))
+    assert "--dataset-path" in line and "dataset_path" not in line
+    line = _eval_error(capsys, "--model", model, "--dataset", "gsm8k", "--limit", "2")  # the hub, offline
+    assert "pass --dataset-path" in line and "dataset_path" not in line, line
