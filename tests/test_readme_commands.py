@@ -75,6 +75,9 @@ def plan(argv: list[str], data: pathlib.Path) -> tuple[str, list[str], str]:
     """``(kind, command, reason)``: kind ``run`` (for real), ``check`` (a dry run of the same) or ``skip``."""
     while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):  # ``OMP_NUM_THREADS=1 python ...``: the command
         argv = argv[1:]
+    if argv and argv[0].startswith(".venv/bin/"):  # the set-up's venv, as a fresh shell runs it (``make`` made it)
+        assert (REPO / argv[0]).exists() or not (REPO / ".venv").exists(), f"{argv[0]} is not in the venv"
+        argv = [argv[0].removeprefix(".venv/bin/"), *argv[1:]]
     line = shlex.join(argv)
     if argv == ["make", "test"]:
         return "skip", [], "make test runs ruff and this test suite: CI itself"
