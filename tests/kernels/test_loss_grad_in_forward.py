@@ -59,7 +59,11 @@ def test_analytic_token_gradient_equals_autograd(data, epsilons, dual_clip, kl, 
     (want,) = torch.autograd.grad(per_token.sum(), x)
     got = _policy.token_grad(logp, adv, old, ref, cfg)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+    # the KL term's gradient beta * (1 - exp(ref - logp)) cancels near ref = logp: each form rounds the exp to fp32,
+    # so the two agree to a few ulps of beta * (1 + exp(ref - logp)), not of the (small) difference itself
+    slack = 4 * 2**-23 * cfg.beta * (1 + torch.exp((ref - logp).clamp(-20, 20))) if kl else torch.zeros(n)
+    err = (got - want).abs()
+    assert (err <= 1e-6 * want.abs() + slack + 1e-30).all(), (err - 1e-6 * want.abs() - slack).max()
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
