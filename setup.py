@@ -16,11 +16,22 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist", "hypothesis>=6.100", "liger-kernel>=0.6", "ruff", "tensorboard", "wandb"],
-        "train": ["transformers>=4.46", "accelerate", "gguf", "math-verify", "tqdm", "pyyaml"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist",
+            "hypothesis>=6.100",
+            "liger-kernel>=0.6",
+            "ruff",
+            "tensorboard",
+            "wandb",
+            "trl>=1.16,<1.17",
+            "peft",
+        ],
+        "train": ["transformers>=4.46", "accelerate", "gguf", "math-verify", "tqdm", "pyyaml", "peft>=0.15"],
         "bench": ["matplotlib"],
         "report": ["tensorboard", "wandb"],  # report_to: tensorboard, wandb (imported only when named)
         "hub": ["datasets"],
+        "trl": ["trl>=1.16,<1.17", "peft"],  # cppo.trl: the drop-in for TRL's GRPOTrainer
         "vllm": ["vllm"],
         "flash": ["flash-attn"],
     },

@@ -3,9 +3,10 @@ written atomically and read without running code.
 
 Layout of ``output_dir/checkpoint-{step:06d}/``:
 
-- single process and DDP: ``model/`` (weights and tokenizer, loadable by ``from_pretrained`` and by ``cppo eval``)
-  and ``trainer_state.pt`` (the caller's state, e.g. step, data position and config, plus world size, optimizer,
-  scheduler and RNG states), both written by rank 0;
+- single process and DDP: ``model/`` (weights and tokenizer, loadable by ``from_pretrained`` and by ``cppo eval``;
+  with ``use_peft`` the adapter in PEFT's format instead, see :mod:`cppo.lora`) and ``trainer_state.pt`` (the
+  caller's state, e.g. step, data position and config, plus world size, optimizer, scheduler and RNG states), both
+  written by rank 0;
 - FSDP2: ``dcp/`` (every rank's shards of the model and optimizer, through ``torch.distributed.checkpoint``) and
   ``trainer_state.pt`` (the same without the optimizer); it resumes at the world size that wrote it.
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from . import lora
 from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 from .distributed import DistInfo, barrier
 from .parallel import is_fsdp2, unwrap_model
@@ -131,6 +133,8 @@ def _write(tmp: str, *, module, tokenizer, optimizer, scheduler, state: dict, in
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_sharded_state(module, optimizer), checkpoint_id=os.path.join(tmp, SHARDS_DIR))
+    elif info.is_main and lora.is_lora(unwrap_model(module)):  # the adapter in PEFT's format, megabytes
+        lora.save_adapter(unwrap_model(module), os.path.join(tmp, MODEL_DIR), tokenizer=tokenizer)
     elif info.is_main:
         unwrap_model(module).save_pretrained(os.path.join(tmp, MODEL_DIR))
         tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
@@ -321,7 +325,7 @@ def load(
         load_shards(shards, os.path.join(path, SHARDS_DIR))
         set_state_dict(module, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
     else:
-        load_weights(unwrap_model(module), os.path.join(path, MODEL_DIR))
+        _load_model_dir(unwrap_model(module), os.path.join(path, MODEL_DIR))
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
@@ -381,6 +385,17 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
     missing = [k for k in state if k not in loaded and state[k].data_ptr() not in loaded_ptrs]
     if missing:
         raise ValueError(f"checkpoint {folder!r} lacks weights: {missing[:3]}")
+
+
+def _load_model_dir(model: torch.nn.Module, folder: str) -> None:
+    """The weights of a checkpoint's ``model/`` into ``model``: a LoRA adapter into a PEFT model, full weights into
+    a plain one; ``ValueError`` naming ``use_peft`` when the two do not match."""
+    if lora.is_lora(model):
+        lora.load_adapter_weights(model, folder)
+    elif lora.is_adapter_folder(folder):
+        raise ValueError(f"checkpoint {folder!r} holds a LoRA adapter: resume it with use_peft=true")
+    else:
+        load_weights(model, folder)
 
 
 def model_folder(path: str) -> str:

@@ -1,6 +1,8 @@
 """The command line: ``cppo train --config PRESET_OR_YAML [--set key=value ...] [--resume | --overwrite]
-[--dry-run]`` and ``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as
-JSON). A user error is one line ``cppo <command>: error: ...`` and exit code 2, found before the model loads.
+[--dry-run]``, ``cppo eval --model PATH --dataset gsm8k|math500|arith [--limit N]`` (greedy accuracy, printed as
+JSON; a LoRA checkpoint loads as base + adapter) and ``cppo merge --checkpoint PATH --output DIR`` (a LoRA
+checkpoint's adapter merged into its base, written as a plain model). A user error is one line ``cppo <command>:
+error: ...`` and exit code 2, found before the model loads.
 
 Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (and torchrun's ``--nnodes``,
 ``--node-rank``, ``--rdzv-endpoint`` across nodes); ``parallelism`` (ddp | fsdp2) picks how the model is replicated.
@@ -83,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="seed of the tiny model's initialisation and of sampling")
     ev.add_argument("--output", default=None, help="also write the result as JSON to this file")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    merge = sub.add_parser(
+        "merge",
+        help="merge a LoRA checkpoint's adapter into its base: a plain model that from_pretrained loads",
+    )
+    merge.add_argument("--checkpoint", required=True, help="a LoRA checkpoint folder (or its model/ adapter folder)")
+    merge.add_argument("--output", required=True, help="the folder to write (must not exist, or be empty)")
+    merge.add_argument("--dtype", default="float32", help="dtype of the merged weights (float32, bfloat16, float16)")
     return parser
 
 
@@ -173,8 +182,10 @@ def _check_eval_args(args) -> None:
     from cppo_kernels.config import check_float, check_int
 
     from . import math_grading, rundir
+    from .checkpoint import model_folder
     from .config import check_model_and_data
     from .engines import check_engine_name
+    from .lora import is_adapter_folder
 
     if args.limit is not None:
         check_int("--limit", args.limit, low=1)
@@ -200,6 +211,8 @@ def _check_eval_args(args) -> None:
     except ValueError as e:
         raise ValueError(_as_flags(str(e))) from None
     _check_not_a_run_folder(args.model)
+    if args.rollout_backend == "vllm" and is_adapter_folder(model_folder(args.model)):
+        raise ValueError(f"--model {args.model!r} is a LoRA adapter, which vllm cannot load: cppo merge it first")
     try:
         check_engine_name(args.rollout_backend)
     except ValueError as e:
@@ -220,9 +233,11 @@ def _as_flags(message: str) -> str:
 def _check_not_a_run_folder(model: str) -> None:
     """A training run's folder (checkpoints, no model of its own) is named with the checkpoint to evaluate."""
     from .checkpoint import latest, model_folder
+    from .lora import is_adapter_folder
 
     found = latest(model) if os.path.isdir(model) else None
-    if found and not os.path.isfile(os.path.join(model_folder(model), "config.json")):
+    folder = model_folder(model)
+    if found and not (os.path.isfile(os.path.join(folder, "config.json")) or is_adapter_folder(folder)):
         raise ValueError(
             f"--model {model!r} is a run folder, not a model: evaluate its latest checkpoint, --model {found}"
         )
@@ -240,7 +255,6 @@ def _eval(args) -> int:
     from .device import resolve_device
     from .engines import EngineSettings, make_engine
     from .evaluate import evaluate_model
-    from .models import load_model_and_tokenizer
 
     _check_eval_args(args)
     device = resolve_device(args.device)
@@ -249,9 +263,7 @@ def _eval(args) -> int:
     except ValueError as e:
         raise ValueError(_as_flags(str(e))) from None
     try:
-        model, tokenizer = load_model_and_tokenizer(
-            model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed
-        )
+        model, tokenizer = _load_eval_model(model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed)
     except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
     except SafetensorError as e:  # a truncated or corrupt weights file
@@ -286,14 +298,47 @@ def _eval(args) -> int:
     return 0
 
 
+def _load_eval_model(folder: str, *, dtype: str, device, seed: int):
+    """``(model, tokenizer)`` of ``cppo eval``: base + adapter for a LoRA adapter folder, else the model itself."""
+    from .lora import is_adapter_folder, load_adapter_model
+    from .models import load_model_and_tokenizer
+
+    if is_adapter_folder(folder):
+        return load_adapter_model(folder, dtype=dtype, device=device)
+    return load_model_and_tokenizer(folder, dtype=dtype, device=device, seed=seed)
+
+
+def _merge(args) -> int:
+    """``cppo merge``: the adapter of a LoRA checkpoint merged into its base (``merge_and_unload``), written as a
+    plain model + tokenizer to ``--output`` (a new or empty folder, filled beside itself and renamed into place)."""
+    from cppo_kernels.config import check_choice
+
+    from .checkpoint import model_folder
+    from .config import DTYPES
+    from .lora import is_adapter_folder, merge
+
+    check_choice("--dtype", args.dtype, DTYPES)
+    folder = model_folder(args.checkpoint)
+    if not is_adapter_folder(folder):
+        raise ValueError(
+            f"--checkpoint {args.checkpoint!r} holds no LoRA adapter (adapter_config.json): nothing to merge"
+        )
+    print(json.dumps({"checkpoint": args.checkpoint, "merged": merge(folder, args.output, dtype=args.dtype)}))
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "merge": _merge}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``cppo train`` or ``cppo eval``; returns the exit code (2: a user error; 1: a run that diverged)."""
+    """Runs ``cppo train``, ``cppo eval`` or ``cppo merge``; returns the exit code (2: a user error; 1: a run that
+    diverged)."""
     args = _parser().parse_args(argv)
     handler = logging.StreamHandler()  # the package's warnings (files skipped, cleaned up), as one line each
     handler.setFormatter(logging.Formatter(f"cppo {args.command}: warning: %(message)s"))
     logging.getLogger("cppo").addHandler(handler)
     try:
-        return _train(args) if args.command == "train" else _eval(args)
+        return COMMANDS[args.command](args)
     except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
         _error(args.command, e)
         return 2

@@ -38,6 +38,8 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 DATASETS = ("arith", "gsm8k", "math", "math500")
 #: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+#: ``lora_target_modules`` by default: the attention and MLP projections (Llama, Qwen2, Mistral, SmolLM2 names).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: ``seed`` is at most this (the per-step seeds derived from it must fit torch's 64-bit seed).
 MAX_SEED = 2**32 - 1
 
@@ -99,7 +101,21 @@ class TrainConfig:
     )
     questions_per_step: int = setting(1, "questions a GRPO step draws (over all processes)")
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
+    prefix_sharing: bool = setting(
+        True, "pack a question's kept completions after its prompt once (block-causal mask; exact, fewer tokens)"
+    )
     gradient_checkpointing: bool = setting(False, "recompute each decoder layer's activations in backward")
+    # LoRA (TRL's ModelConfig names)
+    use_peft: bool = setting(
+        False, "train LoRA adapters (PEFT) on a frozen base; the reference is the policy with them disabled"
+    )
+    lora_r: int = setting(16, "LoRA rank (>= 1)")
+    lora_alpha: int = setting(32, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_r")
+    lora_dropout: float = setting(0.05, "dropout on the adapters' input while training, in [0, 1)")
+    lora_target_modules: list[str] | str = setting(
+        None, "module names that get adapters, or all-linear (every linear layer but the LM head)",
+        factory=lambda: list(LORA_TARGET_MODULES),
+    )  # fmt: skip
     # loss
     mu: int = setting(2, "policy updates per rollout (old log-probs taken once before the first)")
     beta: float = setting(0.04, "weight of the KL penalty to the frozen initial model (0: no reference model)")
@@ -219,6 +235,7 @@ class TrainConfig:
         check_timeout(self.reward_timeout)
         check_choice("dtype", self.dtype, DTYPES)
         check_device(self.device)
+        _check_lora(self)
 
     @property
     def training_question_seed(self) -> int:
@@ -390,6 +407,21 @@ def _type_name(hint) -> str:
         else:
             parts.append(words.get(t, getattr(t, "__name__", str(t))))
     return " or ".join(parts)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    """The LoRA settings (checked whether or not ``use_peft`` is on: a preset carries them either way)."""
+    check_int("lora_r", cfg.lora_r, low=1)
+    check_int("lora_alpha", cfg.lora_alpha, low=1)
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    targets = cfg.lora_target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ValueError(f"lora_target_modules must be a list of module names or all-linear, got {targets!r}")
+    if isinstance(targets, list) and (not targets or ("all-linear" in targets and len(targets) > 1)):
+        raise ValueError(f"lora_target_modules must name at least one module, or be all-linear alone, got {targets}")
+    if cfg.use_peft and cfg.rollout_backend == "vllm":
+        raise ValueError("use_peft: the vllm engine cannot load LoRA adapters yet; set rollout_backend=hf")
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

@@ -10,7 +10,8 @@ trainer has one code path. The data flow of a distributed step:
 2. selection (:mod:`cppo.selection`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
    official Open-R1 code), ``"global"`` gathers |A| from all ranks (:func:`all_gather_varlen`) and keeps the step's
    official count over the concatenation in rank order, each rank keeping its own survivors;
-3. the survivors are spread over the ranks by token count (:func:`balance_sequences`, longest-processing-time greedy);
+3. the survivors are spread over the ranks by token count (:func:`balance_samples`, longest-processing-time greedy;
+   with prefix sharing a question's survivors move together, their prompt counted once);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
    :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
    single-process update of the concatenated batch;
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .device import resolve_device
-from .packing import Sample
+from .packing import Sample, prompt_groups, shared_tokens
 
 #: How :func:`reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
 REDUCTIONS = ("sum", "mean", "min", "max")
@@ -50,7 +51,9 @@ __all__ = [
     "all_gather_varlen",
     "SequenceShard",
     "lpt_assign",
+    "gather_sequences",
     "balance_sequences",
+    "split_units",
     "balance_samples",
     "GlobalCounts",
     "global_counts",
@@ -275,6 +278,24 @@ def lpt_assign(costs: Sequence[int], num_bins: int) -> list[int]:
     return owner
 
 
+def gather_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tensor | None = None):
+    """``(all ranks' sequences in rank order (the global order), their costs [S_all] as a list or None)``: every field
+    gathered in one collective; ``costs [S]`` (this rank's, optional) gathered with them."""
+    require_group(info)
+    lengths, seq_sizes = all_gather_varlen(local.lengths.long(), info=info)  # [S_all]
+    host_lengths = lengths.tolist()
+    bounds = list(itertools.accumulate(seq_sizes, initial=0))
+    tok_sizes = [sum(host_lengths[a:b]) for a, b in zip(bounds, bounds[1:])]  # tokens per rank
+    # every rank's row counts are known now: each field takes one collective (fields in the same order on all ranks)
+    gathered = SequenceShard(
+        lengths=lengths,
+        token_fields={k: _gather_known_sizes(v, tok_sizes, info=info) for k, v in sorted(local.token_fields.items())},
+        seq_fields={k: _gather_known_sizes(v, seq_sizes, info=info) for k, v in sorted(local.seq_fields.items())},
+    )
+    cost_all = None if costs is None else _gather_known_sizes(costs.long(), seq_sizes, info=info).tolist()
+    return gathered, cost_all
+
+
 def balance_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tensor | None = None) -> SequenceShard:
     """Redistributes the sequences of all ranks so that each rank gets about the same number of tokens.
 
@@ -287,28 +308,26 @@ def balance_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tens
         raise ValueError(f"costs must have shape [S] = ({local.num_seqs},), got {tuple(costs.shape)}")
     if not info.distributed:
         return local
-    lengths, seq_sizes = all_gather_varlen(local.lengths.long(), info=info)  # [S_all]
-    host_lengths = lengths.tolist()
-    bounds = list(itertools.accumulate(seq_sizes, initial=0))
-    tok_sizes = [sum(host_lengths[a:b]) for a, b in zip(bounds, bounds[1:])]  # tokens per rank
-    # every rank's row counts are known now: each field takes one collective (fields in the same order on all ranks)
-    gathered = SequenceShard(
-        lengths=lengths,
-        token_fields={k: _gather_known_sizes(v, tok_sizes, info=info) for k, v in sorted(local.token_fields.items())},
-        seq_fields={k: _gather_known_sizes(v, seq_sizes, info=info) for k, v in sorted(local.seq_fields.items())},
-    )
-    cost_all = host_lengths if costs is None else _gather_known_sizes(costs.long(), seq_sizes, info=info).tolist()
-    owner = lpt_assign(cost_all, info.world_size)
+    gathered, cost_all = gather_sequences(local, info=info, costs=costs)
+    owner = lpt_assign(gathered.lengths.tolist() if cost_all is None else cost_all, info.world_size)
     return gathered.select([i for i, r in enumerate(owner) if r == info.rank])
 
 
-def balance_samples(samples: list[Sample], *, info: DistInfo) -> list[Sample]:
-    """The retained completions of all ranks, spread over the ranks by input-token count with
-    :func:`balance_sequences` (each sample moves with its prompt, completion and advantage); a no-op alone."""
-    if not info.distributed:
-        return samples
+def split_units(units: list[list[int]], num_bins: int) -> list[list[int]]:
+    """``units`` (lists of items that should stay together), the one with the most items (ties: the first) halved
+    until there are ``num_bins`` of them or every unit is one item, so that every bin can get one."""
+    units = [list(u) for u in units]
+    while len(units) < num_bins and any(len(u) > 1 for u in units):
+        k = max(range(len(units)), key=lambda j: (len(units[j]), -j))
+        half = (len(units[k]) + 1) // 2
+        units[k : k + 1] = [units[k][:half], units[k][half:]]
+    return units
+
+
+def _sample_shard(samples: list[Sample]) -> SequenceShard:
+    """The samples as a :class:`SequenceShard`: token ids (prompt then completion), prompt length and advantage."""
     ids = [s.prompt_ids + s.completion_ids for s in samples]
-    local = SequenceShard(
+    return SequenceShard(
         lengths=torch.tensor([len(x) for x in ids], dtype=torch.long),
         token_fields={"ids": torch.tensor([t for x in ids for t in x], dtype=torch.long)},
         seq_fields={
@@ -316,15 +335,38 @@ def balance_samples(samples: list[Sample], *, info: DistInfo) -> list[Sample]:
             "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float64),
         },
     )
-    costs = torch.tensor([s.num_input_tokens for s in samples], dtype=torch.long)
-    mine = balance_sequences(local, info=info, costs=costs)
-    flat, out, start = mine.token_fields["ids"].tolist(), [], 0  # one copy to the host, not one per sequence
+
+
+def _shard_samples(shard: SequenceShard) -> list[Sample]:
+    """The :class:`Sample` list of a shard built by :func:`_sample_shard`."""
+    flat, out, start = shard.token_fields["ids"].tolist(), [], 0  # one copy to the host, not one per sequence
     for n, p, a in zip(
-        mine.lengths.tolist(), mine.seq_fields["prompt_length"].tolist(), mine.seq_fields["advantage"].tolist()
+        shard.lengths.tolist(), shard.seq_fields["prompt_length"].tolist(), shard.seq_fields["advantage"].tolist()
     ):
         out.append(Sample(flat[start : start + p], flat[start + p : start + n], a))
         start += n
     return out
+
+
+def balance_samples(samples: list[Sample], *, info: DistInfo, prefix_sharing: bool = False) -> list[Sample]:
+    """The retained completions of all ranks, spread over the ranks by the tokens the model will run on (each sample
+    moves with its prompt, completion and advantage); a no-op alone.
+
+    Without ``prefix_sharing`` each sample is placed alone by its input-token count (:func:`balance_sequences`).
+    With it, the samples of one prompt (:func:`cppo.packing.prompt_groups`, over all ranks) move as one unit costing
+    its shared token count (the prompt once), placed by :func:`lpt_assign`; a unit is split (:func:`split_units`,
+    each part re-sending the prompt) only while there are fewer units than ranks. A rank keeps its units' samples in
+    global order."""
+    if not info.distributed:
+        return samples
+    local = _sample_shard(samples)
+    if not prefix_sharing:
+        costs = torch.tensor([s.num_input_tokens for s in samples], dtype=torch.long)
+        return _shard_samples(balance_sequences(local, info=info, costs=costs))
+    everything = _shard_samples(gather_sequences(local, info=info)[0])
+    units = split_units(prompt_groups(everything), info.world_size)
+    owner = lpt_assign([shared_tokens(everything, u) for u in units], info.world_size)
+    return [everything[i] for i in sorted(i for u, r in zip(units, owner) if r == info.rank for i in u)]
 
 
 # --------------------------------------------------------------------------------------------

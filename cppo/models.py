@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import string
+import warnings
 
 import torch
+
+from .packing import SharedPrefix
 
 DEFAULT_TINY = {
     "vocab_size": 2048,
@@ -57,8 +60,12 @@ def tiny_tokenizer(vocab_size: int):
     )
 
 
-def attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 (varlen over packed position_ids) on CUDA when flash-attn is installed, sdpa otherwise."""
+def attn_implementation(device: torch.device, *, prefix_sharing: bool = False) -> str:
+    """The attention of the packed forward: on CUDA flex_attention with ``prefix_sharing`` (a block mask that skips
+    the masked tiles), else flash_attention_2 (varlen over packed position_ids) when flash-attn is installed; sdpa
+    otherwise (on CPU, with prefix sharing, a dense bool mask: the fastest path measured, README "Prefix sharing")."""
+    if device.type == "cuda" and prefix_sharing:
+        return "flex_attention"
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
@@ -71,14 +78,16 @@ def load_model_and_tokenizer(
     dtype: str = "float32",
     device: torch.device | str = "cpu",
     seed: int = 0,
+    prefix_sharing: bool = False,
 ):
     """``(model, tokenizer)`` from a tiny-model name (built from a config, seeded by ``seed``), a local
-    directory, a hub name or a ``.gguf`` file. The tokenizer pads on the left and always has a pad token."""
+    directory, a hub name or a ``.gguf`` file, its attention chosen by :func:`attn_implementation`. The tokenizer
+    pads on the left and always has a pad token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
-    attn = attn_implementation(device)
+    attn = attn_implementation(device, prefix_sharing=prefix_sharing)
     if name == "tiny-qwen2":
         from transformers import Qwen2Config
 
@@ -145,20 +154,92 @@ def decoder(model) -> torch.nn.Module:
     return base
 
 
-def packed_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+#: The attention implementations that take the block-causal mask of prefix sharing (as a dense bool mask, an additive
+#: float mask and a flex_attention BlockMask); flash_attention_2 derives its own mask from position_ids and cannot.
+PREFIX_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def prefix_sharing_blocker(model) -> str | None:
+    """Why ``model`` cannot run prefix-shared rows (:class:`cppo.packing.SharedPrefix`), or None when it can: its
+    attention must take a 4-D mask and every layer must be full (causal) attention, which the mask replaces."""
+    cfg = model.config
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in PREFIX_MASK_ATTENTION:
+        return f"its attention {impl!r} takes no 4-D mask (needs one of {PREFIX_MASK_ATTENTION})"
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention"})
+    if other:
+        return f"it has {other} layers, not only full attention"
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return f"it attends through a sliding window of {cfg.sliding_window}"
+    return None
+
+
+def use_prefix_sharing(model, requested: bool) -> bool:
+    """Whether to pack with prefix sharing: ``requested`` and the model can (:func:`prefix_sharing_blocker`); a model
+    that cannot falls back to one prompt per completion, with a warning naming ``prefix_sharing``."""
+    why = prefix_sharing_blocker(model) if requested else None
+    if why is not None:
+        warnings.warn(
+            f"prefix_sharing: {type(model).__name__} cannot share prompts ({why}); each completion is packed with its "
+            "own prompt (set prefix_sharing=false to silence this)",
+            stacklevel=2,
+        )
+    return requested and why is None
+
+
+def prefix_attention_mask(model, prefix: SharedPrefix, *, device: torch.device):
+    """The block-causal mask of ``prefix`` in the form the model's attention takes: sdpa a dense bool ``[1, 1, L,
+    L]`` (True: attend), eager an additive float mask (0 / dtype min) of the same shape, flex_attention a BlockMask.
+    ``ValueError`` naming ``prefix_sharing`` when the model cannot take it."""
+    why = prefix_sharing_blocker(model)
+    if why is not None:
+        raise ValueError(f"prefix_sharing: {type(model).__name__} cannot run prompt-shared rows: {why}")
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl == "flex_attention":
+        return _flex_block_mask(prefix, device=device)
+    allowed = prefix.dense_mask(device)  # [1, 1, L, L]
+    if impl == "sdpa":
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _flex_block_mask(prefix: SharedPrefix, *, device: torch.device):
+    """flex_attention's BlockMask of ``prefix`` (memory O((L / 128)^2); fully masked tiles are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    group, branch = prefix.row_ids(device)  # [L], [L]
+
+    def allowed(b, h, q, kv):
+        return (group[q] == group[kv]) & (kv <= q) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
+
+    return create_block_mask(allowed, None, None, prefix.length, prefix.length, device=device)
+
+
+def packed_hidden(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix: SharedPrefix | None = None
+) -> torch.Tensor:
     """Final hidden states ``[L, H]`` of one packed row ``input_ids [1, L]``.
 
-    ``position_ids [1, L]`` restart at 0 for each sequence; with no attention mask and no cache, transformers
-    (>= 4.53) derives a block-diagonal causal mask from them (sdpa/eager) or cu_seqlens (flash_attention_2), so
-    packed sequences do not attend to each other (tests/test_packing.py checks this against separate forwards).
+    Without ``prefix``, ``position_ids [1, L]`` restart at 0 for each sequence; with no attention mask and no cache,
+    transformers (>= 4.53) derives a block-diagonal causal mask from them (sdpa/eager) or cu_seqlens
+    (flash_attention_2), so packed sequences do not attend to each other (tests/trainer/test_packing.py checks this
+    against separate forwards). With a ``prefix`` (prompt-shared rows) the mask of :func:`prefix_attention_mask` is
+    passed instead, and transformers uses it as given (tests/trainer/test_prefix_sharing.py).
     """
-    out = decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    mask = None if prefix is None else prefix_attention_mask(model, prefix, device=input_ids.device)
+    out = decoder(model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
     return out.last_hidden_state[0]  # [L, H]
 
 
 def completion_hidden(
-    model, input_ids: torch.Tensor, position_ids: torch.Tensor, predict_index: torch.Tensor
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    predict_index: torch.Tensor,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """Final hidden states ``[T, H]`` of the rows of a packed row that predict completion tokens (``predict_index
-    [T]``): the forward that DDP / FSDP2 wrap (see :func:`cppo.parallel.wrap_model`)."""
-    return packed_hidden(model, input_ids, position_ids)[predict_index]
+    [T]``; with prefix sharing a prompt's last row predicts the first token of each of its completions): the
+    forward that DDP / FSDP2 wrap (see :func:`cppo.parallel.wrap_model`)."""
+    return packed_hidden(model, input_ids, position_ids, prefix)[predict_index]

@@ -12,9 +12,11 @@ from .config import TrainConfig
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters (fp32 masters; after wrapping: FSDP2 replaces them with sharded ones), with
-    torch's defaults betas (0.9, 0.999) and eps 1e-8, as the Hugging Face Trainer's ``adamw_torch``."""
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    """AdamW over ``model``'s trainable parameters (fp32 masters; after wrapping: FSDP2 replaces them with sharded
+    ones; with LoRA the adapters only), with torch's defaults betas (0.9, 0.999) and eps 1e-8, as the Hugging Face
+    Trainer's ``adamw_torch``."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, total: int):

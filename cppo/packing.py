@@ -1,9 +1,16 @@
 """Dynamic allocation of retained completions into token-budgeted micro-batches, and varlen packing.
 
-A micro-batch is one row: each sequence's prompt and completion concatenated (the completion's last token is
-not fed, since nothing predicts past it), ``position_ids`` restarting at 0 per sequence. Row t of the hidden
-states predicts token t + 1, so a sequence with prompt length p and completion length c contributes the rows
-``p - 1 .. p + c - 2`` of its segment, whose targets are its c completion tokens.
+A micro-batch is one row. Without prefix sharing, each sequence's prompt and completion are concatenated (the
+completion's last token is not fed, since nothing predicts past it), ``position_ids`` restarting at 0 per sequence.
+Row t of the hidden states predicts token t + 1, so a sequence with prompt length p and completion length c
+contributes the rows ``p - 1 .. p + c - 2`` of its segment, whose targets are its c completion tokens.
+
+With prefix sharing (:func:`pack_shared`), the completions of one prompt form a *group*: the prompt once, then each
+completion's fed tokens, their ``position_ids`` continuing from p for every completion. A completion attends to its
+prompt and to its own earlier tokens only (:class:`SharedPrefix` describes that block-causal mask), so its hidden
+states equal those of the unshared layout; the first token of every completion is predicted from the prompt's last
+row, the others from the completion's own rows. A group is one unit: it stays in one micro-batch unless its tokens
+exceed the budget, and then it is cut into consecutive chunks of completions, each re-sending the prompt.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cppo_kernels.config import LOSS_AGG_UNITS
 
 
 @dataclass
@@ -27,6 +36,39 @@ class Sample:
         return len(self.prompt_ids) + len(self.completion_ids) - 1
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Rows of a prefix-shared micro-batch of ``length`` rows: ``groups[j] = (first row, prompt length, fed lengths of
+    its completions)``, the groups one after another. Row q attends to row k <= q of its own group iff k is a prompt
+    row or a row of q's own completion (a prompt row attends causally to the prompt)."""
+
+    groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    length: int
+
+    def dense_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[1, 1, L, L]`` bool, True where a row (query) may attend to a row (key): block by block, O(L^2) bytes."""
+        mask = torch.zeros(self.length, self.length, dtype=torch.bool, device=device)  # [L, L]
+        longest = max((n for _, p, fed in self.groups for n in (p, *fed)), default=0)
+        tri = torch.ones(longest, longest, dtype=torch.bool, device=device).tril_()  # [n, n] causal
+        for start, p, fed in self.groups:
+            mask[start : start + p, start : start + p] = tri[:p, :p]
+            row = start + p
+            for n in fed:
+                mask[row : row + n, start : start + p] = True
+                mask[row : row + n, row : row + n] = tri[:n, :n]
+                row += n
+        return mask[None, None]
+
+    def row_ids(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(group [L], branch [L])`` int32: the group of each row and its branch (0: the prompt, k: the k-th
+        completion); q attends to k iff ``k <= q``, same group, and branch[k] is 0 or branch[q]."""
+        group, branch = [], []
+        for g, (_, p, fed) in enumerate(self.groups):
+            group += [g] * (p + sum(fed))
+            branch += [0] * p + [k + 1 for k, n in enumerate(fed) for _ in range(n)]
+        return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (group, branch))
+
+
 @dataclass
 class PackedBatch:
     """One packed micro-batch of S sequences and T completion tokens."""
@@ -38,6 +80,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [S + 1] offsets of each sequence's completion tokens, int32
     advantages: torch.Tensor  # [S] fp32
     sample_index: list[int]  # which samples (indices into the step's retained list) this micro-batch holds
+    prefix: SharedPrefix | None = None  # the block-causal layout when prompts are shared; None: one per sequence
 
     @property
     def num_tokens(self) -> int:
@@ -78,25 +121,65 @@ def allocate(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack(samples: list[Sample], index: list[int], *, device: torch.device | str = "cpu") -> PackedBatch:
-    """Concatenates ``samples[i] for i in index`` into one row (see the module docstring)."""
+def prompt_groups(samples: list[Sample]) -> list[list[int]]:
+    """Indices of ``samples`` grouped by identical prompt ids (a question's kept completions), each group ascending,
+    groups in the order of their first sample."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s.prompt_ids), []).append(i)
+    return list(groups.values())
+
+
+def shared_tokens(samples: list[Sample], group: list[int]) -> int:
+    """Rows the model runs on for ``group`` (samples of one prompt) packed with its prompt once: the prompt and all
+    but the last token of each completion."""
+    return len(samples[group[0]].prompt_ids) + sum(len(samples[i].completion_ids) - 1 for i in group)
+
+
+def split_group(samples: list[Sample], group: list[int], budget: int) -> list[list[int]]:
+    """``group`` cut into consecutive chunks of at most ``budget`` shared tokens, each re-sending the prompt (one
+    chunk when it fits; a completion too long even alone is left to :func:`allocate` to refuse)."""
+    chunks: list[list[int]] = []
+    for i in group:
+        if chunks and shared_tokens(samples, chunks[-1] + [i]) <= budget:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def _pack_units(
+    samples: list[Sample], units: list[list[int]], *, device: torch.device | str, shared: bool
+) -> PackedBatch:
+    """One row of ``units`` (lists of sample indices of one prompt), each unit's prompt once (see the module
+    docstring); ``shared`` records the block-causal layout (needed as soon as a unit holds two completions)."""
     ids: list[int] = []
     pos: list[int] = []
     predict: list[int] = []
     targets: list[int] = []
     cu = [0]
-    for i in index:
-        s = samples[i]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        if p < 1 or c < 1:
-            raise ValueError(f"sample {i} needs a non-empty prompt and completion, got lengths {p} and {c}")
-        start = len(ids)
-        seq = s.prompt_ids + s.completion_ids[:-1]
-        ids.extend(seq)
-        pos.extend(range(len(seq)))
-        predict.extend(range(start + p - 1, start + p + c - 1))
-        targets.extend(s.completion_ids)
-        cu.append(cu[-1] + c)
+    groups = []
+    for unit in units:
+        prompt = samples[unit[0]].prompt_ids
+        start, p = len(ids), len(prompt)
+        ids.extend(prompt)
+        pos.extend(range(p))
+        fed = []
+        for i in unit:
+            c = samples[i].completion_ids
+            if p < 1 or not c:
+                raise ValueError(f"sample {i} needs a non-empty prompt and completion, got lengths {p} and {len(c)}")
+            if samples[i].prompt_ids != prompt:
+                raise ValueError(f"sample {i} does not share the prompt of sample {unit[0]}, the first of its unit")
+            predict.append(start + p - 1)  # the first completion token, from the prompt's last row
+            predict.extend(range(len(ids), len(ids) + len(c) - 1))
+            ids.extend(c[:-1])
+            pos.extend(range(p, p + len(c) - 1))
+            targets.extend(c)
+            cu.append(cu[-1] + len(c))
+            fed.append(len(c) - 1)
+        groups.append((start, p, tuple(fed)))
+    index = [i for unit in units for i in unit]
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([pos], dtype=torch.long, device=device),
@@ -104,8 +187,14 @@ def pack(samples: list[Sample], index: list[int], *, device: torch.device | str 
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
         advantages=torch.tensor([samples[i].advantage for i in index], dtype=torch.float32, device=device),
-        sample_index=list(index),
+        sample_index=index,
+        prefix=SharedPrefix(tuple(groups), len(ids)) if shared else None,
     )
+
+
+def pack(samples: list[Sample], index: list[int], *, device: torch.device | str = "cpu") -> PackedBatch:
+    """Concatenates ``samples[i] for i in index`` into one row, each with its own prompt (see the module docstring)."""
+    return _pack_units(samples, [[i] for i in index], device=device, shared=False)
 
 
 def pack_all(samples: list[Sample], budget: int, *, device: torch.device | str = "cpu") -> list[PackedBatch]:
@@ -115,13 +204,22 @@ def pack_all(samples: list[Sample], budget: int, *, device: torch.device | str =
     return [pack(samples, b, device=device) for b in bins]
 
 
+def pack_shared(samples: list[Sample], budget: int, *, device: torch.device | str = "cpu") -> list[PackedBatch]:
+    """Prefix-shared micro-batches of at most ``budget`` rows: the samples grouped by prompt (:func:`prompt_groups`),
+    a group over the budget cut by :func:`split_group`, the units allocated by their shared token counts
+    (:func:`allocate`) and packed with each prompt once."""
+    units = [chunk for group in prompt_groups(samples) for chunk in split_group(samples, group, budget)]
+    bins = allocate([shared_tokens(samples, u) for u in units], budget)
+    return [_pack_units(samples, [units[u] for u in b], device=device, shared=True) for b in bins]
+
+
 def loss_weight(loss_agg: str, *, num_tokens: int, num_seqs: int, total_tokens: int, total_seqs: int) -> float:
     """Scale of one micro-batch's aggregated loss so that the scaled losses sum to the loss over the whole batch.
 
-    ``token-mean``: tokens / total tokens; ``seq-mean-*``: sequences / total sequences. The totals are
-    arguments so that a distributed run can pass all-reduced counts (and the local losses then sum, across
-    ranks, to the global loss).
+    A mean over tokens (``token-mean``): tokens / total tokens; over sequences (``seq-mean-*``): sequences / total
+    sequences (:data:`cppo_kernels.config.LOSS_AGG_UNITS` says which). The totals are arguments so that a
+    distributed run can pass all-reduced counts (and the local losses then sum, across ranks, to the global loss).
     """
-    if loss_agg == "token-mean":
+    if LOSS_AGG_UNITS[loss_agg] == "tokens":
         return num_tokens / total_tokens if total_tokens else 0.0
     return num_seqs / total_seqs if total_seqs else 0.0

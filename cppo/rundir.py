@@ -31,6 +31,8 @@ RESUMABLE = frozenset(
 #: Settings a resume cannot apply, even with --allow-config-change: the weights are of that model, the data
 #: position of that question list.
 FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
+#: LoRA: the checkpoint holds an adapter of that shape (or a full model), which only such a policy loads.
+FIXED |= {"use_peft", "lora_r", "lora_target_modules"}
 
 
 def check_writable(output_dir: str, *, create: bool = True) -> None:

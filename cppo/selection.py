@@ -18,7 +18,8 @@ This is the one module of :mod:`cppo` that calls the selection kernels of :mod:`
     with ``"batch"`` over the concatenated step, then keeps its own survivors.
 
 - ``metric``: ``"smallest"`` prunes the smallest |A| (CPPO), ``"largest"`` the largest, ``"random"`` a uniform
-  draw. Random draws come from a generator seeded by the caller's ``seed``: plus the rank for the local scopes,
+  draw, ``"max-variance"`` keeps each question's subset of largest reward variance (PODS; ``scope="group"`` only).
+  Random draws come from a generator seeded by the caller's ``seed``: plus the rank for the local scopes,
   alike on every rank for ``"global"`` (every rank draws the global scores itself).
 - allocation (``allocation=True``): a step draws ``ceil(questions_per_step / (1 - P))`` questions (rounded up, so
   a step never trains fewer completions than GRPO would), else ``questions_per_step``.
@@ -88,6 +89,8 @@ class Pruning:
             raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
         check_choice("selection_scope", self.scope, SCOPES)
         check_choice("selection_metric", self.metric, METRICS)
+        if self.metric == "max-variance" and self.scope != "group":
+            raise ValueError(f"selection_metric='max-variance' needs selection_scope='group', got {self.scope!r}")
         check_choice("scale", self.scale, SCALES)
         if not isinstance(self.allocation, bool):
             raise ValueError(f"allocation must be true or false, got {self.allocation!r}")

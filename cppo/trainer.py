@@ -26,16 +26,22 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, math_grading, metrics, parallel, rundir, sinks
+from . import checkpoint, distributed, lora, math_grading, metrics, parallel, rundir, sinks
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
 from .device import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
 from .interrupt import Interrupted, StopSignals
-from .models import completion_hidden, enable_gradient_checkpointing, lm_head, load_model_and_tokenizer
+from .models import (
+    completion_hidden,
+    enable_gradient_checkpointing,
+    lm_head,
+    load_model_and_tokenizer,
+    use_prefix_sharing,
+)
 from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
-from .packing import PackedBatch, Sample, loss_weight, pack_all
+from .packing import PackedBatch, Sample, loss_weight, pack_all, pack_shared
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
 from .runlock import RunLock
@@ -91,18 +97,27 @@ class Trainer:
         self.step = 0
 
     def _build_models(self) -> None:
-        """The policy (fp32 master weights), the frozen reference in the compute dtype (only with ``beta > 0``) and
-        the modules the packed forward runs through: DDP / FSDP2 wrappers under torchrun, plain otherwise."""
+        """The policy (fp32 master weights; with ``use_peft`` LoRA adapters on a frozen base), the frozen reference
+        in the compute dtype (only with ``beta > 0``; with ``use_peft`` no copy: the policy's forward with the
+        adapters disabled) and the modules the packed forward runs through: DDP / FSDP2 wrappers under torchrun,
+        plain otherwise."""
         cfg = self.config
         self.compute_dtype = getattr(torch, cfg.dtype)
         self.model, self.tokenizer = load_model_and_tokenizer(
-            cfg.model, model_config=cfg.model_config, dtype="float32", device=self.device, seed=cfg.seed
+            cfg.model,
+            model_config=cfg.model_config,
+            dtype="float32",
+            device=self.device,
+            seed=cfg.seed,
+            prefix_sharing=cfg.prefix_sharing,
         )
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
+            self.model = lora.apply_lora(self.model, cfg)
         self.model.train()
         self.ref_model = None
-        if cfg.beta > 0:
+        if cfg.beta > 0 and not cfg.use_peft:
             self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         wrap = functools.partial(
             parallel.wrap_model,
@@ -113,6 +128,8 @@ class Trainer:
         )
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
+        if cfg.beta > 0 and cfg.use_peft:  # the wrapped policy itself (DDP / FSDP2 included), adapters disabled
+            self.ref_policy = parallel.ForwardModule(self.model, functools.partial(lora.reference_forward, self.policy))
 
     def _make_rollout(self) -> RolloutEngine:
         """The engine ``rollout_backend`` names (:mod:`cppo.engines`), generating in the compute dtype; under FSDP2
@@ -127,7 +144,9 @@ class Trainer:
             compute_dtype=self._autocast_dtype,
             sharded=self._sharded,
         )
-        return make_engine(cfg.rollout_backend, self.model, self.tokenizer, settings)
+        # vLLM cannot take LoRA weights from this trainer yet: with use_peft, auto means transformers' generate
+        backend = "hf" if cfg.use_peft and cfg.rollout_backend == "auto" else cfg.rollout_backend
+        return make_engine(backend, self.model, self.tokenizer, settings)
 
     @property
     def _sharded(self) -> bool:
@@ -215,8 +234,11 @@ class Trainer:
             Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
             for i, a in zip(kept.tolist(), advantages[kept].tolist())
         ]
-        balanced = distributed.balance_samples(samples, info=self.info)
-        return pack_all(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
+        # prefix sharing: a question's completions after its prompt once, balanced and packed as one unit
+        shared = use_prefix_sharing(self.model, self.config.prefix_sharing)
+        balanced = distributed.balance_samples(samples, info=self.info, prefix_sharing=shared)
+        pack = pack_shared if shared else pack_all
+        return pack(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
 
     def _fillers(self, batches: list[PackedBatch]) -> list[PackedBatch]:
         """Weight-0 repeats of a micro-batch so that every rank runs as many passes (DDP syncs in the last one, FSDP2
@@ -239,7 +261,7 @@ class Trainer:
         the compute dtype: the forward runs under autocast (the fp32 master weights cast on the fly, gradients
         flowing back to them through the casts)."""
         with autocast(self.device, self._autocast_dtype):
-            hidden = policy(b.input_ids, b.position_ids, b.predict_index)  # [T, H]
+            hidden = policy(b.input_ids, b.position_ids, b.predict_index, b.prefix)  # [T, H]
         weight, bias = lm_head(parallel.unwrap_model(policy))  # after the forward: FSDP2 has unsharded it
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -328,7 +350,7 @@ class Trainer:
     ) -> dict:
         """The step's data metrics on this rank (rewards over all ranks); the losses, times etc. are added after."""
         cfg, lengths = self.config, rollout.lengths
-        forward_passes = cfg.mu + (cfg.mu > 1) + (self.ref_model is not None)
+        forward_passes = cfg.mu + (cfg.mu > 1) + (self.ref_policy is not None)
         all_rewards, _ = distributed.all_gather_varlen(rewards.to(self.device), info=self.info)  # [Q_all * G]
         return {
             "step": self.step,

@@ -1,7 +1,7 @@
 """Triton backend of the advantages and the completion selection: kernels and their launchers.
 
 The launchers take input already validated by :mod:`cppo_kernels.advantages` and do not check it again.
-Three kernels, all sharing the same jitted helpers so a value computed by one is bit-identical
+Four kernels, all sharing the same jitted helpers so a value computed by one is bit-identical
 when another recomputes it:
 
 - ``_group_kernel``: one program per tile of ``BLOCK_Q`` whole groups. Computes the advantages
@@ -19,6 +19,15 @@ when another recomputes it:
   ``N - int(N * P)``) is a runtime argument the JIT does not specialise on, so a new count
   compiles nothing. Single-program, so latency-bound: 5 to 8 sequential passes over N (not yet
   timed on a GPU; O(N) reads by one SM, expected well under a millisecond at N=65,536).
+- ``_max_variance_kernel``: ``metric="max-variance"`` (PODS), one program per group, the whole group in registers:
+  each completion's position in the group sorted highest first (a pairwise count, as the group kernel's rank:
+  higher value, or equal and lower index), then the sum of squared deviations of every candidate ``i`` in
+  ``0..keep`` (the ``i`` highest and ``keep - i`` lowest: ``[BLOCK_I, BLOCK_G]`` masked fp64 tiles, two passes,
+  mean then squares, so no cancellation), the smallest ``i`` within ``MAX_VARIANCE_RTOL`` of the largest, and the
+  kept completions (of equal values the lowest indices) compacted in index order. O(G * (G + keep)) work per group,
+  the order of the group kernel's rank; no scratch memory, no barrier. ``cppo_select`` runs it after the group
+  kernel's advantages launch (the very launch of ``group_advantages``, so the scored advantages are bit-identical
+  to it), as the selection needs the group's finished advantages in one program.
 
 Arithmetic: rewards are upcast at load to fp64, whatever their dtype, divided by the power of two at or below their
 group's largest magnitude (the batch's for ``scale="batch"``: exact, and it keeps every square and sum in range for
@@ -47,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import MAX_VARIANCE_RTOL
+
 # Compile-time codes of the options, read by name inside the kernels (launches pass their ``.value``).
 SCALE_GROUP, SCALE_BATCH, SCALE_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 METRIC_SMALLEST, METRIC_LARGEST, METRIC_RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -64,6 +75,8 @@ TILE_BUDGET = 1024
 MAX_GROUP_SIZE = 4096
 #: 1-D tile of the batch passes (std, radix histograms, compaction).
 BATCH_BLOCK = 4096
+#: Elements of the max-variance kernel's ``[BLOCK_I, BLOCK_G]`` fp64 tile of candidate sums.
+VARIANCE_BUDGET = 4096
 RADIX_BINS = 256
 
 
@@ -75,6 +88,8 @@ class GroupConfig:
     block_q: int
     block_j: int
     num_warps: int
+    variance_j: int  # peers per pairwise step of the max-variance kernel (one group per program)
+    variance_i: int  # candidates per fp64 tile of the max-variance kernel
     block: int = BATCH_BLOCK
 
 
@@ -84,7 +99,11 @@ def group_config(group_size: int) -> GroupConfig:
     block_g = triton.next_power_of_2(group_size)
     block_q = max(1, min(TILE_BUDGET // block_g, COMPARE_BUDGET // (block_g * block_g)))
     block_j = min(block_g, max(1, COMPARE_BUDGET // (block_q * block_g)))
-    return GroupConfig(block_g=block_g, block_q=block_q, block_j=block_j, num_warps=8)
+    variance_j = min(block_g, max(1, COMPARE_BUDGET // block_g))
+    variance_i = min(triton.next_power_of_2(group_size + 1), max(1, VARIANCE_BUDGET // block_g))
+    return GroupConfig(
+        block_g=block_g, block_q=block_q, block_j=block_j, num_warps=8, variance_j=variance_j, variance_i=variance_i
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,6 +391,77 @@ def _batch_kernel(
         ties_before += tl.sum(tie, axis=0)
 
 
+@triton.jit
+def _variance_value(v):
+    """The max-variance score of loaded advantages ``v`` (any float dtype): rounded to fp32, saturating at the
+    largest fp32, -0.0 read as 0.0 (one value, one key)."""
+    v = tl.minimum(tl.maximum(v.to(tl.float64), -3.4028234663852886e38), 3.4028234663852886e38).to(tl.float32)
+    return tl.where(v == 0.0, 0.0, v)
+
+
+@triton.jit
+def _candidate_ssd(d, pos, valid, i0, group_size, keep, BLOCK_I: tl.constexpr):
+    """Sums of squared deviations ``[BLOCK_I]`` of the candidates ``i0 + arange(BLOCK_I)`` (-1 past ``keep``): the
+    ``i`` highest and ``keep - i`` lowest of a group whose fp64 values ``d [BG]`` sit at sorted positions ``pos``."""
+    ii = i0 + tl.arange(0, BLOCK_I)  # [BI]
+    member = valid[None, :] & ((pos[None, :] < ii[:, None]) | (pos[None, :] >= (group_size - keep + ii)[:, None]))
+    mean = tl.sum(tl.where(member, d[None, :], 0.0), axis=1) / tl.cast(keep, tl.float64)  # [BI]
+    c = tl.where(member, d[None, :] - mean[:, None], 0.0)  # [BI, BG]
+    return tl.where(ii <= keep, tl.sum(c * c, axis=1), -1.0)
+
+
+@triton.jit
+def _max_variance_kernel(
+    x_ptr,  # [N] advantages (any float dtype)
+    idx_ptr,  # [num_groups * keep] int64 kept indices out
+    group_size,
+    keep,  # >= 1
+    rtol,  # MAX_VARIANCE_RTOL
+    BLOCK_G: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    base = group * group_size
+    cols = tl.arange(0, BLOCK_G)
+    valid = cols < group_size
+    s = _variance_value(tl.load(x_ptr + base + cols, mask=valid, other=0.0))  # [BG] fp32
+    own = _order_key(s)[:, None]  # [BG, 1]
+    above = tl.zeros([BLOCK_G], tl.int32)  # peers with a higher value
+    equal = tl.zeros([BLOCK_G], tl.int32)  # peers with the same value (itself included)
+    before = tl.zeros([BLOCK_G], tl.int32)  # peers with the same value and a lower index
+    for j0 in range(0, group_size, BLOCK_J):
+        pcols = j0 + tl.arange(0, BLOCK_J)  # [BJ]
+        pmask = (pcols < group_size)[None, :]
+        peer = _order_key(_variance_value(tl.load(x_ptr + base + pcols, mask=pcols < group_size, other=0.0)))
+        same = (peer[None, :] == own) & pmask  # [BG, BJ]
+        above += tl.sum(((peer[None, :] > own) & pmask).to(tl.int32), axis=1)
+        equal += tl.sum(same.to(tl.int32), axis=1)
+        before += tl.sum((same & (pcols[None, :] < cols[:, None])).to(tl.int32), axis=1)
+    pos = above + before  # [BG] a permutation of 0..G-1: the position sorted highest first
+    v = s.to(tl.float64)
+    mid = (tl.max(tl.where(valid, v, -3.5e38), axis=0) + tl.min(tl.where(valid, v, 3.5e38), axis=0)) / 2
+    d = tl.where(valid, v - mid, 0.0)  # [BG] centred on the mid-range: |d| <= spread / 2
+    best = tl.cast(0.0, tl.float64)
+    for i0 in range(0, keep + 1, BLOCK_I):
+        best = tl.maximum(best, tl.max(_candidate_ssd(d, pos, valid, i0, group_size, keep, BLOCK_I), axis=0))
+    threshold = best * (1.0 - tl.cast(rtol, tl.float64))
+    first = keep  # the smallest candidate at the threshold (recomputed bit for bit; `keep` only if none is: NaN)
+    for i0 in range(0, keep + 1, BLOCK_I):
+        ssd = _candidate_ssd(d, pos, valid, i0, group_size, keep, BLOCK_I)
+        first = tl.minimum(first, tl.min(tl.where(ssd >= threshold, i0 + tl.arange(0, BLOCK_I), keep), axis=0))
+    # Of each run of equal values [above, above + equal) the candidate takes its part above `first` and its part from
+    # `bottom` on, `taken` in all: the run's `taken` lowest indices are kept, so exactly `keep` of the group (first is
+    # in [0, keep]); the store is bounded by its own mask besides (slot < keep).
+    bottom = group_size - keep + first
+    end = above + equal
+    taken = tl.maximum(tl.minimum(end, first) - above, 0) + tl.maximum(end - tl.maximum(above, bottom), 0)
+    kept = valid & (before < taken)
+    k = kept.to(tl.int32)
+    slot = tl.cumsum(k, axis=0) - k  # [BG] slot among the group's kept completions, in index order
+    tl.store(idx_ptr + group * keep + slot, base + cols, mask=kept & (slot < keep))
+
+
 # --------------------------------------------------------------------------------------------
 # Host launchers: allocate, launch (the input is validated by cppo_kernels.advantages)
 # --------------------------------------------------------------------------------------------
@@ -435,6 +525,22 @@ def _launch_batch(x, src, adv, idx, num_groups, group_size, keep_total, eps, ddo
     )
 
 
+def _launch_max_variance(x: torch.Tensor, idx: torch.Tensor, num_groups: int, group_size: int, keep: int) -> None:
+    """The max-variance kernel: ``keep`` (>= 1) indices per group of ``x`` into ``idx``, one program per group."""
+    cfg = group_config(group_size)
+    _max_variance_kernel[(num_groups,)](
+        x,
+        idx,
+        group_size,
+        keep,
+        MAX_VARIANCE_RTOL,
+        BLOCK_G=cfg.block_g,
+        BLOCK_J=cfg.variance_j,
+        BLOCK_I=cfg.variance_i,
+        num_warps=cfg.num_warps,
+    )
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
     """The advantages of :func:`cppo_select` keeping nothing: one launch (two for ``scale="batch"``)."""
     adv, _ = cppo_select(
@@ -453,6 +559,9 @@ def select_completions(
     rand = draws if metric == "random" else x  # [N]
     idx = torch.empty(_num_out(count, num_groups, scope), dtype=torch.long, device=x.device)  # [K]
     if idx.numel() == 0:
+        return idx
+    if metric == "max-variance":
+        _launch_max_variance(x, idx, num_groups, group_size, count)
         return idx
     launch = _launch_batch if scope == "batch" else functools.partial(_launch_group, std=x)
     launch(x, rand, x, idx, num_groups, group_size, count, 0.0, 0, scale="none", mode=MODE_SELECT, metric=metric)
@@ -493,6 +602,14 @@ def cppo_select(
         )
         return adv, idx
     std = _launch_batch_std(x, group_size, ddof) if scale == "batch" else adv
+    if metric == "max-variance":  # group_advantages' own launch (bit-identical advantages), then the selection
+        _launch_group(
+            x, rand, adv, idx, num_groups, group_size, 0, eps, ddof, std=std, scale=scale, mode=MODE_ADVANTAGES,
+            metric="smallest",
+        )  # fmt: skip
+        if count > 0:
+            _launch_max_variance(adv, idx, num_groups, group_size, count)
+        return adv, idx
     mode = MODE_FUSED if count > 0 else MODE_ADVANTAGES  # nothing kept: no rank pass
     _launch_group(
         x, rand, adv, idx, num_groups, group_size, count, eps, ddof, std=std, scale=scale, mode=mode, metric=metric

@@ -59,6 +59,11 @@ def _kept_count(n: int, group_size: int, keep, num_kept, scope: str, metric: str
     whole batch (``"batch"``)."""
     check_choice("scope", scope, SCOPES)
     check_choice("metric", metric, METRICS)
+    if metric == "max-variance" and (scope != "group" or num_kept is not None):
+        raise ValueError(
+            "metric='max-variance' (the keep-subset of largest variance of each group) needs scope='group' and "
+            f"keep, got scope={scope!r}, num_kept={num_kept!r}"
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if (keep is None) == (num_kept is None):
@@ -128,6 +133,17 @@ def select_completions(
     for ``metric="smallest"`` (prune the smallest |A|: CPPO's default), ``-|A|`` for ``"largest"``, a uniform
     draw from ``generator`` for ``"random"``.
 
+    ``metric="max-variance"`` (PODS, Xu et al., arXiv 2504.13818; ``scope="group"`` only) keeps the ``keep``
+    completions of each group whose advantages (rounded to fp32, saturating) have the largest variance. The optimum
+    takes the ``i`` highest and ``keep - i`` lowest for some ``i``, so only those ``keep + 1`` candidates are scored
+    (fp64 sums of squared deviations); the smallest ``i`` within
+    :data:`cppo_kernels.config.MAX_VARIANCE_RTOL` (2^-24, relative) of the largest variance wins (exact ties, such
+    as ``j`` against ``keep - j`` correct answers under binary rewards, go to the fewer highest), and of equal
+    advantages the lowest indices are kept. The advantages are scored, not the rewards: within a group they are
+    an increasing affine map of the rewards (``(r - mean) / (std + eps)``, or ``r - mean``), which preserves the
+    order and scales every variance alike, so both give the same subset (up to fp32 rounding of near-ties), and
+    this function never sees the rewards.
+
     Args:
         advantages: ``[N]`` floating, finite, laid out group after group.
         group_size: completions per question ``G`` (>= 1, divides ``N``).
@@ -136,7 +152,7 @@ def select_completions(
             ``0 <= num_kept <= N``, any count (the official ``N - int(N * P)``). Give exactly one of the two.
         scope: ``"group"`` keeps exactly ``keep`` per group; ``"batch"`` keeps ``keep * num_groups`` (or
             ``num_kept``) pooled over the whole batch (the official Open-R1 code).
-        metric: ``"smallest"``, ``"largest"`` or ``"random"``.
+        metric: ``"smallest"``, ``"largest"``, ``"random"`` or ``"max-variance"`` (with ``scope="group"``).
         generator: the generator of the ``"random"`` draws (``N`` fp32 draws on the advantages' device).
 
     Returns:
@@ -167,7 +183,9 @@ def cppo_select(
     """:func:`group_advantages` then :func:`select_completions` on those advantages, fused.
 
     On the Triton path this is one kernel launch (advantages, rank selection and compaction), plus a batch-std
-    launch for ``scale="batch"`` with ``scope="group"``, plus ``torch.rand`` for ``metric="random"``.
+    launch for ``scale="batch"`` with ``scope="group"``, plus ``torch.rand`` for ``metric="random"``;
+    ``metric="max-variance"`` is :func:`group_advantages`' launch then the max-variance kernel on its fp32
+    advantages (the advantages are scored, see :func:`select_completions`).
 
     Args:
         rewards: ``[N]`` floating, finite, laid out group after group.

@@ -12,7 +12,10 @@ SCALES = ("group", "batch", "none")
 #: ``scope`` of :func:`cppo_kernels.select_completions`.
 SCOPES = ("group", "batch")
 #: ``metric`` of :func:`cppo_kernels.select_completions`: which completions are pruned.
-METRICS = ("smallest", "largest", "random")
+METRICS = ("smallest", "largest", "random", "max-variance")
+#: ``metric="max-variance"``: candidate subsets whose variances lie within this relative distance of the largest
+#: (below the fp32 resolution of the scores) are tied, and the tie goes to the one with the fewest highest scores.
+MAX_VARIANCE_RTOL = 2.0**-24
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
@@ -48,7 +51,10 @@ def check_float(name: str, value, *, low: float | None = None, low_open: bool = 
 #: ``kl_estimator`` of :func:`cppo_kernels.fused_cppo_loss`.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING = ("token", "sequence")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: ``loss_agg``, each with what its loss is a mean over: ``"tokens"`` (the batch's token count divides it) or
+#: ``"sequences"``; a trainer that splits a batch into micro-batches weighs each one by its share of that count.
+LOSS_AGG_UNITS = {"token-mean": "tokens", "seq-mean-token-mean": "sequences", "seq-mean-token-sum-norm": "sequences"}
+LOSS_AGGS = tuple(LOSS_AGG_UNITS)
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,25 @@ inputs are assumed valid. The loss oracles compute in the dtype of their inputs,
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import Counter
 from fractions import Fraction
 
 import torch
 from torch import Tensor
 
-from .config import LossConfig
+from .config import MAX_VARIANCE_RTOL, LossConfig
 
-__all__ = ["group_advantages", "select_completions", "cppo_select", "token_logprobs", "policy_loss", "fused_cppo_loss"]
+__all__ = [
+    "group_advantages",
+    "select_completions",
+    "cppo_select",
+    "max_variance_subset",
+    "token_logprobs",
+    "policy_loss",
+    "fused_cppo_loss",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,8 +98,14 @@ def select_completions(
 
     Scores: ``|A|`` rounded to fp32 (``"smallest"``), ``-|A|`` (``"largest"``), or one fp32 uniform draw per
     completion from ``generator`` on the advantages' device (``"random"``, drawn even when nothing is kept).
+    ``"max-variance"`` (``scope="group"``): :func:`max_variance_subset` of each group's advantages.
     """
     n = advantages.numel()
+    if metric == "max-variance":
+        values = _fp32_values(advantages)
+        starts = range(0, n, group_size)
+        kept = [q + i for q in starts for i in max_variance_subset(values[q : q + group_size], keep)]
+        return torch.tensor(kept, dtype=torch.long, device=advantages.device)
     if metric == "random":
         scores = torch.rand(n, generator=generator, device=advantages.device, dtype=torch.float32).tolist()
     else:
@@ -105,6 +121,50 @@ def select_completions(
     else:
         kept = best(range(n))[: keep * num_groups if num_kept is None else num_kept]
     return torch.tensor(sorted(kept), dtype=torch.long, device=advantages.device)
+
+
+def _fp32_values(x: Tensor) -> list[float]:
+    """``x`` rounded to fp32, saturating at its largest finite value, with -0.0 read as 0.0."""
+    top = float(torch.finfo(torch.float32).max)
+    return [v + 0.0 for v in x.detach().to(torch.float64).clamp(-top, top).to(torch.float32).tolist()]
+
+
+def _ssd(values: list[float]) -> Fraction:
+    """Exact sum of squared deviations from the mean (``len * variance``)."""
+    exact = [Fraction(v) for v in values]
+    mean = sum(exact, Fraction(0)) / max(len(exact), 1)
+    return sum(((v - mean) ** 2 for v in exact), Fraction(0))
+
+
+def max_variance_subset(values: list[float], keep: int, *, exhaustive: bool = False) -> list[int]:
+    """Ascending indices of the ``keep`` of ``values`` whose variance is largest (PODS' max-variance down-sampling).
+
+    The scan: with the values sorted (highest first), candidate ``i`` (0..keep) takes the ``i`` highest and the
+    ``keep - i`` lowest values; the smallest ``i`` whose variance is within :data:`MAX_VARIANCE_RTOL` (relative) of
+    the largest wins, and of equal values the lowest indices are taken. ``exhaustive=True`` searches every
+    ``keep``-subset instead (small inputs only): among those within the tolerance of the largest variance, the
+    smallest sum of values, then the lexicographically smallest indices; the two agree when the tolerance separates
+    no values (the optimum always has the scan's form).
+    """
+    n = len(values)
+    if exhaustive:
+        subsets = list(itertools.combinations(range(n), keep))
+        ssd = [_ssd([values[p] for p in s]) for s in subsets]
+        top = max(ssd)
+        tied = [s for s, v in zip(subsets, ssd, strict=True) if v >= top * (1 - Fraction(MAX_VARIANCE_RTOL))]
+        return list(min(tied, key=lambda s: (sum(Fraction(values[p]) for p in s), s)))
+    order = sorted(range(n), key=lambda p: (-values[p], p))
+    candidates = [order[:i] + order[n - keep + i :] for i in range(keep + 1)]
+    ssd = [_ssd([values[p] for p in c]) for c in candidates]
+    top = max(ssd)
+    best = next(c for c, v in zip(candidates, ssd, strict=True) if v >= top * (1 - Fraction(MAX_VARIANCE_RTOL)))
+    taken = Counter(values[p] for p in best)  # how many of each value; of equal values the lowest indices
+    kept = []
+    for p in range(n):
+        if taken[values[p]] > 0:
+            taken[values[p]] -= 1
+            kept.append(p)
+    return kept
 
 
 def cppo_select(

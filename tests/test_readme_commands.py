@@ -181,3 +181,23 @@ def test_the_long_lines_are_valid_plans(item, tmp_path):
 @pytest.mark.parametrize("item", commands("skip"), ids=command_id)
 def test_the_skipped_lines_say_why(item):
     pytest.skip(plan(item[1], pathlib.Path("data"))[2])
+
+
+def trl_snippet() -> str:
+    """The Python block of README's "Using CPPO from TRL" section."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Using CPPO from TRL", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    return code
+
+
+@pytest.mark.slow
+def test_the_trl_snippet_runs_as_written(tmp_path):
+    """The README's TRL snippet (about ten lines) trains as written, on the tiny model it builds (issue 18)."""
+    pytest.importorskip("trl")
+    code = trl_snippet()
+    assert 6 <= len(code.strip().splitlines()) <= 14, code
+    report = "\nimport json\nprint(json.dumps(trainer.state.log_history[0]))\n"  # what the snippet trained
+    done = run([sys.executable, "-c", code + report], tmp_path)
+    logged = json.loads(done.stdout.strip().splitlines()[-1])
+    assert logged["cppo/kept_fraction"] == 0.25 and "loss" in logged, logged  # pruning_rate=0.75

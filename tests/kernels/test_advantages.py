@@ -1,6 +1,9 @@
 """group_advantages / select_completions / cppo_select on both backends against the fp64 reference."""
 
 import functools
+import itertools
+import statistics
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from cppo_kernels import (
     use_backend,
 )
 from cppo_kernels.advantages import TRITON_MAX_GROUP_SIZE
+from cppo_kernels.config import MAX_VARIANCE_RTOL
 
 # The `backend` fixture only sets an environment variable, so reusing it across examples is sound.
 FIXTURE_OK = settings(
@@ -191,7 +195,7 @@ def test_group_size_above_the_triton_limit_runs_the_torch_path(monkeypatch):
     def no_launch(*a, **k):
         raise AssertionError("launched a Triton kernel above its group-size limit")
 
-    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std", "_launch_max_variance"):
         monkeypatch.setattr(_advantages_triton, name, no_launch)
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
     rewards = torch.randint(0, 3, (2 * g,), generator=torch.Generator().manual_seed(0)).float()  # [N]
@@ -202,6 +206,8 @@ def test_group_size_above_the_triton_limit_runs_the_torch_path(monkeypatch):
         assert torch.equal(idx, want_idx)
         assert torch.equal(select_completions(adv, g, 5, scope=scope), want_idx)
     assert_adv_close(group_advantages(rewards, g, scale="batch"), ref_adv(rewards, g, scale="batch"), rewards, "batch")
+    adv, idx = cppo_select(rewards, g, 5, metric="max-variance")
+    assert torch.equal(idx, reference.select_completions(adv, g, 5, metric="max-variance"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,7 +438,7 @@ def test_batch_scope_thousands(backend, n):
 def test_triton_launch_counts(monkeypatch):
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
     calls = []
-    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std", "_launch_max_variance"):
         real = getattr(_advantages_triton, name)
 
         def record(*a, _n=name, _f=real, **k):
@@ -467,6 +473,189 @@ def test_triton_launch_counts(monkeypatch):
         calls.clear()
         group_advantages(rewards, 16, scale=scale)
         assert calls == launches, (scale, calls)
+    variance = ("_launch_max_variance", None)
+    for (scale, keep), launches in {
+        ("group", 4): [("_launch_group", adv_only), variance],
+        ("batch", 4): [std, ("_launch_group", adv_only), variance],
+        ("group", 0): [("_launch_group", adv_only)],
+    }.items():
+        calls.clear()
+        cppo_select(rewards, 16, keep, scale=scale, metric="max-variance")
+        assert calls == launches, (scale, keep, calls)
+    calls.clear()
+    select_completions(rewards, 16, 3, metric="max-variance")
+    assert calls == [variance]
+
+
+# --------------------------------------------------------------------------------------------
+# Max-variance (PODS): the keep-subset of largest variance per group
+# --------------------------------------------------------------------------------------------
+
+
+def _assert_keep_per_group(idx, g, q, keep):
+    assert idx.dtype == torch.long and idx.numel() == keep * q and (idx.diff() > 0).all()
+    assert torch.equal(torch.bincount(idx // g, minlength=q), torch.full((q,), keep))
+
+
+@FIXTURE_OK
+@given(data=grouped_rewards(), keep_frac=st.floats(0, 1))
+def test_max_variance_matches_reference(backend, data, keep_frac):
+    rewards, g = data
+    adv = reference.group_advantages(rewards, g)  # binary and dyadic rewards: few values, exact candidate ties
+    keep = round(keep_frac * g)
+    got = select_completions(adv, g, keep, metric="max-variance")
+    assert torch.equal(got, reference.select_completions(adv, g, keep, metric="max-variance"))
+    _assert_keep_per_group(got, g, adv.numel() // g, keep)
+
+
+@FIXTURE_OK
+@given(
+    data=grouped_rewards(),
+    keep_frac=st.floats(0, 1),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    unbiased=st.booleans(),
+)
+def test_cppo_select_max_variance_is_the_composition(backend, data, keep_frac, scale, unbiased):
+    """The advantages are the same as group_advantages', and the kept set is the oracle's on them."""
+    rewards, g = data
+    keep = round(keep_frac * g)
+    adv, idx = cppo_select(rewards, g, keep, scale=scale, unbiased=unbiased, metric="max-variance")
+    assert_adv_close(adv, ref_adv(rewards, g, scale=scale, unbiased=unbiased), rewards, scale)
+    assert torch.equal(adv, group_advantages(rewards, g, scale=scale, unbiased=unbiased))
+    assert torch.equal(idx, select_completions(adv, g, keep, metric="max-variance"))
+    assert torch.equal(idx, reference.select_completions(adv, g, keep, metric="max-variance"))
+
+
+#: Groups of ties: constant (zero variance, 0.1 repeated too), binary, symmetric, signed zeros, one outlier.
+TIE_GROUPS = {
+    "constant": [0.0] * 7,
+    "constant 0.1": [0.1] * 7,
+    "binary": [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0],
+    "symmetric": [-1.0, 0.0, 1.0, 1.0, 0.0, -1.0, 0.0],
+    "signed zeros": [0.0, -0.0, 1.0, -0.0, 0.0, -1.0, 0.0],
+    "outlier": [0.5, 0.5, 0.5, 9.0, 0.5, 0.5, 0.5],
+}
+
+
+@pytest.mark.parametrize("case", list(TIE_GROUPS))
+def test_max_variance_ties_zero_variance_and_every_keep(backend, case):
+    """Every keep of 0..G (odd G = 7, two groups) against the oracle."""
+    values = torch.tensor(TIE_GROUPS[case] + TIE_GROUPS[case][::-1])  # [14]
+    for keep in range(8):
+        got = select_completions(values, 7, keep, metric="max-variance")
+        assert torch.equal(got, reference.select_completions(values, 7, keep, metric="max-variance")), keep
+        _assert_keep_per_group(got, 7, 2, keep)
+        if case.startswith("constant"):  # every subset has variance 0: the lowest indices
+            assert torch.equal(got, torch.tensor([q * 7 + i for q in (0, 1) for i in range(keep)]))
+
+
+@pytest.mark.parametrize(
+    "values,keep,want",
+    [
+        ([1, 0, 1, 0, 0, 1], 3, [0, 1, 3]),  # 1 or 2 of the 1s tie: the fewer highest, of equal values the first
+        ([1, 0, 1, 0, 0, 1], 2, [0, 1]),
+        ([1, 0, 1, 0, 0, 1], 4, [0, 1, 2, 3]),
+        ([0.5, -1, 2, -1], 1, [1]),  # one value has no spread: the lowest, the first of equal ones
+        ([3, 2, 1, 0], 3, [0, 2, 3]),  # {3, 1, 0} and {3, 2, 0} tie: the fewer highest
+        ([0, 10, 1, 2, 3, 4], 2, [0, 1]),
+        ([0, 10, 1, 2, 3, 4, 100], 3, [0, 2, 6]),  # {100, 0, 1} beats {100, 10, 0}
+        ([0, -0.0, 5, 0, -0.0], 3, [0, 1, 2]),  # -0.0 is 0.0
+    ],
+)
+def test_max_variance_by_hand(backend, values, keep, want):
+    got = select_completions(torch.tensor(values, dtype=torch.float32), len(values), keep, metric="max-variance")
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_max_variance_dtypes_and_saturation(backend, dtype):
+    """Advantages of any float dtype are scored rounded to fp32; fp64 ones beyond fp32's range saturate."""
+    gen = torch.Generator().manual_seed(4)
+    adv = (torch.randn(5 * 9, generator=gen, dtype=torch.float64) * 2).to(dtype)  # [45]
+    got = select_completions(adv, 9, 4, metric="max-variance")
+    assert torch.equal(got, reference.select_completions(adv, 9, 4, metric="max-variance"))
+    if dtype == torch.float64:
+        huge = torch.tensor([1e300, 3e38, -1e300, 0.0, 1.0, -1e39], dtype=torch.float64)
+        got = select_completions(huge, 6, 3, metric="max-variance")
+        assert torch.equal(got, reference.select_completions(huge, 6, 3, metric="max-variance"))
+        assert got.tolist() == [0, 2, 5]  # +max and twice -max: -1e300 and -1e39 both saturate
+
+
+@FIXTURE_OK
+@given(
+    bits=st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=60),
+    group_size=st.integers(1, 12),
+    keep_frac=st.floats(0, 1),
+)
+def test_max_variance_same_subset_from_rewards_or_advantages(backend, bits, group_size, keep_frac):
+    """Binary rewards: the advantages are an increasing affine map of them per group, so scoring either keeps the
+    same completions (ties included: the fewer highest either way)."""
+    rewards = torch.tensor(bits[: len(bits) // group_size * group_size] or [0.0] * group_size)
+    keep = round(keep_frac * group_size)
+    adv = group_advantages(rewards, group_size)
+    for kw in ({}, {"scale": "none"}, {"scale": "batch"}):
+        _, idx = cppo_select(rewards, group_size, keep, metric="max-variance", **kw)
+        assert torch.equal(idx, select_completions(rewards, group_size, keep, metric="max-variance"))
+    assert torch.equal(idx, select_completions(adv, group_size, keep, metric="max-variance"))
+
+
+def _variance(values) -> Fraction:
+    return statistics.pvariance([Fraction(v) for v in values]) if values else Fraction(0)
+
+
+@given(
+    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=8),
+    keep_frac=st.floats(0, 1),
+)
+def test_the_optimum_takes_the_highest_and_the_lowest(values, keep_frac):
+    """PODS' claim, exactly: the largest variance over every keep-subset is that of some candidate (the i highest and
+    keep - i lowest), and the oracle's scan keeps a subset within the tolerance of it."""
+    keep = round(keep_frac * len(values))
+    best = max(_variance(c) for c in itertools.combinations(values, keep))
+    ordered = sorted(values, reverse=True)
+    candidates = [ordered[:i] + ordered[len(values) - keep + i :] for i in range(keep + 1)]
+    assert max(_variance(c) for c in candidates) == best
+    kept = reference.max_variance_subset(values, keep)
+    assert len(kept) == keep and kept == sorted(kept)
+    assert _variance([values[p] for p in kept]) >= best * (1 - Fraction(MAX_VARIANCE_RTOL))
+
+
+@given(
+    values=st.lists(st.sampled_from([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=8),
+    keep_frac=st.floats(0, 1),
+)
+def test_max_variance_scan_matches_brute_force(values, keep_frac):
+    """On values the tolerance never merges (a few dyadic values, many ties) the scan picks what the exhaustive search
+    over every keep-subset picks: the largest variance, then the smallest sum, then the lowest indices."""
+    keep = round(keep_frac * len(values))
+    scan = reference.max_variance_subset(values, keep)
+    assert scan == reference.max_variance_subset(values, keep, exhaustive=True)
+    assert _variance([values[p] for p in scan]) == max(_variance(c) for c in itertools.combinations(values, keep))
+
+
+def test_max_variance_group_size_1024(backend):
+    gen = torch.Generator().manual_seed(6)
+    binary = torch.randint(0, 2, (1024,), generator=gen).float()  # [N]
+    adv, idx = cppo_select(binary, 1024, 301, metric="max-variance")
+    assert torch.equal(idx, reference.select_completions(adv, 1024, 301, metric="max-variance"))
+    floats = torch.randn(1024, generator=gen)  # [N]
+    got = select_completions(floats, 1024, 300, metric="max-variance")
+    assert torch.equal(got, reference.select_completions(floats, 1024, 300, metric="max-variance"))
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's max over NaN scores
+def test_max_variance_stores_are_bounded_whatever_the_scores():
+    """NaN and inf scores (impossible after validation, so given straight to the backends): exactly ``keep`` valid
+    ascending indices per group, and nothing written past the output."""
+    G, Q, keep = 8, 3, 3
+    nan, inf = float("nan"), float("inf")
+    adv = torch.tensor([nan, 1.0, nan, -inf, 0.5, nan, inf, 2.0] + [nan] * 8 + [0.0, -0.0, 1.0, nan, inf, -inf, 3, 3])
+    buf = torch.full((keep * Q + 64,), -7, dtype=torch.long)  # the output, then a guard region
+    _advantages_triton._launch_max_variance(adv, buf[: keep * Q], Q, G, keep)
+    assert torch.equal(buf[keep * Q :], torch.full((64,), -7)), "wrote past the output"
+    for idx in (buf[: keep * Q], _advantages_torch.max_variance(adv, G, keep)):
+        assert ((idx >= 0) & (idx < G * Q)).all(), idx
+        _assert_keep_per_group(idx, G, Q, keep)
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,6 +695,14 @@ BAD = [
     (cppo_select, (R8, 4, 2), {"metric": "random", "scope": "pool"}, "scope must be one of"),
     (cppo_select, (R8, 4, 2), {"scale": "z"}, "scale must be one of"),
     (cppo_select, (torch.tensor([1.0, float("-inf")]), 2, 1), {}, "rewards must be finite"),
+    (
+        select_completions,
+        (R8, 4, 2),
+        {"metric": "max-variance", "scope": "batch"},
+        "max-variance.* needs scope='group'",
+    ),
+    (select_completions, (R8, 4), {"metric": "max-variance", "num_kept": 3, "scope": "batch"}, "needs scope='group'"),
+    (cppo_select, (R8, 4, 2), {"metric": "max-variance", "scope": "batch"}, "metric='max-variance' .* scope='batch'"),
 ]
 
 
@@ -514,7 +711,7 @@ def test_bad_input_same_error_before_any_launch(monkeypatch, fn, args, kwargs, m
     def no_launch(*a, **k):
         raise AssertionError("launched before validating")
 
-    for name in ("_launch_group", "_launch_batch", "_launch_batch_std"):
+    for name in ("_launch_group", "_launch_batch", "_launch_batch_std", "_launch_max_variance"):
         monkeypatch.setattr(_advantages_triton, name, no_launch)
     texts = []
     for choice in ("torch", "triton"):

@@ -56,6 +56,13 @@ def batch_std_kernel(group_size, dtype):
     return K._batch_std_kernel, signature, {"BLOCK": cfg.block}, cfg.num_warps
 
 
+def max_variance_kernel(group_size, dtype):
+    cfg = K.group_config(group_size)
+    signature = {"x_ptr": POINTER[dtype], "idx_ptr": "*i64", "group_size": "i32", "keep": "i32", "rtol": "fp32"}
+    constexprs = {"BLOCK_G": cfg.block_g, "BLOCK_J": cfg.variance_j, "BLOCK_I": cfg.variance_i}
+    return K._max_variance_kernel, signature, constexprs, cfg.num_warps
+
+
 CONFIGS = {
     # group kernel: advantages only, selection from given advantages, fused (the CPPO default first)
     **{
@@ -74,6 +81,11 @@ CONFIGS = {
     "batch-G16-fused-batch-largest": (batch_kernel, (16, K.MODE_FUSED, "batch", "largest", tl.float32)),
     "batch-G1024-fused-group-random-fp64": (batch_kernel, (1024, K.MODE_FUSED, "group", "random", tl.float64)),
     "batch-Gmax-fused-batch-fp64": (batch_kernel, (K.MAX_GROUP_SIZE, K.MODE_FUSED, "batch", "smallest", tl.float64)),
+    # max-variance kernel: fp32 advantages (cppo_select's), any float dtype from select_completions
+    "max-variance-G16": (max_variance_kernel, (16, tl.float32)),
+    "max-variance-G1024-bf16": (max_variance_kernel, (1024, tl.bfloat16)),
+    "max-variance-Gmax": (max_variance_kernel, (K.MAX_GROUP_SIZE, tl.float32)),
+    "max-variance-Gmax-fp64": (max_variance_kernel, (K.MAX_GROUP_SIZE, tl.float64)),
     "batch-std-G16": (batch_std_kernel, (16, tl.float32)),
     "batch-std-G1024-fp64": (batch_std_kernel, (1024, tl.float64)),
 }

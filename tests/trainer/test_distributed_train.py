@@ -37,6 +37,7 @@ CONFIG = {
     "max_prompt_length": 48,
     "max_completion_length": 8,
     "micro_batch_tokens": 96,  # two or three sequences per micro-batch: several micro-batches per rank
+    "prefix_sharing": False,  # each completion balanced and packed alone (shared prompts: test_prefix_sharing.py)
     "group_size": 4,
     "pruning_rate": 0.5,
     "questions_per_step": 2,  # 4 questions drawn with allocation: 2 per rank

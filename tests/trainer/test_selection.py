@@ -72,6 +72,15 @@ def test_select_matches_the_oracle_in_one_process(groups, group_size, rate, scop
     assert torch.equal(got.kept_advantages, got.advantages[want])
 
 
+@given(groups=st.integers(1, 4), rate=st.sampled_from([0.0, 0.25, 0.5, 0.75]), seed=st.integers(0, 2**16))
+def test_max_variance_per_question_matches_the_oracle(groups, rate, seed):
+    rewards = torch.randint(0, 3, (groups * 8,), generator=torch.Generator().manual_seed(seed)).float()  # [N]
+    rule = Pruning(group_size=8, pruning_rate=rate, scope="group", metric="max-variance")
+    got = rule.select(rewards, seed=seed)
+    want = reference.select_completions(got.advantages, 8, rule.keep, metric="max-variance")
+    assert torch.equal(got.kept, want) and torch.equal(rule.prune(got.advantages, seed=seed), want)
+
+
 def test_random_draws_differ_per_rank_for_local_scopes_only():
     """The local scopes seed their draws with seed + rank (the ranks' batches differ); with one process ``global``
     is ``batch`` on rank 0's seed."""
@@ -92,6 +101,8 @@ def test_random_draws_differ_per_rank_for_local_scopes_only():
         ({"pruning_rate": -0.1}, "pruning_rate must be >= 0"),
         ({"scope": "world"}, "selection_scope must be one of"),
         ({"metric": "max"}, "selection_metric must be one of"),
+        ({"metric": "max-variance"}, "selection_metric='max-variance' needs selection_scope='group', got 'batch'"),
+        ({"metric": "max-variance", "scope": "global"}, "needs selection_scope='group', got 'global'"),
         ({"questions_per_step": 0}, "questions_per_step must be >= 1"),
         ({"allocation": "yes"}, "allocation must be true or false"),
     ],

@@ -1,0 +1,68 @@
+"""``CPPOConfig``: TRL's ``GRPOConfig`` plus the four CPPO settings, validated when the config is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from cppo_kernels.config import METRICS, check_choice
+
+from ..selection import SCOPES, Pruning
+
+__all__ = ["CPPOConfig"]
+
+
+@dataclass
+class CPPOConfig(GRPOConfig):
+    """``trl.GRPOConfig`` with CPPO's completion pruning (``pruning_rate=0`` trains exactly as GRPO).
+
+    A generation's completions get TRL's own advantages (``scale_rewards`` / ``multi_objective_aggregation``
+    honoured); then the ``int(N * pruning_rate)`` of a pool of N with the smallest |advantage| are dropped before the
+    old-policy, reference and policy passes. See :class:`cppo.selection.Pruning` for the rule.
+    """
+
+    pruning_rate: float = field(
+        default=0.0,
+        metadata={"help": "Share of each pool's completions pruned before the training passes, in [0, 1); 0 = GRPO."},
+    )
+    pruning_metric: str = field(
+        default="smallest",
+        metadata={
+            "help": "Which completions are pruned: 'smallest' |advantage| (CPPO), 'largest', or 'random' (a "
+            "generator seeded from `seed`, never the global RNG).",
+            "choices": list(METRICS),
+        },
+    )
+    allocation: bool = field(
+        default=False,
+        metadata={
+            "help": "Draw ceil(1 / (1 - pruning_rate)) times more prompts per generation, so that the kept "
+            "completions are as many as GRPO trains (the CPPO paper's dynamic allocation)."
+        },
+    )
+    selection_scope: str = field(
+        default="batch",
+        metadata={
+            "help": "The pool pruned: 'batch' = each process's generation batch (the official code), 'group' = each "
+            "question's num_generations completions, 'global' = the generation batch of all processes.",
+            "choices": list(SCOPES),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("pruning_metric", self.pruning_metric, METRICS)
+        self.pruning()  # a bad pruning_rate / selection_scope / allocation is one ValueError naming it
+
+    def pruning(self) -> Pruning:
+        """The pruning policy of these settings; ``questions_per_step`` is one generation batch's prompts (over
+        all processes), so ``Pruning.questions_drawn`` is what a generation draws with ``allocation``."""
+        return Pruning(
+            group_size=self.num_generations,
+            pruning_rate=self.pruning_rate,
+            scope=self.selection_scope,
+            metric=self.pruning_metric,
+            allocation=self.allocation,
+            questions_per_step=self.generation_batch_size // self.num_generations,
+        )

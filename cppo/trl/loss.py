@@ -1,0 +1,151 @@
+"""The policy loss of :class:`cppo.trl.CPPOTrainer` through :func:`cppo_kernels.fused_cppo_loss`.
+
+TRL 1.16's ``_compute_loss`` (``grpo_trainer.py`` line 3020) computes per-token log-probs through its chunked LM
+head, then the clipped ratio, k3 KL and its ``loss_type``'s aggregation in PyTorch. Here the policy's final hidden
+states of the positions that predict the completion tokens go to ``fused_cppo_loss`` with the LM-head weight, which
+computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
+
+- ``loss_type``: ``grpo`` = ``seq-mean-token-mean``, ``bnpo`` / ``dapo`` = ``token-mean`` (dapo rescaled by TRL's
+  ``num_items_in_batch`` normaliser), ``dr_grpo`` = ``seq-mean-token-sum-norm`` over ``max_completion_length``;
+  grpo / bnpo / dr_grpo divided by the gradient-accumulation steps, as TRL does;
+- ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
+- ``epsilon`` / ``epsilon_high``, ``beta`` (k3 against ``ref_per_token_logps``), ``temperature``;
+- TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (token means over all
+  processes); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
+
+:func:`unsupported_setting` names the first setting the fused loss cannot express; the trainer then runs TRL's own
+``_compute_loss`` (on the kept completions).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import Tensor
+
+from cppo_kernels import fused_cppo_loss
+
+from ..models import lm_head
+
+__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "fused_policy_loss"]
+
+#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
+LOSS_AGG = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "dapo": "token-mean",
+}
+
+
+def unsupported_setting(trainer) -> str | None:
+    """The first setting of ``trainer`` (a ``GRPOTrainer``) that ``fused_cppo_loss`` cannot express, as
+    ``name=value``; None when the fused loss computes TRL's loss exactly."""
+    args = trainer.args
+    checks = (
+        (trainer.loss_type not in LOSS_AGG, f"loss_type={trainer.loss_type!r}"),
+        (args.delta is not None, f"delta={args.delta}"),
+        (trainer.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl=True"),
+        (trainer.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={args.off_policy_mask_threshold}"),
+        (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
+        (trainer._entropy_bonus_enabled, f"entropy_coef={args.entropy_coef} / use_adaptive_entropy"),
+        (trainer.aux_loss_enabled, "router_aux_loss_coef (a mixture-of-experts auxiliary loss)"),
+        (
+            trainer.use_vllm and trainer.vllm_importance_sampling_correction,
+            "vllm_importance_sampling_correction=True (per-token importance weights)",
+        ),
+        (_sharded_head(trainer), "FSDP / DeepSpeed ZeRO-3 (a sharded LM-head weight)"),
+    )
+    return next((name for bad, name in checks if bad), None)
+
+
+def _sharded_head(trainer) -> bool:
+    """Whether the LM-head weight is sharded over the processes (FSDP, DeepSpeed ZeRO-3): TRL gathers it inside its
+    own head; the fused loss would need it whole."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return True
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3)
+
+
+def install_hidden_forward(model) -> None:
+    """Lets ``model(..., cppo_hidden_states=True)`` return the backbone's final hidden states ``[B, L, H]`` (no LM
+    head, no cache), through whatever wraps the model (DDP, PEFT) as TRL's own ``fused_lm_head=True`` does; any
+    other call is the previous forward, unchanged (generation included)."""
+    inner = model.get_base_model() if is_peft_model(model) else model
+    previous = inner.forward
+
+    @functools.wraps(previous)
+    def forward(*args, cppo_hidden_states: bool = False, **kwargs):
+        if not cppo_hidden_states:
+            return previous(*args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k != "labels"}  # PEFT passes labels=None
+        kwargs["use_cache"] = False
+        return inner.base_model(*args, **kwargs).last_hidden_state
+
+    inner.forward = forward
+
+
+def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(hidden, weight, bias)`` in one dtype: the head's (fp32) with ``cast_lm_head_to_fp32``, else the hidden
+    states' (what autocast gives a linear layer)."""
+    weight, bias = lm_head(trainer.accelerator.unwrap_model(model))
+    dtype = weight.dtype if trainer.args.cast_lm_head_to_fp32 else hidden.dtype
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _scale(trainer, num_tokens: Tensor, num_items: Tensor) -> Tensor | float:
+    """What TRL divides its aggregate by beyond the aggregation itself: the gradient-accumulation steps (grpo,
+    bnpo, dr_grpo), or for dapo the tokens of one accumulation window over the processes (the fused token mean is
+    turned back into a sum over this micro-batch's ``num_tokens`` first)."""
+    train = trainer.model.training
+    if trainer.loss_type != "dapo":
+        return 1.0 / trainer.current_gradient_accumulation_steps if train else 1.0
+    normalizer = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
+    if train:
+        normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+    return num_tokens / normalizer
+
+
+def fused_policy_loss(trainer, model, inputs: dict) -> Tensor:
+    """TRL's policy loss of the batch ``inputs`` (the layout ``_generate_and_score_completions`` returns) from
+    ``model``'s hidden states through ``fused_cppo_loss``; TRL's loss metrics appended to ``trainer._metrics``."""
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, L]
+    attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # [B, L]
+    width = completion_ids.size(1)
+    with trainer.accelerator.autocast():
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, cppo_hidden_states=True)  # [B, L, H]
+    # position t predicts token t + 1: the completion's tokens are predicted by the `width` positions before the last
+    hidden, weight, bias = _head_inputs(trainer, hidden[:, -width - 1 : -1], model)  # [B, C, H]
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, metrics = fused_cppo_loss(
+            hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+            temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+            beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
+            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True,
+            max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
+        )  # fmt: skip
+    _log_metrics(trainer, metrics)
+    return loss * _scale(trainer, metrics["num_tokens"], inputs["num_items_in_batch"])
+
+
+def _log_metrics(trainer, metrics: dict[str, Tensor]) -> None:
+    """TRL's loss metrics, token means over all processes (TRL's ``global_masked_mean``)."""
+    count = metrics["num_tokens"]
+    names = ["kl"] if trainer.beta != 0.0 else []
+    names += ["entropy", "clip_fraction_low", "clip_fraction_high"]
+    sums = torch.stack([count, *(metrics[n] * count for n in names)]).to(trainer.accelerator.device)
+    totals = trainer.accelerator.reduce(sums, reduction="sum")
+    means = dict(zip(names, (totals[1:] / totals[0].clamp(min=1.0)).tolist()))
+    logged = trainer._metrics["train" if trainer.model.training else "eval"]
+    if "kl" in means:
+        logged["kl"].append(means["kl"])
+    logged["entropy"].append(means["entropy"])
+    logged["clip_ratio/low_mean"].append(means["clip_fraction_low"])
+    logged["clip_ratio/high_mean"].append(means["clip_fraction_high"])
+    logged["clip_ratio/region_mean"].append(means["clip_fraction_low"] + means["clip_fraction_high"])

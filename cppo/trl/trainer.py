@@ -1,0 +1,295 @@
+"""``CPPOTrainer``: TRL 1.16's ``GRPOTrainer`` with CPPO's step order.
+
+TRL scores a generation in ``_generate_and_score_completions`` (``grpo_trainer.py`` line 2324): generation, then
+the old-policy pass (2646-2657) and the reference pass (2712-2739) over every completion, then the rewards (2753)
+and the group advantages. This trainer runs TRL's own method with those two passes deferred (they return an
+unused placeholder, nothing is computed), so TRL computes the rewards and advantages with every one of its
+settings; then it prunes with :class:`cppo.selection.Pruning`, keeps the kept rows (trimmed to the longest kept
+completion), recounts ``num_items_in_batch`` over them across processes, and runs the old-policy and reference
+passes on the kept rows alone. The policy passes see only the kept rows too, and compute the loss with
+:func:`cppo_kernels.fused_cppo_loss` where it expresses TRL's (:mod:`cppo.trl.loss`).
+
+At ``pruning_rate=0`` every completion is kept and the trainer draws exactly the random numbers stock TRL draws
+(the ``random`` metric uses a generator of its own): it trains as ``GRPOTrainer`` does.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from datasets import IterableDataset
+from transformers import ProcessorMixin
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
+
+from ..distributed import DistInfo
+from .config import CPPOConfig
+from .loss import fused_policy_loss, install_hidden_forward, unsupported_setting
+from .rows import keep_rows, pass_tokens
+from .sampling import importance_ratio, sampling_stats
+
+__all__ = ["CPPOTrainer"]
+
+
+class CPPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` that prunes completions before the old-policy and reference passes (CPPO).
+
+    The constructor is ``GRPOTrainer``'s; ``args`` must be a :class:`cppo.trl.CPPOConfig`. Refused, in one line
+    each: multimodal models and inputs, tool calling (``tools`` / ``environment_factory``), and layouts whose
+    kept completions TRL's ``steps_per_generation`` split would cut unevenly (see :meth:`_check_layout`).
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: CPPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = CPPOConfig(f"{name.split('/')[-1]}-CPPO")
+        if not isinstance(args, CPPOConfig):
+            raise TypeError(
+                f"args must be a cppo.trl.CPPOConfig (GRPOConfig plus the CPPO settings), got {type(args).__name__}"
+            )
+        if tools or environment_factory is not None:
+            raise ValueError(
+                "CPPOTrainer does not support tool calling (tools= / environment_factory=): its tool_mask is not "
+                "pruned; use trl.GRPOTrainer"
+            )
+        if isinstance(processing_class, ProcessorMixin):
+            raise ValueError(
+                "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
+            )
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+        )  # fmt: skip
+        if self._is_vlm:
+            raise ValueError(
+                "CPPOTrainer does not support multimodal models (the model loads a processor); use trl.GRPOTrainer"
+            )
+        self.pruning = args.pruning()
+        self._deferring = False
+        self._check_layout()
+        self.fused_loss_refused = unsupported_setting(self)
+        if self.fused_loss_refused is None:
+            install_hidden_forward(self.model)
+        else:
+            warnings.warn(
+                f"CPPOTrainer: {self.fused_loss_refused} is not expressed by cppo_kernels.fused_cppo_loss; "
+                "TRL's own loss runs (on the kept completions)",
+                stacklevel=2,
+            )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Layout: what a generation draws and keeps on each process
+    # ---------------------------------------------------------------------------------------------------------
+
+    @property
+    def local_generation_size(self) -> int:
+        """Completions one generation gives this process: TRL's ``per_device_train_batch_size x
+        steps_per_generation``, or with ``allocation`` ``Pruning.questions_drawn x num_generations`` over the
+        processes."""
+        if not self.pruning.allocation:
+            return self.args.generation_batch_size // self.accelerator.num_processes
+        return self.pruning.completions_per_step // self.accelerator.num_processes
+
+    def _check_layout(self) -> None:
+        """One ``ValueError`` naming the setting when the kept completions cannot be split as TRL splits a
+        generation: into ``steps_per_generation`` equal micro-batches (``batch`` / ``group`` also need whole groups
+        on each process; ``global`` keeps a data-dependent count per process, so it needs one micro-batch)."""
+        procs, spg, group = self.accelerator.num_processes, self.args.steps_per_generation, self.num_generations
+        if self.pruning.allocation and self.pruning.completions_per_step % procs:
+            raise ValueError(
+                f"allocation=True draws {self.pruning.completions_per_step} completions per generation, not "
+                f"divisible over {procs} processes: choose per_device_train_batch_size / num_generations so it is"
+            )
+        local, scope = self.local_generation_size, self.pruning.scope
+        if scope == "global" and procs > 1:
+            if spg > 1:
+                raise ValueError(
+                    "selection_scope='global' keeps a different number of completions on each process, which TRL's "
+                    f"split into steps_per_generation={spg} micro-batches cannot take: use 'batch' or 1 step"
+                )
+            return
+        if local % group:
+            raise ValueError(
+                f"selection_scope={scope!r} prunes each process's completions, which must be whole groups: {local} "
+                f"per process per generation is not a multiple of num_generations={group}; use 'global'"
+            )
+        kept = (local // group) * self.pruning.keep if scope == "group" else self.pruning.kept_count(local)
+        if kept % spg:
+            raise ValueError(
+                f"pruning_rate={self.pruning.pruning_rate} keeps {kept} of each process's {local} completions, not "
+                f"divisible into steps_per_generation={spg} equal micro-batches"
+            )
+
+    def get_train_dataloader(self):
+        """TRL's, or with ``allocation`` the same sampler drawing ``Pruning.questions_drawn`` prompts a
+        generation (each process loading its share)."""
+        if not self.pruning.allocation:
+            return super().get_train_dataloader()
+        if isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                "allocation=True needs a map-style train_dataset (TRL streams an IterableDataset in fixed-size "
+                "generation batches)"
+            )
+        return self._get_dataloader(
+            dataset=self.train_dataset, description="Training", batch_size=self.local_generation_size,
+            sampler_fn=self._get_train_sampler, is_training=True,
+        )  # fmt: skip
+
+    def _get_train_sampler(self, dataset=None):
+        if not self.pruning.allocation:
+            return super()._get_train_sampler(dataset)
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.pruning.questions_drawn,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # The step: TRL's scoring, pruning, then the old and reference passes on the kept rows
+    # ---------------------------------------------------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        """Generation, rewards and advantages (TRL's), pruning, the kept rows, then their old / reference passes.
+        Evaluation is TRL's own: nothing is pruned."""
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        if any(key in inputs[0] for key in ("image", "images")):
+            raise ValueError(
+                "CPPOTrainer does not support multimodal inputs (an 'image' / 'images' column); use trl.GRPOTrainer"
+            )
+        self._deferring = True
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self._deferring = False
+        kept, placeholder = self._kept_rows(batch["advantages"])
+        pruned = keep_rows(self._masked(batch, placeholder), kept, pad_to_multiple_of=self.pad_to_multiple_of)
+        pruned["num_items_in_batch"] = self.accelerator.gather(pruned["completion_mask"].sum()).sum()
+        self._training_passes(pruned)
+        self._log_pruning(batch, pruned, kept=0 if placeholder else len(kept))
+        return pruned
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's pass; while TRL scores a generation, a zero placeholder instead (nothing computed)."""
+        if self._deferring:  # TRL's old / reference pass before the rewards: run on the kept rows afterwards
+            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)  # [B, C]
+            return placeholder, None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+
+    def _kept_rows(self, advantages: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``(ascending local indices of the kept completions, placeholder)``. ``batch`` / ``group`` prune this
+        process's rows; ``global`` prunes the gathered advantages of all processes in one call and keeps this
+        process's survivors. A process left with none keeps one row as a placeholder (``placeholder=True``: its
+        mask is cleared, so it adds nothing to the loss) so that it still runs the passes its peers wait on."""
+        seed = self.args.seed + self._step
+        procs, rank = self.accelerator.num_processes, self.accelerator.process_index
+        if self.pruning.scope != "global" or procs == 1:
+            return self.pruning.prune(advantages, seed=seed, info=DistInfo(rank=rank, world_size=procs)), False
+        n = advantages.numel()
+        kept = self.pruning.prune(self.accelerator.gather(advantages), seed=seed)  # the whole pool, every rank alike
+        mine = kept[(kept >= rank * n) & (kept < (rank + 1) * n)] - rank * n
+        if mine.numel() == 0:
+            return torch.zeros(1, dtype=torch.long, device=advantages.device), True
+        return mine.to(advantages.device), False
+
+    @staticmethod
+    def _masked(batch: dict, placeholder: bool) -> dict:
+        """``batch`` with every completion mask and advantage cleared when its kept row is a placeholder."""
+        if not placeholder:
+            return batch
+        return {
+            **batch,
+            "completion_mask": torch.zeros_like(batch["completion_mask"]),
+            "advantages": torch.zeros_like(batch["advantages"]),
+        }
+
+    def _training_passes(self, batch: dict) -> None:
+        """The old-policy and reference log-probs TRL asked for (the keys its scoring filled with placeholders),
+        now on the kept rows; with vLLM the importance-sampling ratio over the same rows."""
+        needs_old, needs_ref = "old_per_token_logps" in batch, "ref_per_token_logps" in batch
+        if not (needs_old or needs_ref):
+            return
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # [K, L]
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # [K, L]
+        width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if needs_old:
+                batch["old_per_token_logps"] = self._logps(self.model, input_ids, attention_mask, width, size)
+            if needs_ref:
+                batch["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, width, size)
+        if "importance_sampling_ratio" in batch:
+            batch["importance_sampling_ratio"] = self._sampling_correction(batch)
+
+    def _logps(self, model, input_ids, attention_mask, width: int, size: int) -> torch.Tensor:
+        return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, width, batch_size=size)[0]
+
+    def _reference_logps(self, input_ids, attention_mask, width: int, size: int) -> torch.Tensor:
+        """TRL's reference: the reference model, or with PEFT the policy with its adapter disabled (or the initial
+        copy TRL loads as the ``ref`` adapter when an existing adapter is trained)."""
+        if self.ref_model is not None:
+            return self._logps(self.ref_model, input_ids, attention_mask, width, size)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            return self._logps(self.model, input_ids, attention_mask, width, size)
+
+    def _sampling_correction(self, batch: dict) -> torch.Tensor:
+        """vLLM's importance-sampling ratio of the kept rows (:mod:`cppo.trl.sampling`); TRL's ``sampling/*``
+        metrics of this generation, which its scoring computed from the placeholder, replaced by the kept rows'."""
+        old, sampling, mask = batch["old_per_token_logps"], batch["sampling_per_token_logps"], batch["completion_mask"]
+        mode = self.vllm_importance_sampling_mode
+        ratio = importance_ratio(
+            old, sampling, mask, mode=mode, clip_min=self.vllm_importance_sampling_clip_min,
+            clip_max=self.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
+        reduce = {"mean": lambda x: x.nanmean(), "max": nanmax, "min": nanmin}
+        for name, (value, how) in sampling_stats(old, sampling, mask, ratio, mode=mode).items():
+            self._metrics["train"][name][-1] = reduce[how](self.accelerator.gather(value)).item()
+        return ratio
+
+    def _log_pruning(self, batch: dict, pruned: dict, *, kept: int) -> None:
+        """CPPO's metrics of this generation, summed over the processes, in TRL's metric dict (every TRL logger
+        shows them): ``cppo/kept_fraction``, ``cppo/kept_completions``, ``cppo/completion_tokens_saved`` (the
+        pruned completions' tokens) and ``cppo/pass_tokens`` / ``cppo/pass_tokens_saved`` (positions, padding
+        included, that each old / reference / policy pass processes, and how many fewer than without CPPO)."""
+        counts = [
+            batch["advantages"].numel(), kept, batch["completion_mask"].sum().item(),
+            pruned["completion_mask"].sum().item(), pass_tokens(batch), pass_tokens(pruned),
+        ]  # fmt: skip
+        total = self.accelerator.gather(torch.tensor(counts, device=self.accelerator.device).view(1, -1)).sum(0)
+        rows, kept_rows, tokens, kept_tokens, positions, kept_positions = total.tolist()
+        metrics = self._metrics["train"]
+        metrics["cppo/kept_fraction"].append(kept_rows / max(rows, 1))
+        metrics["cppo/kept_completions"].append(kept_rows)
+        metrics["cppo/completion_tokens_saved"].append(tokens - kept_tokens)
+        metrics["cppo/pass_tokens"].append(kept_positions)
+        metrics["cppo/pass_tokens_saved"].append(positions - kept_positions)
+
+    def _compute_loss(self, model, inputs: dict) -> torch.Tensor:
+        """The policy loss through ``fused_cppo_loss`` (:mod:`cppo.trl.loss`), or TRL's own where it cannot
+        express the settings (``fused_loss_refused`` names the first such setting)."""
+        if self.fused_loss_refused is not None:
+            return super()._compute_loss(model, inputs)
+        return fused_policy_loss(self, model, inputs)

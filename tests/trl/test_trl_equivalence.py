@@ -1,0 +1,77 @@
+"""At pruning_rate=0 CPPOTrainer trains exactly as stock trl.GRPOTrainer (compared against TRL itself, same seed):
+the same logged loss per step, the same final weights within float tolerance, and not one random number more (the
+global RNG state after training is identical: generation samples from it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl_tiny import digit_reward, fake_vllm, losses, make_config, tiny_dataset, weights
+
+from cppo.trl import CPPOConfig, CPPOTrainer
+
+CASES = {
+    # the fused loss for every loss_type it expresses; beta > 0 and num_iterations=2 run both deferred passes
+    "dapo": dict(loss_type="dapo", beta=0.04, num_iterations=2),
+    "grpo": dict(loss_type="grpo", beta=0.04, num_iterations=2),
+    "bnpo": dict(loss_type="bnpo", beta=0.04),
+    "dr_grpo": dict(loss_type="dr_grpo", beta=0.04, num_iterations=2),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2, beta=0.04),
+    # gradient accumulation over a generation split into two micro-batches
+    "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.04, num_iterations=2),
+    # the random metric draws from a generator of its own, never the global RNG
+    "random-metric": dict(pruning_metric="random", selection_scope="global", beta=0.04),
+    # TRL's own loss (sapo is not expressed by the fused loss)
+    "fallback": dict(loss_type="sapo", beta=0.04, num_iterations=2),
+}
+
+
+def run(cls, config_cls, model: str, out, vllm: bool = False, **options):
+    trainer = cls(
+        model=model, reward_funcs=digit_reward, args=make_config(config_cls, out, **options),
+        train_dataset=tiny_dataset(),
+    )  # fmt: skip
+    if vllm:
+        fake_vllm(trainer)
+    trainer.train()
+    return trainer, torch.get_rng_state()
+
+
+def assert_same_training(tiny_model, tmp_path, vllm: bool = False, **options) -> tuple[CPPOTrainer, GRPOTrainer]:
+    trl_options = {k: v for k, v in options.items() if k not in ("pruning_metric", "selection_scope")}
+    stock, stock_rng = run(GRPOTrainer, GRPOConfig, tiny_model, tmp_path / "stock", vllm, **trl_options)
+    cppo, cppo_rng = run(CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "cppo", vllm, pruning_rate=0.0, **options)
+    assert len(losses(cppo)) == 3
+    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
+    for name, value in weights(stock).items():
+        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4, msg=name)
+    assert torch.equal(cppo_rng, stock_rng), "CPPOTrainer drew random numbers stock TRL does not"
+    return cppo, stock
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case):
+    if case == "fallback":
+        with pytest.warns(UserWarning, match="loss_type='sapo' is not expressed"):
+            cppo, _ = assert_same_training(tiny_model, tmp_path, **CASES[case])
+        assert cppo.fused_loss_refused == "loss_type='sapo'"
+    else:
+        assert assert_same_training(tiny_model, tmp_path, **CASES[case])[0].fused_loss_refused is None
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", None, 1e6)])
+def test_p0_with_vllm_importance_sampling_trains_as_stock_trl(tiny_model, tmp_path, mode, clip_min, clip_max):
+    """vLLM's importance-sampling correction (sampling log-probs from a stand-in): TRL computes the ratio from the
+    old-policy pass inside its scoring; CPPO recomputes it after its deferred old pass: same loss, weights and
+    ``sampling/*`` metrics."""
+    options = dict(beta=0.04, vllm_importance_sampling_mode=mode)
+    options.update(vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)
+    cppo, stock = assert_same_training(tiny_model, tmp_path, vllm=True, **options)
+    assert cppo.fused_loss_refused.startswith("vllm_importance_sampling_correction")
+    logged = cppo.state.log_history[0]
+    sampling = sorted(k for k in logged if k.startswith("sampling/"))
+    assert len(sampling) == 5
+    for ours, theirs in zip(cppo.state.log_history, stock.state.log_history, strict=True):
+        torch.testing.assert_close([ours.get(k) for k in sampling], [theirs.get(k) for k in sampling])
+    assert logged["loss"] != 0.0 and logged["sampling/importance_sampling_ratio/mean"] > 0, logged

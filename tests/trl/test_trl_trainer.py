@@ -1,0 +1,102 @@
+"""CPPOTrainer's constructor (TRL's), its refusals (one line each), report_to (CPPO's metrics in TRL's metric dict
+reach every logger: the log history, callbacks, TensorBoard) and the README's snippet."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl_tiny import digit_reward, make_config, tiny_dataset
+
+from cppo.trl import CPPOConfig, CPPOTrainer
+
+CPPO_METRICS = (
+    "cppo/kept_fraction",
+    "cppo/kept_completions",
+    "cppo/completion_tokens_saved",
+    "cppo/pass_tokens",
+    "cppo/pass_tokens_saved",
+)
+
+
+def build(model, out, cls=CPPOTrainer, config_cls=CPPOConfig, **options):
+    args = make_config(config_cls, out, **options)
+    return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
+
+
+def test_the_constructor_is_grpotrainers():
+    ours, theirs = inspect.signature(CPPOTrainer.__init__), inspect.signature(GRPOTrainer.__init__)
+    assert list(ours.parameters) == list(theirs.parameters)
+    assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()]
+
+
+def test_args_must_be_a_cppo_config(tiny_model, tmp_path):
+    with pytest.raises(TypeError, match="args must be a cppo.trl.CPPOConfig"):
+        build(tiny_model, tmp_path, config_cls=GRPOConfig)
+
+
+def test_tool_calling_is_refused(tiny_model, tmp_path):
+    def add(a: int, b: int) -> int:
+        """Adds.
+
+        Args:
+            a: a number.
+            b: another.
+        """
+        return a + b
+
+    args = make_config(CPPOConfig, tmp_path)
+    with pytest.raises(ValueError, match=r"does not support tool calling \(tools= / environment_factory=\)"):
+        CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset(), tools=[add])
+
+
+def test_multimodal_inputs_are_refused(tiny_model, tmp_path):
+    trainer = build(tiny_model, tmp_path)
+    trainer.model.train()
+    with pytest.raises(ValueError, match="does not support multimodal inputs"):
+        trainer._generate_and_score_completions([{"prompt": "1 + 1 =", "image": None}] * 4)
+
+
+def test_an_uneven_split_of_the_kept_is_refused(tiny_model, tmp_path):
+    # 8 completions per generation in 2 micro-batches; P = 0.875 keeps 1
+    with pytest.raises(ValueError, match=r"keeps 1 of each process's 8 completions, not divisible into steps_per"):
+        build(tiny_model, tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, pruning_rate=0.875)
+
+
+def test_a_loss_the_fused_kernel_cannot_express_warns_once_naming_it(tiny_model, tmp_path):
+    with pytest.warns(UserWarning, match=r"CPPOTrainer: delta=2.0 is not expressed by cppo_kernels.fused_cppo_loss"):
+        trainer = build(tiny_model, tmp_path, delta=2.0)
+    assert trainer.fused_loss_refused == "delta=2.0"
+    with pytest.warns(UserWarning, match="use_bias_correction_kl=True"):  # TRL's default, with beta > 0
+        build(tiny_model, tmp_path, beta=0.04, use_bias_correction_kl=True)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def test_cppo_metrics_reach_every_logger(tiny_model, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    recorder = Recorder()
+    args = make_config(CPPOConfig, tmp_path / "out", pruning_rate=0.5, report_to=["tensorboard"], max_steps=2)
+    trainer = CPPOTrainer(
+        model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset(), callbacks=[recorder]
+    )
+    trainer.train()
+    steps = [logs for logs in recorder.logs if "loss" in logs]
+    assert len(steps) == 2 and all(logs["cppo/kept_fraction"] == 0.5 for logs in steps)
+    assert all(name in steps[0] for name in CPPO_METRICS) and steps[0]["cppo/completion_tokens_saved"] > 0
+    assert all(name in trainer.state.log_history[0] for name in CPPO_METRICS)
+    (events,) = (tmp_path / "tb").rglob("events.out.tfevents.*")
+    tags = EventAccumulator(str(events.parent)).Reload().Tags()["scalars"]
+    assert {f"train/{name}" for name in CPPO_METRICS} <= set(tags), tags
+    assert torch.isfinite(torch.tensor([logs["loss"] for logs in steps])).all()
