@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-import zlib
 
 import torch
+from per_question import PerQuestionRollout
 from torchrun_harness import RankRecorder
 
 CONFIG = {
@@ -47,25 +47,6 @@ CONFIG = {
 CHECKS = ("ddp_ranks_agree", "fsdp2_ranks_agree", "ddp_resume_matches_uninterrupted")
 #: rank 0 compares both 2-process runs with one process
 REFERENCE_CHECKS = ("ddp_matches_one_process", "fsdp2_matches_one_process")
-
-
-class PerQuestionRollout:
-    """Samples each prompt's completions with a seed of (step, prompt) alone, through the trainer's own rollout."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer, self.inner = trainer, trainer.rollout
-
-    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False):
-        from cppo.engines import Rollout
-
-        parts = []
-        for p in prompts:
-            torch.manual_seed(zlib.crc32(f"{self.trainer.step}|{p}".encode()))
-            parts.append(self.inner.generate([p], num_per_prompt, greedy=greedy))
-        return Rollout(*(sum((getattr(r, f) for r in parts), []) for f in ("prompt_ids", "completion_ids", "texts")))
-
-    def sync_weights(self) -> None:
-        self.inner.sync_weights()
 
 
 def make_trainer(info, output_dir: str, **overrides):

@@ -19,10 +19,10 @@ import json
 import os
 import pathlib
 import sys
-import zlib
 
 import pytest
 import torch
+from per_question import PerQuestionRollout
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 WORLD = 2
@@ -58,25 +58,6 @@ COMPARED = ("reward_mean", "completions", "completions_kept", "tokens_trained", 
 # --------------------------------------------------------------------------------------------
 # Worker side
 # --------------------------------------------------------------------------------------------
-
-
-class PerQuestionRollout:
-    """Samples each prompt's completions with a seed of (step, prompt) alone, through the trainer's own rollout."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer, self.inner = trainer, trainer.rollout
-
-    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False):
-        from cppo.engines import Rollout
-
-        parts = []
-        for p in prompts:
-            torch.manual_seed(zlib.crc32(f"{self.trainer.step}|{p}".encode()))
-            parts.append(self.inner.generate([p], num_per_prompt, greedy=greedy))
-        return Rollout(*(sum((getattr(r, f) for r in parts), []) for f in ("prompt_ids", "completion_ids", "texts")))
-
-    def sync_weights(self) -> None:
-        self.inner.sync_weights()
 
 
 def _trainer(info, output_dir: str, **overrides):
