@@ -144,8 +144,9 @@ def test_the_readme_has_the_commands_this_test_knows():
     assert sum(len(block) for block in BLOCKS) >= 15
     real = [shlex.join(argv) for _, argv in commands("run")]
     for start in ("cppo train --config tiny-cpu", "cppo train --config tiny-cpu --resume", "cppo eval --model runs/"):
-        assert any(line.startswith(start) for line in real), (start, real)
-    assert any(line.startswith("torchrun --nproc-per-node 2 -m cppo train --config tiny-cpu") for line in real), real
+        assert any(line.startswith(".venv/bin/" + start) for line in real), (start, real)
+    torchrun = ".venv/bin/torchrun --nproc-per-node 2 -m cppo train --config tiny-cpu"
+    assert any(line.startswith(torchrun) for line in real), real
 
 
 @pytest.mark.slow
