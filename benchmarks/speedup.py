@@ -81,7 +81,7 @@ from tqdm.auto import tqdm
 
 import cppo
 from cppo import TrainConfig
-from cppo.data import count_local_problems, load_problems
+from cppo.data import count_local_problems, load_problems, question_id
 
 #: ``on_step(plan, metrics)`` after every measured step (progress).
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
@@ -112,7 +112,8 @@ def plan_schedule(
     configs = []
     for i, (metric, p) in enumerate(runs):
         try:
-            configs.append(dataclasses.replace(base, pruning_rate=p, selection_metric=metric))
+            scope = "group" if metric == "max-variance" else base.selection_scope  # PODS' selector is per group
+            configs.append(dataclasses.replace(base, pruning_rate=p, selection_metric=metric, selection_scope=scope))
         except ValueError as e:
             flag = f"--pruning-rates {p:g}" if i < len(rates) else f"--selection-metric {metric}@{p:g}"
             raise ValueError(f"{flag}: {e}") from None
@@ -178,6 +179,7 @@ def measure_accuracy(trainer: Any, *, problems: int, device: str, train_seconds:
         total=int(result["total"]),
         format_rate=float(result["format_rate"]),
         eval_seconds=time.perf_counter() - wall0,
+        distinct=result.get("distinct_problems"),
     )
 
 
@@ -219,7 +221,7 @@ def run_plans(
     records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
     curves: list[list[EvalPoint]] = [[] for _ in plans]
     at = [set(eval_steps(p.num_steps, evaluation.points)) if evaluation else set() for p in plans]
-    setup, trainers = [0.0] * len(plans), {}
+    setup, trainers, ids = [0.0] * len(plans), {}, [None] * len(plans)
 
     def evaluate(i: int, step: int) -> EvalPoint:
         seconds = sum(w for _, w, _ in records[i])
@@ -236,6 +238,7 @@ def run_plans(
                 t0 = time.perf_counter()
                 trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
                 setup[i] = time.perf_counter() - t0
+                ids[i] = [question_id(p) for p in trainers[i].problems]
                 if evaluation is not None:  # the first run's model before training is every run's
                     curves[i].append(next((c[0] for c in curves if c), None) or evaluate(i, 0))
             records[i].append(timed_step(trainers[i], device=device))
@@ -248,7 +251,8 @@ def run_plans(
                 gc.collect()
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
-    return [_finish(plan, steps, setup=t, curve=curve) for plan, steps, t, curve in zip(plans, records, setup, curves)]
+    runs = [_finish(plan, steps, setup=t, curve=curve) for plan, steps, t, curve in zip(plans, records, setup, curves)]
+    return [dataclasses.replace(run, train_question_ids=q) for run, q in zip(runs, ids)]
 
 
 def _finish(

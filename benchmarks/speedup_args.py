@@ -29,8 +29,9 @@ PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
 #: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
-#: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics).
-ABLATION_METRICS = ("random", "largest")
+#: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics;
+#: ``max-variance``, PODS' selector, runs with ``selection_scope=group``, the only scope it is defined for).
+ABLATION_METRICS = ("random", "largest", "max-variance")
 
 
 def check_out(out: pathlib.Path, *, create: bool) -> None:
@@ -97,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="METRIC@P",
-        help="ablation runs: prune P with METRIC (random: at random; largest: the largest |A|) instead of the "
-        "smallest |A|, e.g. random@0.75; each is one more row and plot line, on the same questions and seed",
+        help="ablation runs: prune P with METRIC (random: at random; largest: the largest |A|; max-variance: PODS' "
+        "subset of largest reward variance per question, with selection_scope=group) instead of the smallest |A|, "
+        "e.g. random@0.75; each is one more row and plot line, on the same questions and seed",
     )
     add(
         "--eval",

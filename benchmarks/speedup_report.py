@@ -62,6 +62,7 @@ class EvalPoint:
     total: int
     format_rate: float = float("nan")
     eval_seconds: float = 0.0
+    distinct: int | None = None  # distinct questions among the ``total`` (None: not counted)
 
     @property
     def accuracy(self) -> float:
@@ -83,7 +84,8 @@ def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_se
     first, last = curve[0], curve[-1]
     reach = None if target is None else time_to_reach(curve, target)
     return {
-        "eval_problems": last.total,
+        "eval_problems": last.distinct,
+        "eval_problems_scored": last.total,
         "accuracy_before": first.accuracy,
         "accuracy_before_ci95": list(wilson_interval(first.correct, first.total)),
         "accuracy_after": last.accuracy,
@@ -99,9 +101,9 @@ def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_se
 
 #: The columns :func:`accuracy_fields` adds to every row (None without ``--eval``).
 ACCURACY_KEYS = (
-    "eval_problems", "accuracy_before", "accuracy_before_ci95", "accuracy_after", "accuracy_after_ci95",
-    "accuracy_curve", "format_rate_before", "format_rate_after", "eval_seconds", "time_to_grpo_accuracy",
-    "time_to_grpo_accuracy_fraction",
+    "eval_problems", "eval_problems_scored", "accuracy_before", "accuracy_before_ci95", "accuracy_after",
+    "accuracy_after_ci95", "accuracy_curve", "format_rate_before", "format_rate_after", "eval_seconds",
+    "time_to_grpo_accuracy", "time_to_grpo_accuracy_fraction",
 )  # fmt: skip
 
 
@@ -115,6 +117,7 @@ class RateRun:
     setup_seconds: float = 0.0
     cpu_seconds: float = float("nan")
     curve: list[EvalPoint] = dataclasses.field(default_factory=list)
+    train_question_ids: list[str] | None = None  # cppo.data.question_id of every training question (None: not read)
 
 
 def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[float]) -> dict[str, Any]:
@@ -154,6 +157,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     - ``generation_share``: generation seconds / total seconds of this rate;
     - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, and
       for an ablation);
+    - ``seed``, ``question_seed`` (the seed that drew the training questions), ``train_question_ids``
+      (:func:`cppo.data.question_id` of each), ``allocation``, ``selection_scope``;
     - ``selection_metric``: what the run prunes (``smallest`` |A|: CPPO; ``random`` / ``largest``: ablations);
     - the accuracy columns of :func:`accuracy_fields` (None without an accuracy curve), the time to reach GRPO's
       final accuracy measured against the lower end of its 95% interval.
@@ -174,7 +179,9 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
         ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
         amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
         rows.append({
-            "pruning_rate": p, "selection_metric": c.selection_metric, "keep": c.pruning.keep,
+            "pruning_rate": p, "selection_metric": c.selection_metric, "selection_scope": c.selection_scope,
+            "allocation": c.allocation, "seed": c.seed, "question_seed": c.training_question_seed,
+            "train_question_ids": run.train_question_ids, "keep": c.pruning.keep,
             "kept_per_step": c.pruning.kept_per_step, "group_size": c.group_size,
             "questions": c.max_questions,
             "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps,
@@ -324,7 +331,7 @@ def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict
     lo, hi = rows[0]["accuracy_after_ci95"]
     ax.axhspan(100 * lo, 100 * hi, color="#dddddd", zorder=0, label="GRPO's final accuracy, 95% CI")
     for r in rows:
-        n, curve = r["eval_problems"], r["accuracy_curve"]
+        n, curve = r["eval_problems_scored"], r["accuracy_curve"]
         x, y = [s for s, _, _ in curve], [100 * a for _, _, a in curve]
         bounds = [wilson_interval(round(a * n), n) for _, _, a in curve]
         yerr = [[v - 100 * b[0] for v, b in zip(y, bounds)], [100 * b[1] - v for v, b in zip(y, bounds)]]
@@ -332,7 +339,11 @@ def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict
         label = f"P={_rate_cell(r)} (keep {r['keep']}/{r['group_size']}), {r['total_seconds']:.0f} s"
         ax.errorbar(x, y, yerr=yerr, marker="o", markersize=4, capsize=3, ls="--" if dashed else "-", label=label)
     ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
-    ax.set_ylabel(f"greedy accuracy, % of {rows[0]['eval_problems']} test problems")
+    distinct = rows[0]["eval_problems"]
+    ax.set_ylabel(
+        f"greedy accuracy, % of {rows[0]['eval_problems_scored']} test problems"
+        + ("" if distinct is None else f" ({distinct} distinct)")
+    )
     model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
     ax.set_title(
         f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "

@@ -6,6 +6,8 @@ the accuracy reward and the prompt. MATH problems also carry ``solution``, the t
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import random
@@ -20,6 +22,8 @@ HUB_NAMES = {
     "math500": ("HuggingFaceH4/MATH-500", None),
 }
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
+#: The arithmetic task's test split: this many distinct problems, held out of every training split.
+ARITH_TEST_SIZE = 500
 #: A problem's ``kind``: it picks the accuracy reward and the prompt.
 KINDS = ("gsm8k", "math", "arith")
 #: The arithmetic task's problems: 10,000 unless ``max_questions`` says otherwise, at most ARITH_MAX (there are only
@@ -35,15 +39,43 @@ def check_arith_count(count: int) -> int:
     return count
 
 
-def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 20) -> list[dict]:
-    """``n`` seeded problems ``a op b`` with op in +, -, * and operands in [0, max_operand]."""
-    rng = random.Random(seed)
-    problems = []
-    for _ in range(n):
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-*")
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        problems.append({"question": f"What is {a} {op} {b}?", "answer": str(value), "kind": "arith"})
+def _arith_problem(rng: random.Random, max_operand: int) -> dict:
+    a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-*")
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return {"question": f"What is {a} {op} {b}?", "answer": str(value), "kind": "arith"}
+
+
+def arithmetic_problems(
+    n: int, *, seed: int = 0, max_operand: int = 20, distinct: bool = False, exclude: frozenset[str] = frozenset()
+) -> list[dict]:
+    """``n`` seeded problems ``a op b`` with op in +, -, * and operands in [0, max_operand]; ``distinct``: no
+    question twice (ValueError when fewer than ``n`` exist); ``exclude``: questions never generated."""
+    universe = 3 * (max_operand + 1) ** 2 - len(exclude)
+    if distinct and n > universe:
+        raise ValueError(f"max_questions must be <= {universe:,} for distinct arith problems, got {n:,}")
+    rng, problems, seen = random.Random(seed), [], set()
+    while len(problems) < n:
+        problem = _arith_problem(rng, max_operand)
+        if problem["question"] in exclude or (distinct and problem["question"] in seen):
+            continue
+        seen.add(problem["question"])
+        problems.append(problem)
     return problems
+
+
+@functools.cache
+def arith_test_problems() -> tuple[dict, ...]:
+    """The arithmetic task's held-out problems: the first :data:`ARITH_TEST_SIZE` distinct ones of the test seed's
+    stream. The training split never generates them, so an evaluation never scores a trained question."""
+    return tuple(arithmetic_problems(ARITH_TEST_SIZE, seed=ARITH_SPLIT_SEED["test"], distinct=True))
+
+
+def question_id(problem: dict) -> str:
+    """A stable id of a problem, the same in every run and split order: its ``unique_id`` (MATH-500) when it has one,
+    else the first 12 hex digits of the SHA-1 of its question text."""
+    if problem.get("unique_id"):
+        return str(problem["unique_id"])
+    return hashlib.sha1(problem["question"].encode("utf-8")).hexdigest()[:12]
 
 
 def _gsm8k_gold(answer: str) -> str:
@@ -181,7 +213,8 @@ def load_problems(
     max_questions: int | None = None,
     question_seed: int | None = None,
 ) -> list[dict]:
-    """Problems of ``dataset``: "arith" (generated; the test split uses other seeds), "gsm8k" / "math" / "math500"
+    """Problems of ``dataset``: "arith" (generated; the test split is :func:`arith_test_problems`, distinct and held
+    out of training), "gsm8k" / "math" / "math500"
     (from ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
     .jsonl path, or a hub dataset name. ``max_questions`` caps the count: the first ones, or with ``question_seed``
     a sample of that many drawn by it (in file order); arith's training problems are generated from
@@ -198,9 +231,17 @@ def load_problems(
     if dataset == "math" and split == "test":
         dataset = "math500"
     if dataset == "arith":
+        if split == "test":
+            if max_questions is not None and max_questions > ARITH_TEST_SIZE:
+                raise ValueError(
+                    f"the arith test split has {ARITH_TEST_SIZE} distinct problems (held out of training): "
+                    f"max_questions / eval_limit must be <= {ARITH_TEST_SIZE}, got {max_questions}"
+                )
+            return [dict(p) for p in arith_test_problems()[: max_questions or ARITH_TEST_SIZE]]
         count = check_arith_count(max_questions or ARITH_DEFAULT)
-        base = question_seed if question_seed is not None and split == "train" else 0
-        problems = arithmetic_problems(count, seed=base + ARITH_SPLIT_SEED.get(split, 7))
+        base = (question_seed or 0) + ARITH_SPLIT_SEED.get(split, 7)
+        held_out = frozenset(p["question"] for p in arith_test_problems())
+        problems = arithmetic_problems(count, seed=base, exclude=held_out)
     elif dataset.endswith(".jsonl"):
         problems = read_jsonl(dataset)
     elif dataset_path is not None:

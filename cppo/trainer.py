@@ -454,15 +454,18 @@ class Trainer:
 
     def evaluate(self, limit: int | None = None) -> dict:
         """Greedy accuracy on the dataset's test split (``limit`` problems at most) under the official protocol of
-        its kind (see :mod:`cppo.evaluate`), ``max_completion_length`` new tokens. Under DDP the ranks split the
+        its kind (see :mod:`cppo.evaluate`), ``max_completion_length`` new tokens; ``distinct_problems`` counts the
+        distinct questions among them. Under DDP the ranks split the
         problems and sum their counts; under FSDP2 every rank decodes all of them (the shards gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
         rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (transformers on the policy for vLLM)
         if self._sharded:
             with parallel.root_unsharded(self.policy):
-                return evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)
-        return evaluate_split(rollout, self.tokenizer, problems, info=self.info, system_prompt=cfg.system_prompt)
+                result = evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)
+        else:
+            result = evaluate_split(rollout, self.tokenizer, problems, info=self.info, system_prompt=cfg.system_prompt)
+        return {**result, "distinct_problems": len({p["question"] for p in problems})}
 
     def save_checkpoint(self, path: str) -> str:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see

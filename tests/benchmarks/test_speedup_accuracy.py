@@ -99,7 +99,10 @@ def test_accuracy_fields(report):
     ]
     f = report.accuracy_fields(curve, target=0.3, grpo_seconds=50.0)
     assert set(f) == set(report.ACCURACY_KEYS)
-    assert (f["eval_problems"], f["accuracy_before"], f["accuracy_after"]) == (100, 0.2, 0.45)
+    assert (f["eval_problems"], f["eval_problems_scored"]) == (None, 100)  # distinct questions: not counted here
+    assert (f["accuracy_before"], f["accuracy_after"]) == (0.2, 0.45)
+    counted = [dataclasses.replace(p, distinct=97) for p in curve]
+    assert report.accuracy_fields(counted, target=0.3, grpo_seconds=50.0)["eval_problems"] == 97
     assert f["accuracy_before_ci95"] == list(report.wilson_interval(20, 100))
     assert f["accuracy_after_ci95"] == list(report.wilson_interval(45, 100))
     assert f["accuracy_curve"] == [[0.0, 0, 0.2], [12.5, 2, 0.3], [30.0, 4, 0.45]]
@@ -252,6 +255,7 @@ class _FakeTrainer:
 
     def __init__(self, config):
         self.config, self.step = config, 0
+        self.problems = [{"question": f"q{i}?", "answer": str(i)} for i in range(config.max_questions)]
 
     def train_step(self):
         self.step += 1
@@ -314,7 +318,9 @@ def test_main_with_eval_smoke(speedup, tmp_path, capsys):
     assert meta["eval"]["problems"] == 6 and meta["eval"]["points"] == 2 and "Wilson" in meta["eval"]["interval"]
     assert meta["ablations"] == ["random@0.5"] and meta["eval"]["before_seconds"] > 0
     for r in rows:
-        assert r["eval_problems"] == 6 and r["accuracy_before"] == rows[0]["accuracy_before"]
+        assert (
+            r["eval_problems"] == r["eval_problems_scored"] == 6 and r["accuracy_before"] == rows[0]["accuracy_before"]
+        )
         curve = r["accuracy_curve"]
         assert [step for _, step, _ in curve] == [0, *speedup.eval_steps(r["steps"], 2)]
         assert curve[0][0] == 0.0 and curve[-1][0] == pytest.approx(r["total_seconds"])
