@@ -1,0 +1,150 @@
+"""benchmarks/accuracy_seeds.py and seeds_report.py: methods named from rows, the paired differences and their t
+intervals against a hand computation, the time ratios, the target, bad arguments, and the combination of per-seed
+JSONs (--from-runs) into the JSON and plot; a seconds-long run of two seeds on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import accuracy_seeds
+import pytest
+import seeds_report
+
+from cppo import fileio
+
+
+def _row(seed, p, metric, acc, seconds, train=None):
+    return {
+        "seed": seed, "pruning_rate": p, "selection_metric": metric, "accuracy_after": acc, "total_seconds": seconds,
+        "train_seconds": train if train is not None else seconds / 2, "eval_problems": 300, "eval_problems_scored": 300,
+        "questions": 64, "group_size": 8,
+    }  # fmt: skip
+
+
+ACC = {  # seed: (GRPO, CPPO, random) final accuracies
+    42: (0.40, 0.42, 0.30),
+    43: (0.35, 0.31, 0.33),
+    44: (0.50, 0.49, 0.41),
+}
+
+
+def _rows():
+    rows = []
+    for seed, (g, c, r) in ACC.items():
+        rows += [_row(seed, 0.0, "smallest", g, 1000.0 + seed), _row(seed, 0.75, "smallest", c, 300.0 + seed)]
+        rows.append(_row(seed, 0.75, "random", r, 320.0))
+    return rows
+
+
+def test_method_names():
+    assert seeds_report.method(_row(1, 0.0, "smallest", 0.1, 1)) == "GRPO"
+    assert seeds_report.method(_row(1, 0.75, "smallest", 0.1, 1)) == "CPPO P=0.75"
+    assert seeds_report.method(_row(1, 0.75, "max-variance", 0.1, 1)) == "max-variance P=0.75"
+
+
+def test_paired_differences_and_t_intervals_match_a_hand_computation():
+    s = seeds_report.summarise(_rows())
+    assert s["seeds"] == [42, 43, 44] and s["methods"] == ["CPPO P=0.75", "GRPO", "random P=0.75"]
+    d = s["accuracy_differences"]["CPPO P=0.75 - GRPO"]
+    diffs = [c - g for g, c, _ in ACC.values()]
+    assert list(d["per_seed"].values()) == pytest.approx(diffs)
+    half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)  # t(0.975, df=2)
+    assert d["mean"] == pytest.approx(sum(diffs) / 3)
+    assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half])
+    r = s["accuracy_differences"]["CPPO P=0.75 - random P=0.75"]
+    assert r["mean"] == pytest.approx(sum(c - x for _, c, x in ACC.values()) / 3)
+    t = s["time_ratio_total"]
+    assert t["per_seed"][42] == pytest.approx(342.0 / 1042.0)
+    assert t["of_sums"] == pytest.approx((342 + 343 + 344) / (1042 + 1043 + 1044))
+    assert s["target"]["within_grpo"] is True and s["target"]["at_most_half_the_time"] is True
+    assert s["target"]["above_random"] is True
+
+
+def test_target_misses_are_reported():
+    rows = [r | {"accuracy_after": r["accuracy_after"] - 0.2} if r["selection_metric"] == "smallest" and
+            r["pruning_rate"] else r for r in _rows()]  # fmt: skip
+    s = seeds_report.summarise(rows)
+    assert s["target"]["within_grpo"] is False and s["target"]["above_random"] is False
+
+
+def test_t_quantiles():
+    assert seeds_report.t95(1) == 12.706 and seeds_report.t95(2) == 4.303 and seeds_report.t95(100) == 1.96
+    with pytest.raises(ValueError, match="2 seeds"):
+        seeds_report.t95(0)
+
+
+def test_seeds_must_hold_the_same_methods():
+    rows = _rows()[:-1]  # seed 44 without its random run
+    with pytest.raises(ValueError, match="different methods"):
+        seeds_report.summarise(rows)
+    with pytest.raises(ValueError, match="two GRPO rows"):
+        seeds_report.summarise(_rows() + [_row(42, 0.0, "smallest", 0.1, 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--seeds", "1"], "--seeds must be >= 2"),
+        (["--seeds", "1", "1"], "--seeds must be >= 2 distinct"),
+        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--", "--config", "tiny-cpu", "--seed", "3"], "must not set \\['--seed'\\]"),
+    ],
+)
+def test_bad_arguments(argv, match):
+    with pytest.raises(ValueError, match=match):
+        accuracy_seeds.parse_args(argv)
+
+
+def test_seed_commands_set_seed_threads_schedule_and_names(tmp_path):
+    args = accuracy_seeds.parse_args(["--seeds", "5", "6"])
+    cmd = accuracy_seeds.seed_command(args, 5, tmp_path)
+    assert cmd[2 : 2 + len(accuracy_seeds.DEFAULT_SPEEDUP_ARGS)] == list(accuracy_seeds.DEFAULT_SPEEDUP_ARGS)
+    tail = " ".join(cmd)
+    assert "--seed 5 --threads 1 --schedule sequential" in tail and "--name accuracy-smollm2-seed5" in tail
+
+
+def test_from_runs_combines_the_seed_files(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed in ACC:
+        rows = [r for r in _rows() if r["seed"] == seed]
+        fileio.write_json(
+            runs / f"accuracy-smollm2-seed{seed}.json", {"meta": {"model": "m", "seed": seed}, "rows": rows}
+        )
+    out = tmp_path / "out"
+    data = accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out)])
+    written = json.loads((out / "accuracy-smollm2-seeds.json").read_text())
+    assert written["summary"] == json.loads(json.dumps(data["summary"]))
+    assert len(written["rows"]) == 9 and (out / "accuracy-smollm2-seeds.png").stat().st_size > 0
+    assert written["meta"]["seeds"] == [42, 43, 44] and "seed" not in written["meta"]
+    with pytest.raises(ValueError, match="seed 45 did not finish"):
+        accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out), "--seeds", "44", "45"])
+
+
+def test_two_tiny_seeds_end_to_end(tmp_path):
+    """The driver runs speedup.py per seed (here the tiny preset, one eval problem) and the rows carry the issue's
+    fields: seed, the seed's own training questions, distinct evaluation problems."""
+    speedup_args = ["--config", "tiny-cpu", "--pruning-rates", "0", "0.5", "--selection-metric", "random@0.5",
+                    "max-variance@0.5", "--questions", "2", "--questions-per-step", "1", "--eval", "3",
+                    "--eval-points", "1", "--no-warmup", "--set", "max_completion_length=4",
+                    "group_size=4"]  # fmt: skip
+    cmd = [sys.executable, str(accuracy_seeds.HERE / "accuracy_seeds.py"), "--seeds", "1", "2", "--out",
+           str(tmp_path), "--", *speedup_args]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads((tmp_path / "accuracy-smollm2-seeds.json").read_text())
+    rows = data["rows"]
+    assert {r["seed"] for r in rows} == {1, 2} and len(rows) == 8
+    for r in rows:
+        assert r["eval_problems"] == r["eval_problems_scored"] == 3 and r["question_seed"] == r["seed"]
+        assert {"selection_metric", "allocation", "accuracy_after", "total_seconds", "pruning_rate"} <= set(r)
+    ids = {r["seed"]: tuple(r["train_question_ids"]) for r in rows if r["pruning_rate"] == 0}
+    assert ids[1] != ids[2] and all(len(v) == 2 for v in ids.values())
+    assert {r["selection_scope"] for r in rows if r["selection_metric"] == "max-variance"} == {"group"}
+    assert set(data["summary"]["accuracy_differences"]) == {
+        "CPPO P=0.5 - GRPO", "CPPO P=0.5 - random P=0.5", "CPPO P=0.5 - max-variance P=0.5"
+    }  # fmt: skip
