@@ -14,7 +14,8 @@ so that a crash or a hang costs one part and not the others:
 1. ``tests``: the suite's tests marked ``cuda`` (``pytest -m cuda``: tests/kernels/test_cuda_kernels.py, the
    kernels' properties on the GPU, among them the loss at this kit's shapes against a float64 oracle; the CUDA
    tests of tests/kernels/test_loss_triton.py and tests/kernels/test_loss_grad_in_forward.py; the packed forward
-   of tests/trainer/test_cuda_models.py) with ``TRITON_INTERPRET=0`` (:mod:`gpukit.part_tests`);
+   and prefix sharing (flex_attention) of tests/trainer/test_cuda_models.py) with ``TRITON_INTERPRET=0``
+   (:mod:`gpukit.part_tests`);
 2. ``loss``: every method of ``bench_loss.build_methods`` (forward + backward) at T=16,384, H=1,536, V=151,936 bf16
    and at the CPU benchmark's shape, against the plain ``[T,H] x [H,V]`` GEMM timed in the same run: milliseconds,
    TFLOP/s, peak memory; each loss's and ``fused_logprobs``' error against a float64 oracle (:mod:`gpukit.part_loss`);
@@ -22,8 +23,9 @@ so that a crash or a hang costs one part and not the others:
    (CUDA events, ``bench_select``), with the kernels launched per call counted by torch.profiler
    (:mod:`gpukit.part_select`);
 4. ``e2e``: the packed forward's error against separate forwards (flash-attention 2 when importable, sdpa
-   otherwise), then ``benchmarks/speedup.py`` tiny on CUDA (HF rollouts; vLLM too when importable;
-   :mod:`gpukit.part_e2e`).
+   otherwise); prefix-shared packing (flex_attention) against a prompt copy per completion: the error (checked),
+   tokens through the model each way, forward+backward time and peak memory each way (:mod:`gpukit.part_prefix`);
+   then ``benchmarks/speedup.py`` tiny on CUDA (HF rollouts; vLLM too when importable; :mod:`gpukit.part_e2e`).
 
 Each part writes ``<out>/<part>.json`` (atomically) whenever it has a new result and the kit rewrites
 ``summary.md`` / ``summary.json`` after every part (:mod:`gpukit.report`), so a kill leaves everything finished so

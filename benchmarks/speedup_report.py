@@ -155,8 +155,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     - ``speedup_total_cpu``: the same from the process's CPU seconds over the steps, a check on a shared machine
       (other processes' load slows wall clocks, not this process's CPU time; NaN/None where not measured);
     - ``generation_share``: generation seconds / total seconds of this rate;
-    - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, and
-      for an ablation);
+    - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, for an
+      ablation, and without allocation: the paper's CPPO always allocates);
     - ``seed``, ``question_seed`` (the seed that drew the training questions), ``train_question_ids``
       (:func:`cppo.data.question_id` of each), ``allocation``, ``selection_scope``;
     - ``selection_metric``: what the run prunes (``smallest`` |A|: CPPO; ``random`` / ``largest``: ablations);
@@ -193,7 +193,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
             "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
             "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
             "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
-            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p) if c.selection_metric == "smallest" else None,
+            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p) if c.selection_metric == "smallest" and c.allocation
+            else None,
             "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
             **accuracy_fields(run.curve, target=target, grpo_seconds=base_total),
         })  # fmt: skip
@@ -306,7 +307,8 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
     for x, (r, top) in enumerate(zip(rows, bottom)):
         text = f"train {_fmt(r['speedup_train'], '.2f', 'x')} (ideal {r['ideal_speedup_train']:.2f}x)"
         text += f"\ntotal {_fmt(r['speedup_total'], '.2f', 'x')}"
-        if r["paper_speedup_gsm8k"] is not None and r["pruning_rate"] > 0:
+        paper_setting = r.get("allocation", meta.get("allocation", True))  # the paper's CPPO allocates
+        if r["paper_speedup_gsm8k"] is not None and r["pruning_rate"] > 0 and paper_setting:
             text += f" (paper {r['paper_speedup_gsm8k']:.2f}x)"
         ax.annotate(text, (x, top), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax.set_ylim(0, max(bottom) * 1.22 if max(bottom) > 0 else 1.0)

@@ -95,7 +95,11 @@ class TrainConfig:
     selection_scope: str = setting(
         "batch", "batch: prune int(N * P) of the rank's step (official); group: per question; global: all ranks"
     )
-    selection_metric: str = setting("smallest", "smallest: prune the smallest |A| (CPPO); largest; random")
+    selection_metric: str = setting(
+        "smallest",
+        "smallest: prune the smallest |A| (CPPO); largest; random; max-variance: keep each question's subset of "
+        "largest reward variance (PODS, selection_scope group)",
+    )
     allocation: bool = setting(
         True, "draw 1/(1-P) times more questions per step, so a step trains as many completions as GRPO"
     )

@@ -90,8 +90,34 @@ def read_jsonl(path: str) -> list[dict]:
     return records
 
 
+def _reward_panel(ax, records: list[dict], title: str) -> None:
+    """Reward and accuracy of the sampled training completions per step, a running mean of the reward over a run of
+    10 or more steps, and the held-out greedy accuracy (``eval/accuracy``) where the run evaluated. When the reward
+    is the accuracy at every step (the format reward never fired) one line carries both, so neither hides the other."""
+    steps = [r["step"] for r in records]
+    reward, accuracy = [r["reward_mean"] for r in records], [r["accuracy"] for r in records]
+    if reward == accuracy:
+        ax.plot(steps, reward, label="reward mean = training-batch accuracy (no format reward)", marker=".", alpha=0.6)
+    else:
+        ax.plot(steps, reward, label="reward mean (training batch)", marker=".", alpha=0.5)
+        ax.plot(steps, accuracy, label="accuracy (training batch, sampled)", marker=".", alpha=0.5)
+    window = min(10, len(reward) // 5)
+    if window >= 2:
+        smooth = [sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+                  for i in range(len(reward))]  # fmt: skip
+        ax.plot(steps, smooth, label=f"reward, running mean over {window} steps", color="black")
+    held = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+    if held:
+        ax.plot(*zip(*held), label="held-out accuracy (greedy, test split)", marker="s", color="tab:red")
+    ax.set_xlabel("step")
+    ax.set_title(f"{title}: reward and accuracy")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+
+
 def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:
-    """Two panels: reward mean and accuracy per step; seconds per phase per step (stacked)."""
+    """Two panels: the reward, training-batch accuracy and held-out accuracy per step (:func:`_reward_panel`);
+    seconds per phase per step (stacked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,19 +125,7 @@ def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:
 
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    reward = [r["reward_mean"] for r in records]
-    ax1.plot(steps, reward, label="reward mean", marker=".", alpha=0.5)
-    ax1.plot(steps, [r["accuracy"] for r in records], label="accuracy", marker=".", alpha=0.5)
-    window = max(1, min(10, len(reward) // 5))
-    smooth = [
-        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
-        for i in range(len(reward))
-    ]
-    ax1.plot(steps, smooth, label=f"reward, mean of last {window}", color="black")
-    ax1.set_xlabel("step")
-    ax1.set_title(f"{title}: reward")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
+    _reward_panel(ax1, records, title)
     ax2.stackplot(steps, *[[r.get(f"time/{p}", 0.0) for r in records] for p in PHASES], labels=PHASES)
     ax2.set_xlabel("step")
     ax2.set_ylabel("seconds")

@@ -1,6 +1,8 @@
 """Part ``e2e``: the packed forward (sequences in one row, position_ids restarting) against separate forwards
-(flash-attention 2 when importable, sdpa otherwise), recorded; then ``benchmarks/speedup.py`` tiny on the plan's
-device with HF rollouts, and vLLM ones when importable. The pass/fail check of the packed forward on CUDA is a test,
+(flash-attention 2 when importable, sdpa otherwise), recorded; prefix-shared packing against a prompt copy per
+completion (errors, tokens, forward+backward time and memory each way; :mod:`gpukit.part_prefix`), its equality
+checked; then ``benchmarks/speedup.py`` tiny on the plan's device with HF rollouts, and vLLM ones when importable.
+The pass/fail checks of the packed forward and of prefix sharing on CUDA are tests,
 ``tests/trainer/test_cuda_models.py``, run by the ``tests`` part."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from gpukit.part_prefix import prefix_shared
 from gpukit.plan import BENCH, Plan
 from gpukit.report import read_json
 from gpukit.runner import PartTimeout, Report, child_env, run_child, seconds_left
@@ -92,9 +95,15 @@ def vllm_argv(plan: Plan, folder: pathlib.Path) -> list[str]:
 
 
 def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
-    """The packed-forward errors per dtype, then speedup.py with HF rollouts (and vLLM ones when importable)."""
+    """The packed-forward errors and the prefix-sharing measurement per dtype (recorded as ``packed prefix-shared
+    <dtype>``, the key summary.md renders as a packed forward's errors), then speedup.py with HF rollouts (and vLLM
+    ones when importable)."""
     for dtype in plan.packed_dtypes:
         report.add(f"packed {dtype}", packed_errors(plan, dtype))
+        row = prefix_shared(plan, dtype)
+        report.add(f"packed prefix-shared {dtype}", row)
+        detail = f"{row['attn_implementation'][0]}: relative error {row['error']:.2g}, tolerance {row['tolerance']:g}"
+        report.check(f"prefix-shared hidden states equal unshared ({dtype})", row["error"] <= row["tolerance"], detail)
     run_speedup([*plan.speedup_argv, "--rollout-backend", "hf"], out / "speedup-hf", report, until, "speedup hf")
     if not plan.dry and importlib.util.find_spec("vllm") is None:
         report.add("speedup vllm", "skipped: vllm is not importable")
