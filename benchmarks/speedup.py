@@ -64,13 +64,22 @@ from typing import Any
 
 import torch
 from bench_out import new_run_folder
-from speedup_args import base_config, check_out, out_folder, output_files, parse_ablation, parse_args
+from speedup_args import (
+    base_config,
+    check_out,
+    compare_config,
+    out_folder,
+    output_files,
+    parse_ablation,
+    parse_args,
+)
 from speedup_report import (
     EvalPoint,
     RateRun,
     accumulate,
     build_rows,
     collect_meta,
+    compare_rows,
     format_accuracy_table,
     format_table,
     plot,
@@ -363,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plans = plan_schedule(
         config, args.pruning_rates, ablations=ablations, questions=args.questions, least_times=2 if on_cpu else 1
     )
+    variant = compare_config(args, config, need_cuda=not args.dry_run)
+    if variant is not None:  # each rate's run, then the same rate with the setting changed
+        others = plan_schedule(variant, args.pruning_rates, questions=plans[0].max_questions)
+        if ablations:
+            raise ValueError("--compare runs every --pruning-rates rate twice; it takes no --selection-metric")
+        plans = [c for pair in zip(plans, others) for c in pair]
     threads = args.threads if args.threads is not None else (1 if on_cpu else None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -384,7 +399,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     meta["ablations"] = list(args.ablations)
     runs, meta["warmup_seconds"] = measure(args, plans, schedule=schedule, evaluation=evaluation)
     meta["eval"] = eval_meta(evaluation, runs, config)
-    rows = build_rows(runs)
+    if variant is None:
+        rows = build_rows(runs)
+    else:  # the base runs and the changed ones, each against its own P = 0
+        rows = [{**r, "variant": None} for r in build_rows(runs[0::2])]
+        rows += [{**r, "variant": args.compare} for r in build_rows(runs[1::2])]
+        meta["compare"] = compare_rows(rows, args.compare)
     write_json(pathlib.Path(files["json"]), rows, meta)
     if "png" in files:
         plot(pathlib.Path(files["png"]), rows, meta)
@@ -393,6 +413,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(format_table(rows))
     if evaluation is not None:
         print("\n" + format_accuracy_table(rows))
+    for pair in meta.get("compare", {}).get("pairs", []):
+        print(
+            f"\nP={pair['pruning_rate']:g}, {args.compare} / base: train {pair['ratio_train_seconds']:.3f}x, "
+            f"total {pair['ratio_total_seconds']:.3f}x, tokens through the model {pair['ratio_tokens_forward']:.3f}x"
+        )
     print("\nwrote " + ", ".join(files.values()))
     return {"meta": meta, "rows": rows}
 

@@ -116,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --eval: evaluate each run after K evenly spaced steps, the last at its end (default: 4, at most "
         "the shortest run's steps)",
     )
+    add(
+        "--compare",
+        metavar="KEY=VALUE",
+        help="one more run per --pruning-rates rate with this trainer setting changed (as --set takes it), e.g. "
+        "prefix_sharing=false: the two runs of a rate run one after the other on the same seed and questions, and "
+        "meta.compare gives their train / total seconds and tokens ratios",
+    )
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
     add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
     add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
@@ -162,6 +169,25 @@ def base_config(args: argparse.Namespace, *, need_cuda: bool = True) -> TrainCon
     if args.preset == "gsm8k" and device.type != "cuda":
         raise ValueError("--preset gsm8k trains Qwen2.5-1.5B-Instruct and needs a CUDA device (--device cuda)")
     return dataclasses.replace(config, device=str(device))
+
+
+def compare_config(args: argparse.Namespace, base: TrainConfig, *, need_cuda: bool = True) -> TrainConfig | None:
+    """``--compare KEY=VALUE``: the base config with that one setting changed (built as ``--set`` builds it, so it
+    is validated the same way); None without ``--compare``. ValueError naming ``--compare`` when it is not
+    ``KEY=VALUE`` or changes nothing."""
+    if args.compare is None:
+        return None
+    key, eq, _ = str(args.compare).partition("=")
+    if not eq or not key:
+        raise ValueError(f"--compare {args.compare!r}: expected KEY=VALUE, e.g. prefix_sharing=false")
+    variant = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, str(args.compare)]})
+    try:
+        config = base_config(variant, need_cuda=need_cuda)
+    except ValueError as e:
+        raise ValueError(f"--compare {args.compare}: {e}") from None
+    if config == base:
+        raise ValueError(f"--compare {args.compare}: the setting already has that value, so the runs would be equal")
+    return config
 
 
 def out_folder(args: argparse.Namespace) -> pathlib.Path:

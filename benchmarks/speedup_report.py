@@ -206,9 +206,33 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _rate_cell(row: dict[str, Any]) -> str:
-    """``0.75``, or ``0.75 random`` for an ablation row."""
+    """``0.75``, ``0.75 random`` for an ablation row, ``0.75 prefix_sharing=false`` for a ``--compare`` run."""
     metric = row.get("selection_metric", "smallest")
-    return f"{row['pruning_rate']:g}" + ("" if metric == "smallest" else f" {metric}")
+    cell = f"{row['pruning_rate']:g}" + ("" if metric == "smallest" else f" {metric}")
+    return cell + (f" {row['variant']}" if row.get("variant") else "")
+
+
+def compare_rows(rows: Sequence[dict[str, Any]], setting: str) -> dict[str, Any]:
+    """``meta.compare`` of a ``--compare SETTING`` run: per rate, the changed run's train seconds, total seconds,
+    tokens through the model and tokens trained over the base run's (a ratio above 1: the change costs that much
+    more; for ``prefix_sharing=false`` it is the speedup sharing brings)."""
+    base = {r["pruning_rate"]: r for r in rows if r.get("variant") is None}
+    pairs = []
+    for r in (r for r in rows if r.get("variant") == setting):
+        b = base[r["pruning_rate"]]
+        pairs.append({
+            "pruning_rate": r["pruning_rate"],
+            **{f"{k}": [b[k], r[k]] for k in ("train_seconds", "total_seconds", "tokens_forward", "tokens_trained")},
+            **{f"ratio_{k}": _ratio(r[k], b[k]) for k in ("train_seconds", "total_seconds", "tokens_forward")},
+            "ratio_tokens_trained": _ratio(r["tokens_trained"], b["tokens_trained"]),
+            "reward_mean": [b["reward_mean"], r["reward_mean"]],
+        })  # fmt: skip
+    return {
+        "setting": setting,
+        "meaning": "per rate [base, changed] and changed / base; the two runs of a rate ran one after the other "
+        "on the same seed and questions",
+        "pairs": pairs,
+    }
 
 
 def _accuracy_cell(accuracy: float | None, ci: Sequence[float] | None) -> str:

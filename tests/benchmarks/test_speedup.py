@@ -411,3 +411,37 @@ def test_main_smoke(report, speedup, tmp_path, capsys):
     assert [r["paper_speedup_gsm8k"] for r in rows] == [1.0, 1.81]
     out = capsys.readouterr().out
     assert "| P | keep |" in out and "1.81x" in out
+
+
+def test_compare_runs_each_rate_with_the_setting_changed(speedup, tmp_path):
+    """--compare prefix_sharing=false: every rate twice, the changed rows marked and measured against their own
+    P = 0; meta.compare pairs them: the same questions and rollouts (equal rewards), more tokens without sharing."""
+    argv = ["--model-config", TINY, "--group-size", "4", "--pruning-rates", "0", "0.5", "--questions", "2"]
+    argv += ["--set", "max_completion_length=4", "--backend", "torch", "--out", str(tmp_path), "--no-progress"]
+    data = speedup.main([*argv, "--compare", "prefix_sharing=false", "--no-plot"])
+    rows = data["rows"]
+    assert [(r["pruning_rate"], r["variant"]) for r in rows] == [
+        (0.0, None), (0.5, None), (0.0, "prefix_sharing=false"), (0.5, "prefix_sharing=false")
+    ]  # fmt: skip
+    assert rows[2]["speedup_train"] == 1.0 and rows[0]["tokens_trained"] == rows[2]["tokens_trained"]
+    pairs = data["meta"]["compare"]["pairs"]
+    assert [p["pruning_rate"] for p in pairs] == [0.0, 0.5]
+    for p, base, off in zip(pairs, rows[:2], rows[2:]):
+        assert p["tokens_forward"] == [base["tokens_forward"], off["tokens_forward"]]
+        assert p["ratio_tokens_forward"] == off["tokens_forward"] / base["tokens_forward"] > 1.0  # prompts once
+        assert p["reward_mean"][0] == p["reward_mean"][1]  # the same rollouts
+        assert p["ratio_train_seconds"] == off["train_seconds"] / base["train_seconds"]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("prefix_sharing", "expected KEY=VALUE"),
+        ("prefix_sharing=true", "already has that value"),
+        ("no_such_setting=1", "--compare no_such_setting=1: "),
+    ],
+)
+def test_bad_compare(speedup, tmp_path, value, match):
+    argv = ["--pruning-rates", "0", "0.5", "--device", "cpu", "--out", str(tmp_path), "--dry-run"]
+    with pytest.raises(ValueError, match=match):
+        speedup.main([*argv, "--compare", value])
