@@ -1,9 +1,9 @@
 """The result rows and the report of ``benchmarks/speedup.py``: pure functions of what the runs measured.
 
 Phase seconds summed over a run, the rows with their speedups (:func:`build_rows`), the accuracy columns (Wilson
-intervals, the curve, the time to reach GRPO's final accuracy), the Markdown tables, ``NAME.json``, the two PNGs, and
-where and how the numbers were measured (:func:`collect_meta`). Nothing here trains or times anything; every file is
-written atomically through :mod:`cppo.fileio`.
+intervals, the curve, the time to reach the lower end of GRPO's final 95% interval), the Markdown tables,
+``NAME.json``, the two PNGs, and where and how the numbers were measured (:func:`collect_meta`). Nothing here trains
+or times anything; every file is written atomically through :mod:`cppo.fileio`.
 """
 
 from __future__ import annotations
@@ -241,10 +241,11 @@ def _accuracy_cell(accuracy: float | None, ci: Sequence[float] | None) -> str:
 
 def format_accuracy_table(rows: Sequence[dict[str, Any]]) -> str:
     """The accuracy rows as a Markdown table: wall time and speedup of the whole run against P = 0, accuracy before
-    and after with 95% Wilson intervals, and when the run reached GRPO's final accuracy (``-``: never)."""
+    and after with 95% Wilson intervals, and when the run reached the lower end of GRPO's final 95% interval
+    (``-``: never)."""
     head = [
         "P", "keep", "steps", "wall s", "speedup", "accuracy before (95% CI)", "accuracy after (95% CI)",
-        "time to GRPO's final accuracy", "eval s",
+        "time to the lower end of GRPO's final 95% CI", "eval s",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
@@ -350,7 +351,7 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
 
 def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Accuracy against training wall clock, one line per run with 95% Wilson error bars at each point; GRPO's
-    final 95% interval shaded across (a run has reached GRPO's final accuracy once it is at or above the band's
+    final 95% interval shaded across (a run has reached that interval once it is at or above the band's
     lower edge)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 5.0))
