@@ -129,14 +129,26 @@ def meta_of(metas: dict[int, dict[str, Any]], args: argparse.Namespace) -> dict[
     return {**first, "seeds": list(args.seeds), "speedup_args": list(args.speedup_args), "per_seed": per_seed}
 
 
+def dry_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every seed's ``speedup.py --dry-run`` (settings, data, schedule, evaluation): prints and returns
+    ``{"dry_run": "ok", "seeds": {seed: its plan}}``; ValueError with the child's error when a plan is invalid."""
+    plans = {}
+    with tempfile.TemporaryDirectory(prefix="accuracy-seeds-") as tmp:
+        for seed in args.seeds:
+            done = subprocess.run(seed_command(args, seed, pathlib.Path(tmp), dry=True), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ValueError(f"seed {seed}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            plans[seed] = json.loads(done.stdout[done.stdout.index("{") :])
+    result = {"dry_run": "ok", "seeds": plans}
+    print(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs (or with ``--from-runs`` combines) the seeds; returns ``{"meta", "rows", "summary"}`` as written."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.dry_run:
-        with tempfile.TemporaryDirectory(prefix="accuracy-seeds-") as tmp:
-            for seed in args.seeds:
-                subprocess.run(seed_command(args, seed, pathlib.Path(tmp), dry=True), check=True)
-        return {}
+        return dry_run(args)
     out = args.out or new_run_folder(f"{args.name}-seeds")
     runs = args.from_runs or out / f"{args.name}-seeds-runs"
     if args.from_runs is None:

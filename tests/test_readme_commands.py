@@ -100,6 +100,10 @@ def plan(argv: list[str], data: pathlib.Path) -> tuple[str, list[str], str]:
         return "check", [sys.executable, "-c", code, *argv[start:stop]], "needs a GPU"
     if "../shared" in line and not SHARED.is_dir():
         return "skip", [], f"{SHARED} is absent (a fresh clone has no ../shared)"
+    if argv[:2] == ["python", "benchmarks/accuracy_seeds.py"]:  # each seed's speedup.py plan, checked
+        rest = argv[2:]
+        at = rest.index("--") if "--" in rest else len(rest)
+        return "check", [sys.executable, str(REPO / argv[1]), *rest[:at], "--dry-run", *rest[at:]], "trains for 1.5 h"
     if argv[:2] == ["python", "benchmarks/speedup.py"]:
         return "check", [sys.executable, str(REPO / argv[1]), *argv[2:], "--dry-run"], "trains for minutes"
     if argv[0] in ("cppo", "torchrun"):

@@ -148,3 +148,12 @@ def test_two_tiny_seeds_end_to_end(tmp_path):
     assert set(data["summary"]["accuracy_differences"]) == {
         "CPPO P=0.5 - GRPO", "CPPO P=0.5 - random P=0.5", "CPPO P=0.5 - max-variance P=0.5"
     }  # fmt: skip
+
+
+def test_dry_run_checks_every_seed_plan(capsys):
+    tiny = ["--config", "tiny-cpu", "--questions", "4", "--eval", "3"]
+    plan = accuracy_seeds.main(["--seeds", "3", "4", "--dry-run", "--", *tiny, "--pruning-rates", "0", "0.5"])
+    assert plan["dry_run"] == "ok" and set(plan["seeds"]) == {3, 4}
+    assert json.loads(capsys.readouterr().out)["seeds"]["3"]["rates"][1]["pruning_rate"] == 0.5
+    with pytest.raises(ValueError, match="seed 3: .*--pruning-rates"):
+        accuracy_seeds.main(["--seeds", "3", "4", "--dry-run", "--", *tiny, "--pruning-rates", "0.5"])
