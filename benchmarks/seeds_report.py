@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from speedup_report import _pyplot, _save, wilson_interval
+from speedup_report import _pyplot, _save, label_axes, wilson_interval
 
 #: Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond 30 the normal's 1.96 is within 4%.
 T95 = (
@@ -170,14 +170,12 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
         ax.errorbar(pm["total_seconds"]["mean"], mean, yerr=[[mean - 100 * ci[0]], [100 * ci[1] - mean]],
                     color=color, marker="D", markersize=9, capsize=5, ls="none", label=label)  # fmt: skip
     first = table[summary["seeds"][0]][summary["methods"][0]]
-    ax.set_xlabel("whole-run wall-clock seconds (generation + training; evaluation excluded)")
-    ax.set_ylabel(f"greedy accuracy after training, % of {first['eval_problems']} distinct test problems")
     model = pathlib.Path(str(meta.get("model", "?"))).name
-    ax.set_title(
-        f"{model} on {meta.get('dataset', '?')}: {first['questions']} training questions per seed (other questions per "
-        f"seed), G={first['group_size']}\nsmall: one seed (95% Wilson); large: mean over seeds (95% t)",
-        fontsize=9,
+    label_axes(
+        ax,
+        x="whole-run wall-clock seconds (generation + training; evaluation excluded)",
+        y=f"greedy accuracy after training, % of {first['eval_problems']} distinct test problems",
+        title=f"{model} on {meta.get('dataset', '?')}: {first['questions']} training questions per seed (other "
+        f"questions per seed), G={first['group_size']}\nsmall: one seed (95% Wilson); large: mean over seeds (95% t)",
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
     _save(plt, fig, path)

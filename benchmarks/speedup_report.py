@@ -365,21 +365,26 @@ def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict
         dashed = r["selection_metric"] != "smallest"
         label = f"P={_rate_cell(r)} (keep {r['keep']}/{r['group_size']}), {r['total_seconds']:.0f} s"
         ax.errorbar(x, y, yerr=yerr, marker="o", markersize=4, capsize=3, ls="--" if dashed else "-", label=label)
-    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
     distinct = rows[0]["eval_problems"]
-    ax.set_ylabel(
-        f"greedy accuracy, % of {rows[0]['eval_problems_scored']} test problems"
-        + ("" if distinct is None else f" ({distinct} distinct)")
-    )
     model, where = pathlib.Path(str(meta.get("model", "?"))).name, meta.get("device_name") or meta.get("device", "?")
-    ax.set_title(
-        f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "
+    label_axes(
+        ax,
+        x="training wall-clock seconds (evaluation excluded)",
+        y=f"greedy accuracy, % of {rows[0]['eval_problems_scored']} test problems"
+        + ("" if distinct is None else f" ({distinct} distinct)"),
+        title=f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "
         f"error bars: 95% Wilson\n{model} on {meta.get('dataset', '?')}, {where}",
-        fontsize=9,
     )
+    _save(plt, fig, path)
+
+
+def label_axes(ax, *, x: str, y: str, title: str) -> None:
+    """An accuracy plot's axis labels, its title (small), a light grid and the legend where it fits best."""
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    _save(plt, fig, path)
 
 
 def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:
