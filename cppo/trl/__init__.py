@@ -9,7 +9,7 @@
 
 Modules: ``config`` (:class:`CPPOConfig`), ``trainer`` (:class:`CPPOTrainer`, the step order), ``rows`` (the kept
 rows of TRL's batch), ``loss`` (the policy loss through ``cppo_kernels.fused_cppo_loss``), ``sampling`` (vLLM's
-importance-sampling correction on the kept rows).
+importance-sampling correction on the kept rows), ``packing`` (the passes on rows holding each prompt once).
 """
 
 try:

@@ -1,4 +1,4 @@
-"""``CPPOConfig``: TRL's ``GRPOConfig`` plus the four CPPO settings, validated when the config is built."""
+"""``CPPOConfig``: TRL's ``GRPOConfig`` plus the CPPO settings, validated when the config is built."""
 
 from __future__ import annotations
 
@@ -49,9 +49,21 @@ class CPPOConfig(GRPOConfig):
             "choices": list(SCOPES),
         },
     )
+    prefix_sharing: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the old-policy, reference and policy passes on packed rows holding each prompt once, then "
+            "its kept completions (a block-causal mask: each completion sees its prompt and itself); the same "
+            "log-probs, loss and gradients as TRL's padded rows within fp32 rounding. A model whose attention "
+            "cannot take the mask (e.g. flash_attention_2) falls back to the padded rows with one warning; so does "
+            "TRL's own loss (a setting fused_cppo_loss cannot express)."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.prefix_sharing, bool):
+            raise ValueError(f"prefix_sharing must be true or false, got {self.prefix_sharing!r}")
         check_choice("pruning_metric", self.pruning_metric, METRICS)
         self.pruning()  # a bad pruning_rate / selection_scope / allocation is one ValueError naming it
 

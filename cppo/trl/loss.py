@@ -29,7 +29,7 @@ from cppo_kernels import fused_cppo_loss
 
 from ..models import lm_head
 
-__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "fused_policy_loss"]
+__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "padded_hidden", "fused_policy_loss"]
 
 #: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
 LOSS_AGG = {
@@ -109,17 +109,27 @@ def _scale(trainer, num_tokens: Tensor, num_items: Tensor) -> Tensor | float:
     return num_tokens / normalizer
 
 
-def fused_policy_loss(trainer, model, inputs: dict) -> Tensor:
-    """TRL's policy loss of the batch ``inputs`` (the layout ``_generate_and_score_completions`` returns) from
-    ``model``'s hidden states through ``fused_cppo_loss``; TRL's loss metrics appended to ``trainer._metrics``."""
+def padded_hidden(trainer, model, inputs: dict) -> Tensor:
+    """``[B, C, H]`` hidden states of TRL's padded ``[B, P + C]`` rows at the positions that predict the completion
+    tokens (position t predicts token t + 1: the C positions before the last)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, L]
     attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # [B, L]
     width = completion_ids.size(1)
     with trainer.accelerator.autocast():
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, cppo_hidden_states=True)  # [B, L, H]
-    # position t predicts token t + 1: the completion's tokens are predicted by the `width` positions before the last
-    hidden, weight, bias = _head_inputs(trainer, hidden[:, -width - 1 : -1], model)  # [B, C, H]
+    return hidden[:, -width - 1 : -1]
+
+
+def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None) -> Tensor:
+    """TRL's policy loss of the batch ``inputs`` (the layout ``_generate_and_score_completions`` returns) from
+    ``model``'s hidden states through ``fused_cppo_loss``; TRL's loss metrics appended to ``trainer._metrics``.
+    ``hidden [B, C, H]``: those of the completion positions, already computed (prefix sharing,
+    :mod:`cppo.trl.packing`); None: from TRL's padded rows (:func:`padded_hidden`)."""
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    if hidden is None:
+        hidden = padded_hidden(trainer, model, inputs)
+    hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
     with torch.autocast(hidden.device.type, enabled=False):
         loss, metrics = fused_cppo_loss(
             hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,

@@ -7,7 +7,8 @@ unused placeholder, nothing is computed), so TRL computes the rewards and advant
 settings; then it prunes with :class:`cppo.selection.Pruning`, keeps the kept rows (trimmed to the longest kept
 completion), recounts ``num_items_in_batch`` over them across processes, and runs the old-policy and reference
 passes on the kept rows alone. The policy passes see only the kept rows too, and compute the loss with
-:func:`cppo_kernels.fused_cppo_loss` where it expresses TRL's (:mod:`cppo.trl.loss`).
+:func:`cppo_kernels.fused_cppo_loss` where it expresses TRL's (:mod:`cppo.trl.loss`). With ``prefix_sharing``
+those three passes run packed rows holding each prompt once (:mod:`cppo.trl.packing`).
 
 At ``pruning_rate=0`` every completion is kept and the trainer draws exactly the random numbers stock TRL draws
 (the ``random`` metric uses a generator of its own): it trains as ``GRPOTrainer`` does.
@@ -27,6 +28,7 @@ from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 from ..distributed import DistInfo
 from .config import CPPOConfig
 from .loss import fused_policy_loss, install_hidden_forward, unsupported_setting
+from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
 from .rows import keep_rows, pass_tokens
 from .sampling import importance_ratio, sampling_stats
 
@@ -91,9 +93,10 @@ class CPPOTrainer(GRPOTrainer):
         else:
             warnings.warn(
                 f"CPPOTrainer: {self.fused_loss_refused} is not expressed by cppo_kernels.fused_cppo_loss; "
-                "TRL's own loss runs (on the kept completions)",
+                "TRL's own loss runs (on the kept completions, padded: no prefix_sharing)",
                 stacklevel=2,
             )
+        self.prefix_sharing = prefix_sharing_possible(self)  # else one warning naming prefix_sharing
 
     # ---------------------------------------------------------------------------------------------------------
     # Layout: what a generation draws and keeps on each process
@@ -186,8 +189,9 @@ class CPPOTrainer(GRPOTrainer):
         kept, placeholder = self._kept_rows(batch["advantages"])
         pruned = keep_rows(self._masked(batch, placeholder), kept, pad_to_multiple_of=self.pad_to_multiple_of)
         pruned["num_items_in_batch"] = self.accelerator.gather(pruned["completion_mask"].sum()).sum()
-        self._training_passes(pruned)
-        self._log_pruning(batch, pruned, kept=0 if placeholder else len(kept))
+        rows = trainer_rows(self, pruned)
+        self._training_passes(pruned, rows)
+        self._log_pruning(batch, pruned, kept=0 if placeholder else len(kept), shared=rows)
         return pruned
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
@@ -226,34 +230,37 @@ class CPPOTrainer(GRPOTrainer):
             "advantages": torch.zeros_like(batch["advantages"]),
         }
 
-    def _training_passes(self, batch: dict) -> None:
+    def _training_passes(self, batch: dict, rows: SharedRows | None) -> None:
         """The old-policy and reference log-probs TRL asked for (the keys its scoring filled with placeholders),
-        now on the kept rows; with vLLM the importance-sampling ratio over the same rows."""
+        now on the kept rows (``rows``: prefix-shared; None: padded); with vLLM the importance ratio over them."""
         needs_old, needs_ref = "old_per_token_logps" in batch, "ref_per_token_logps" in batch
         if not (needs_old or needs_ref):
             return
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # [K, L]
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # [K, L]
-        width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             if needs_old:
-                batch["old_per_token_logps"] = self._logps(self.model, input_ids, attention_mask, width, size)
+                batch["old_per_token_logps"] = self._logps(self.model, batch, rows)
             if needs_ref:
-                batch["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, width, size)
+                batch["ref_per_token_logps"] = self._reference_logps(batch, rows)
         if "importance_sampling_ratio" in batch:
             batch["importance_sampling_ratio"] = self._sampling_correction(batch)
 
-    def _logps(self, model, input_ids, attention_mask, width: int, size: int) -> torch.Tensor:
+    def _logps(self, model, batch: dict, rows: SharedRows | None) -> torch.Tensor:
+        """``[K, C]`` per-token log-probs of ``batch``'s completions: from the shared ``rows``, or TRL's pass."""
+        if rows is not None:
+            return shared_logps(self, model, rows)
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # [K, L]
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # [K, L]
+        width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
         return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, width, batch_size=size)[0]
 
-    def _reference_logps(self, input_ids, attention_mask, width: int, size: int) -> torch.Tensor:
+    def _reference_logps(self, batch: dict, rows: SharedRows | None) -> torch.Tensor:
         """TRL's reference: the reference model, or with PEFT the policy with its adapter disabled (or the initial
         copy TRL loads as the ``ref`` adapter when an existing adapter is trained)."""
         if self.ref_model is not None:
-            return self._logps(self.ref_model, input_ids, attention_mask, width, size)
+            return self._logps(self.ref_model, batch, rows)
         unwrapped = self.accelerator.unwrap_model(self.model)
         with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-            return self._logps(self.model, input_ids, attention_mask, width, size)
+            return self._logps(self.model, batch, rows)
 
     def _sampling_correction(self, batch: dict) -> torch.Tensor:
         """vLLM's importance-sampling ratio of the kept rows (:mod:`cppo.trl.sampling`); TRL's ``sampling/*``
@@ -269,14 +276,16 @@ class CPPOTrainer(GRPOTrainer):
             self._metrics["train"][name][-1] = reduce[how](self.accelerator.gather(value)).item()
         return ratio
 
-    def _log_pruning(self, batch: dict, pruned: dict, *, kept: int) -> None:
+    def _log_pruning(self, batch: dict, pruned: dict, *, kept: int, shared: SharedRows | None) -> None:
         """CPPO's metrics of this generation, summed over the processes, in TRL's metric dict (every TRL logger
         shows them): ``cppo/kept_fraction``, ``cppo/kept_completions``, ``cppo/completion_tokens_saved`` (the
-        pruned completions' tokens) and ``cppo/pass_tokens`` / ``cppo/pass_tokens_saved`` (positions, padding
-        included, that each old / reference / policy pass processes, and how many fewer than without CPPO)."""
+        pruned completions' tokens), ``cppo/pass_tokens`` / ``cppo/pass_tokens_saved`` (positions each old / reference
+        / policy pass processes: the kept rows padded, or ``shared``'s packed rows; and how many fewer than stock
+        TRL's padded rows of every completion) and ``cppo/prefix_shared``."""
+        processed = pass_tokens(pruned) if shared is None else shared.num_input_tokens
         counts = [
             batch["advantages"].numel(), kept, batch["completion_mask"].sum().item(),
-            pruned["completion_mask"].sum().item(), pass_tokens(batch), pass_tokens(pruned),
+            pruned["completion_mask"].sum().item(), pass_tokens(batch), processed,
         ]  # fmt: skip
         total = self.accelerator.gather(torch.tensor(counts, device=self.accelerator.device).view(1, -1)).sum(0)
         rows, kept_rows, tokens, kept_tokens, positions, kept_positions = total.tolist()
@@ -286,10 +295,12 @@ class CPPOTrainer(GRPOTrainer):
         metrics["cppo/completion_tokens_saved"].append(tokens - kept_tokens)
         metrics["cppo/pass_tokens"].append(kept_positions)
         metrics["cppo/pass_tokens_saved"].append(positions - kept_positions)
+        metrics["cppo/prefix_shared"].append(float(shared is not None))
 
     def _compute_loss(self, model, inputs: dict) -> torch.Tensor:
         """The policy loss through ``fused_cppo_loss`` (:mod:`cppo.trl.loss`), or TRL's own where it cannot
         express the settings (``fused_loss_refused`` names the first such setting)."""
         if self.fused_loss_refused is not None:
             return super()._compute_loss(model, inputs)
-        return fused_policy_loss(self, model, inputs)
+        rows = trainer_rows(self, inputs)
+        return fused_policy_loss(self, model, inputs, None if rows is None else shared_hidden(self, model, rows))

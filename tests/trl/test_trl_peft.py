@@ -30,7 +30,7 @@ def test_lora_at_p0_trains_as_stock_trl(tiny_model, tmp_path):
 
 
 def test_lora_pruned_trains_the_adapter_only(tiny_model, tmp_path):
-    trainer = lora_trainer(CPPOTrainer, CPPOConfig, tiny_model, tmp_path, pruning_rate=0.75)
+    trainer = lora_trainer(CPPOTrainer, CPPOConfig, tiny_model, tmp_path, pruning_rate=0.75, prefix_sharing=False)
     assert trainer.ref_model is None and trainer.fused_loss_refused is None
     before = weights(trainer)
     counter = PassCounter()

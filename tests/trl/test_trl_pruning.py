@@ -41,7 +41,8 @@ def train_counted(trainer) -> tuple[PassCounter, list[dict]]:
 def test_the_passes_see_only_the_kept_completions(tiny_model, tmp_path):
     stock = build(GRPOTrainer, GRPOConfig, tiny_model, tmp_path / "stock")
     stock_passes, _ = train_counted(stock)  # built then trained in turn: building a trainer seeds the global RNG
-    cppo = build(CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "cppo", pruning_rate=0.75)
+    # padded rows, as stock TRL's (prefix sharing packs a pass into one row: test_trl_prefix_sharing.py)
+    cppo = build(CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "cppo", pruning_rate=0.75, prefix_sharing=False)
     cppo_passes, batches = train_counted(cppo)
     generations, kept = 2, 16 - int(16 * 0.75)
     # stock: the old-policy and reference passes over all 16 completions of each generation, then 4 policy passes
@@ -101,7 +102,9 @@ def test_allocation_draws_more_prompts_and_trains_as_many_as_grpo(tiny_model, tm
     """P = 0.5 with allocation: each generation draws 8 prompts (32 completions) instead of 4, keeps 16 (what
     GRPO trains), and an epoch of 64 prompts takes half the optimizer steps."""
     grpo = build(CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "grpo")
-    trainer = build(CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "alloc", pruning_rate=0.5, allocation=True)
+    trainer = build(
+        CPPOTrainer, CPPOConfig, tiny_model, tmp_path / "alloc", pruning_rate=0.5, allocation=True, prefix_sharing=False
+    )  # padded rows, counted as such
     assert trainer.local_generation_size == 32 and grpo.local_generation_size == 16
     assert len(trainer.get_train_dataloader()) * 2 == len(grpo.get_train_dataloader())
     passes, batches = train_counted(trainer)
