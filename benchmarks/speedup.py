@@ -302,7 +302,11 @@ def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPl
             "its training problems (use a folder with train.jsonl and test.jsonl as dataset_path)"
         )
     if base.dataset == "arith" or base.dataset_path is not None:
-        found = len(load_problems(base.dataset, split="test", dataset_path=base.dataset_path, max_questions=args.eval))
+        try:
+            test = load_problems(base.dataset, split="test", dataset_path=base.dataset_path, max_questions=args.eval)
+        except ValueError as e:
+            raise ValueError(f"--eval {args.eval}: {e}") from None
+        found = len(test)
         if found < args.eval:
             raise ValueError(f"--eval {args.eval}: the test split of {base.dataset!r} has only {found} problems")
     return EvalPlan(problems=args.eval, points=points)

@@ -17,6 +17,7 @@ import yaml
 from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
+from .data import check_arith_eval_limit
 from .device import check_device
 from .engines import check_engine_name
 from .math_grading import check_timeout
@@ -237,6 +238,7 @@ class TrainConfig:
         if not self.rewards:
             raise ValueError("rewards must name at least one reward function")
         check_timeout(self.reward_timeout)
+        check_arith_eval_limit(self.dataset, self.eval_limit)
         check_choice("dtype", self.dtype, DTYPES)
         check_device(self.device)
         _check_lora(self)

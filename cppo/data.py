@@ -32,6 +32,15 @@ ARITH_DEFAULT = 10_000
 ARITH_MAX = 1_000_000
 
 
+def check_arith_eval_limit(dataset: str, eval_limit: int | None) -> None:
+    """A ``ValueError`` naming ``eval_limit`` when the arithmetic task cannot hold that many test problems."""
+    if dataset == "arith" and eval_limit is not None and eval_limit > ARITH_TEST_SIZE:
+        raise ValueError(
+            f"eval_limit must be <= {ARITH_TEST_SIZE} for dataset arith (its test split: {ARITH_TEST_SIZE} distinct "
+            f"problems held out of training), got {eval_limit}"
+        )
+
+
 def check_arith_count(count: int) -> int:
     """``count`` when the arithmetic task can generate it, else a ``ValueError`` naming ``max_questions``."""
     if count > ARITH_MAX:
@@ -232,11 +241,7 @@ def load_problems(
         dataset = "math500"
     if dataset == "arith":
         if split == "test":
-            if max_questions is not None and max_questions > ARITH_TEST_SIZE:
-                raise ValueError(
-                    f"the arith test split has {ARITH_TEST_SIZE} distinct problems (held out of training): "
-                    f"max_questions / eval_limit must be <= {ARITH_TEST_SIZE}, got {max_questions}"
-                )
+            check_arith_eval_limit(dataset, max_questions)
             return [dict(p) for p in arith_test_problems()[: max_questions or ARITH_TEST_SIZE]]
         count = check_arith_count(max_questions or ARITH_DEFAULT)
         base = (question_seed or 0) + ARITH_SPLIT_SEED.get(split, 7)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from cppo.config import load_config
 from cppo.data import (
     QuestionSampler,
     arithmetic_problems,
@@ -135,7 +136,7 @@ def test_the_question_seed_draws_the_training_questions(tmp_path):
     assert a != b and a == load_problems("arith", split="train", max_questions=64, question_seed=42)
     assert load_problems("arith", split="train", max_questions=64) == load_problems(
         "arith", split="train", max_questions=64, question_seed=0
-    )  # seed 0 keeps the questions of earlier runs
+    )  # no question_seed is seed 0
     test = load_problems("arith", split="test", max_questions=20, question_seed=42)
     assert test == load_problems("arith", split="test", max_questions=20, question_seed=43)
     path = tmp_path / "rows.jsonl"
@@ -155,3 +156,19 @@ def test_trainer_takes_question_seed_else_seed():
     assert TrainConfig(seed=7, question_seed=3, **base).training_question_seed == 3
     with pytest.raises(ValueError, match="question_seed must be >= 0"):
         TrainConfig(question_seed=-1, **base)
+
+
+def test_the_arith_test_split_is_distinct_and_held_out_of_training():
+    """500 distinct test problems; no training split of any seed generates one of them; asking for more is an error
+    naming eval_limit, from the config too."""
+    test = load_problems("arith", split="test")
+    questions = {p["question"] for p in test}
+    assert len(test) == len(questions) == 500
+    for seed in (0, 42, 43):
+        train = load_problems("arith", split="train", max_questions=2000, question_seed=seed)
+        assert not questions & {p["question"] for p in train}
+    with pytest.raises(ValueError, match="eval_limit must be <= 500"):
+        load_problems("arith", split="test", max_questions=501)
+    with pytest.raises(ValueError, match="eval_limit must be <= 500"):
+        load_config("tiny-cpu", ["eval_limit=501"])
+    assert len(load_problems("arith", split="test", max_questions=300)) == 300
