@@ -193,7 +193,8 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
             "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
             "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
             "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
-            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p) if c.selection_metric == "smallest" and c.allocation
+            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p)
+            if c.selection_metric == "smallest" and (c.allocation or p == 0.0)
             else None,
             "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
             **accuracy_fields(run.curve, target=target, grpo_seconds=base_total),

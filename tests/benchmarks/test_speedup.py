@@ -248,8 +248,10 @@ def test_accumulate_rejects_missing_metric(report):
         report.accumulate([_metrics()], [1.0, 2.0])
 
 
-def _run(report, p, *, gen, train, steps=1):
+def _run(report, p, *, gen, train, steps=1, allocation=False):
     config = TrainConfig(group_size=16, pruning_rate=p, allocation=False, questions_per_step=16 // steps)
+    if allocation:  # the same questions per step, drawn by the paper's allocation
+        config = TrainConfig(group_size=16, pruning_rate=p, allocation=True, questions_per_step=1)
     config = dataclasses.replace(config, num_steps=steps, max_questions=16)
     phases = dict.fromkeys(report.PHASES, 0.0)
     phases |= {"generation": gen, "old_ref_logprobs": train / 4, "policy_fwd_bwd": train / 2, "optimizer": train / 4}
@@ -261,10 +263,12 @@ def _run(report, p, *, gen, train, steps=1):
 def test_build_rows_speedups(report):
     runs = [
         _run(report, 0.0, gen=10.0, train=16.0, steps=16),
-        _run(report, 0.75, gen=8.0, train=5.0, steps=4),
+        _run(report, 0.75, gen=8.0, train=5.0, steps=4, allocation=True),
         _run(report, 0.8, gen=10.0, train=4.0, steps=4),
     ]
     rows = report.build_rows(runs)
+    no_allocation = report.build_rows([runs[0], _run(report, 0.75, gen=8.0, train=5.0, steps=4)])[1]
+    assert no_allocation["paper_speedup_gsm8k"] is None  # the paper's CPPO always allocates
     base, cppo, other = rows
     assert base["speedup_train"] == 1.0 and base["speedup_total"] == 1.0 and base["ideal_speedup_train"] == 1.0
     assert base["amdahl_speedup_total"] == 1.0 and base["paper_speedup_gsm8k"] == 1.0
@@ -297,7 +301,8 @@ def test_build_rows_zero_time_gives_none_not_inf(report):
 
 
 def test_writers(report, speedup, tmp_path):
-    rows = report.build_rows([_run(report, 0.0, gen=3.0, train=4.0), _run(report, 0.5, gen=3.0, train=2.0)])
+    runs = [_run(report, 0.0, gen=3.0, train=4.0), _run(report, 0.5, gen=3.0, train=2.0, allocation=True)]
+    rows = report.build_rows(runs)
     rows[1]["reward_mean"] = float("nan")
     table = report.format_table(rows).splitlines()
     assert len(table) == 4 and table[0].startswith("| P | keep |")
@@ -336,6 +341,7 @@ class _FakeTrainer:
 
     def __init__(self, config):
         self.config = config
+        self.problems = [{"question": f"q{i}?", "answer": str(i)} for i in range(config.max_questions or 1)]
 
     def train_step(self):
         q = self.config.pruning.questions_drawn + self.extra
