@@ -41,6 +41,8 @@ DEFAULT_SPEEDUP_ARGS = (
     "--selection-metric", "random@0.75", "max-variance@0.75", "--questions", "64", "--eval", "300",
     "--eval-points", "1",
 )  # fmt: skip
+#: What the summary reads of every row.
+ROW_KEYS = ("pruning_rate", "selection_metric", "accuracy_after", "total_seconds", "train_seconds", "eval_problems")
 #: Flags the driver sets itself for every seed.
 OWN_FLAGS = ("--seed", "--threads", "--schedule", "--out", "--name", "--no-progress", "--dry-run")
 
@@ -110,9 +112,16 @@ def combine(args: argparse.Namespace, runs: pathlib.Path) -> dict[str, Any]:
         path = runs / f"{args.name}-seed{seed}.json"
         if not path.is_file():
             raise ValueError(f"--from-runs: {path} is missing (seed {seed} did not finish)")
-        data = json.loads(path.read_text())
-        metas[seed] = data["meta"]
-        rows += [{**r, "seed": r.get("seed", seed)} for r in data["rows"]]
+        try:
+            data = json.loads(path.read_text())
+            metas[seed] = data["meta"]
+            found = [{**r, "seed": r.get("seed", seed)} for r in data["rows"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a speedup.py result ({type(e).__name__}: {e})") from None
+        missing = sorted({k for r in found for k in ROW_KEYS if k not in r})
+        if missing or not found:
+            raise ValueError(f"{path}: its rows lack {missing or 'rows'} (not a speedup.py --eval result)")
+        rows += found
     return {"rows": rows, "metas": metas}
 
 

@@ -260,12 +260,19 @@ def run_plans(
                 gc.collect()
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
-    runs = [_finish(plan, steps, setup=t, curve=curve) for plan, steps, t, curve in zip(plans, records, setup, curves)]
-    return [dataclasses.replace(run, train_question_ids=q) for run, q in zip(runs, ids)]
+    return [
+        _finish(plan, steps, setup=t, curve=curve, question_ids=q)
+        for plan, steps, t, curve, q in zip(plans, records, setup, curves, ids)
+    ]
 
 
 def _finish(
-    plan: TrainConfig, steps: list[tuple[dict[str, float], float, float]], *, setup: float, curve: list[EvalPoint]
+    plan: TrainConfig,
+    steps: list[tuple[dict[str, float], float, float]],
+    *,
+    setup: float,
+    curve: list[EvalPoint],
+    question_ids: list[str] | None = None,
 ) -> RateRun:
     """A run's :class:`RateRun` from its steps' ``(metrics, wall, cpu)``; RuntimeError when it drew other questions
     than planned."""
@@ -275,7 +282,10 @@ def _finish(
             f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
             f"not the planned {plan.max_questions}: the rates would not see the same questions"
         )
-    return RateRun(config=plan, sums=sums, setup_seconds=setup, cpu_seconds=sum(c for _, _, c in steps), curve=curve)
+    cpu = sum(c for _, _, c in steps)
+    return RateRun(
+        config=plan, sums=sums, setup_seconds=setup, cpu_seconds=cpu, curve=curve, train_question_ids=question_ids
+    )
 
 
 def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPlan | None:
@@ -378,9 +388,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     variant = compare_config(args, config, need_cuda=not args.dry_run)
     if variant is not None:  # each rate's run, then the same rate with the setting changed
-        others = plan_schedule(variant, args.pruning_rates, questions=plans[0].max_questions)
         if ablations:
             raise ValueError("--compare runs every --pruning-rates rate twice; it takes no --selection-metric")
+        others = plan_schedule(variant, args.pruning_rates, questions=plans[0].max_questions)
         plans = [c for pair in zip(plans, others) for c in pair]
     threads = args.threads if args.threads is not None else (1 if on_cpu else None)
     if threads is not None and threads < 1:

@@ -221,11 +221,11 @@ def compare_rows(rows: Sequence[dict[str, Any]], setting: str) -> dict[str, Any]
     pairs = []
     for r in (r for r in rows if r.get("variant") == setting):
         b = base[r["pruning_rate"]]
+        keys = ("train_seconds", "total_seconds", "tokens_forward", "tokens_trained")
         pairs.append({
             "pruning_rate": r["pruning_rate"],
-            **{f"{k}": [b[k], r[k]] for k in ("train_seconds", "total_seconds", "tokens_forward", "tokens_trained")},
-            **{f"ratio_{k}": _ratio(r[k], b[k]) for k in ("train_seconds", "total_seconds", "tokens_forward")},
-            "ratio_tokens_trained": _ratio(r["tokens_trained"], b["tokens_trained"]),
+            **{k: [b[k], r[k]] for k in keys},
+            **{f"ratio_{k}": _ratio(r[k], b[k]) for k in keys},
             "reward_mean": [b["reward_mean"], r["reward_mean"]],
         })  # fmt: skip
     return {

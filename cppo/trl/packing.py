@@ -104,11 +104,21 @@ def shared_rows(batch: dict, *, rows_per_forward: int) -> SharedRows | None:
     padded = prompt_ids.size(1) + width  # >= any sample's p + c - 1
     budget = min(min(rows, rows_per_forward) * padded, max(MAX_ROW_TOKENS, padded))
     batches = pack_shared(samples, budget, device=completion_ids.device)
-    dest = []
-    for b in batches:
-        flat = [keep[i] * width + j for i in b.sample_index for j in range(c_len[keep[i]])]
-        dest.append(torch.tensor(flat, dtype=torch.long, device=completion_ids.device))
+    kept_rows = torch.tensor(keep, dtype=torch.long, device=completion_ids.device)  # [S]
+    dest = [_token_slots(kept_rows[torch.as_tensor(b.sample_index, device=kept_rows.device)], completion_len, width)
+            for b in batches]  # fmt: skip
     return SharedRows(batches, dest, (rows, width))
+
+
+def _token_slots(rows: Tensor, completion_len: Tensor, width: int) -> Tensor:
+    """``[T]`` flat indices into ``[B * width]`` of the completion tokens of ``rows [S]``, row after row, token after
+    token (row r's token j at ``r * width + j``), without a Python loop over tokens."""
+    lengths = completion_len.to(rows.device)[rows]  # [S]
+    starts = torch.repeat_interleave(rows * width, lengths)  # [T]
+    offsets = torch.arange(starts.numel(), device=rows.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )  # [T]: j within its row
+    return starts + offsets
 
 
 def _completion_hidden(model, b: PackedBatch, unwrapped) -> Tensor:

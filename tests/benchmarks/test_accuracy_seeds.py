@@ -121,6 +121,12 @@ def test_from_runs_combines_the_seed_files(tmp_path):
     assert written["summary"] == json.loads(json.dumps(data["summary"]))
     assert len(written["rows"]) == 9 and (out / "accuracy-smollm2-seeds.png").stat().st_size > 0
     assert written["meta"]["seeds"] == [42, 43, 44] and "seed" not in written["meta"]
+    (runs / "accuracy-smollm2-seed43.json").write_text('{"meta": {}, "rows": [{"pruning_rate": 0}]}')
+    with pytest.raises(ValueError, match="rows lack \\['accuracy_after'"):
+        accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out)])
+    (runs / "accuracy-smollm2-seed43.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a speedup.py result"):
+        accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out)])
     with pytest.raises(ValueError, match="seed 45 did not finish"):
         accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out), "--seeds", "44", "45"])
 
