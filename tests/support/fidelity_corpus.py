@@ -1,8 +1,8 @@
-"""Completions to compare cppo's scoring with the official one (tests/official_cppo.py): hand-made edge cases,
+"""Completions to compare cppo's scoring with the official one (tests/support/official_cppo.py): hand-made edge cases,
 completions built from real GSM8K / MATH-500 solutions in many layouts, and random text over the tags' alphabet.
 
-``scale`` sizes the corpus: CI uses a small one; ``python tests/fidelity_corpus.py`` runs the comparison on a large
-one and prints the counts.
+``scale`` sizes the corpus: CI uses a small one; ``.venv/bin/python tests/support/fidelity_corpus.py`` runs the
+comparison on a large one and prints the counts.
 """
 
 from __future__ import annotations
