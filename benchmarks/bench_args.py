@@ -7,7 +7,7 @@ import argparse
 import pathlib
 from collections.abc import Callable
 
-from cppo.rundir import check_writable
+from cppo.fileio import check_writable
 
 
 def count(minimum: int) -> Callable[[str], int]:

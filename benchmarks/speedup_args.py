@@ -20,7 +20,7 @@ from bench_out import run_folder_name
 import cppo
 from cppo import TrainConfig
 from cppo.device import resolve_device
-from cppo.rundir import check_writable
+from cppo.fileio import check_writable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)

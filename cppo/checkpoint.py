@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from . import lora
 from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 from .distributed import DistInfo, barrier
+from .fileio import fsync, fsync_tree
 from .parallel import is_fsdp2, unwrap_model
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -171,36 +172,20 @@ def _megabytes(n: int) -> str:
     return f"{n / 2**20:,.0f} MB"
 
 
-def fsync_tree(folder: str) -> None:
-    """Flushes every file under ``folder``, and the folders themselves, to disk."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _move_into_place(tmp: str, path: str) -> None:
     """Replaces ``path`` (if any) by ``tmp`` with renames only; the old folder stays as ``.replaced-NAME`` until the
     new one is in place (see :func:`remove_leftovers`)."""
     parent = os.path.dirname(path)
     if not os.path.exists(path):
         os.replace(tmp, path)
-        _fsync(parent)
+        fsync(parent)
         return
     replaced = os.path.join(parent, REPLACED_PREFIX + os.path.basename(path))
     if os.path.lexists(replaced):
         remove(replaced)
     os.replace(path, replaced)  # a symlinked checkpoint moves as the link (its target is never touched)
     os.replace(tmp, path)
-    _fsync(parent)
+    fsync(parent)
     remove(replaced)
 
 

@@ -138,12 +138,13 @@ def _dry_run(args, config: TrainConfig) -> int:
     from . import rundir
     from .data import count_local_problems
     from .distributed import DistInfo
+    from .fileio import check_writable
     from .rewards import get_rewards
     from .runlock import check_free
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
-    rundir.check_writable(config.output_dir, create=False)
+    check_writable(config.output_dir, create=False)
     check_free(config.output_dir)
     get_rewards(config.rewards)
     if not (args.resume or args.overwrite):
@@ -181,10 +182,11 @@ def _check_eval_args(args) -> None:
     naming the flag."""
     from cppo_kernels.config import check_float, check_int
 
-    from . import math_grading, rundir
+    from . import math_grading
     from .checkpoint import model_folder
     from .config import check_model_and_data
     from .engines import check_engine_name
+    from .fileio import check_writable
     from .lora import is_adapter_folder
 
     if args.limit is not None:
@@ -201,7 +203,7 @@ def _check_eval_args(args) -> None:
         if os.path.isdir(args.output):
             raise ValueError(f"--output {args.output!r} is a folder: name the JSON file to write")
         try:
-            rundir.check_writable(os.path.dirname(os.path.abspath(args.output)), create=False)
+            check_writable(os.path.dirname(os.path.abspath(args.output)), create=False)
         except ValueError as e:
             raise ValueError(f"--output {args.output!r}: " + str(e).replace("output_dir", "its folder", 1)) from None
     try:

@@ -21,6 +21,7 @@ from .data import check_arith_eval_limit
 from .device import check_device
 from .engines import check_engine_name
 from .math_grading import check_timeout
+from .parallel import PARALLELISMS
 from .selection import Pruning
 from .sinks import check_report_to
 
@@ -31,8 +32,6 @@ TINY_MODELS = ("tiny-qwen2",)
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``lr_schedule``: cosine / linear decay or constant, each after a linear warm-up.
 LR_SCHEDULES = ("cosine", "linear", "constant")
-#: ``parallelism``: how the model is replicated over torchrun's processes (``none``: one process only).
-PARALLELISMS = ("none", "ddp", "fsdp2")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 #: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).

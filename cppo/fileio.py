@@ -24,7 +24,18 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "atomic_path", "write_json", "json_safe", "git_commit", "run_metadata", "device_name"]
+__all__ = [
+    "atomic_write",
+    "atomic_path",
+    "write_json",
+    "json_safe",
+    "check_writable",
+    "fsync",
+    "fsync_tree",
+    "git_commit",
+    "run_metadata",
+    "device_name",
+]
 
 
 @contextlib.contextmanager
@@ -85,6 +96,43 @@ def _fsync_folder(folder: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_writable(output_dir: str, *, create: bool = True) -> None:
+    """``ValueError`` unless ``output_dir`` is (or, with ``create``, can be made) a folder this process can write
+    in. ``create=False`` only checks, creating nothing: the nearest existing folder on the path must be writable."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file, not a folder")
+    if not create:
+        existing = os.path.abspath(output_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"output_dir {output_dir!r} cannot be created: {existing!r} is not a writable folder")
+        return
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
+
+
+def fsync(path: str) -> None:
+    """Flushes a file, or a folder's entries (a rename in it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str) -> None:
+    """Flushes every file under ``folder``, and the folders themselves, to disk."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fsync(os.path.join(root, name))
+        fsync(root)
 
 
 def json_safe(data: Any) -> Any:

@@ -20,7 +20,6 @@ import tempfile
 import torch
 
 from . import fileio
-from .config import TrainConfig
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's
@@ -62,30 +61,42 @@ def check_target_modules(model: torch.nn.Module, targets: list[str] | str) -> No
         )
 
 
-def apply_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    """``model`` wrapped by ``peft.get_peft_model`` with the run's LoRA settings (task CAUSAL_LM), the adapters
-    initialised from ``config.seed`` (lora_B zero: the policy starts as the base); only they require gradients.
-    The base recipe (``config.model``, ``model_config``, ``seed``) rides along for :func:`save_adapter`."""
+def apply_lora(
+    model: torch.nn.Module,
+    *,
+    r: int,
+    alpha: int,
+    dropout: float,
+    target_modules: list[str] | str,
+    seed: int,
+    base_model: str,
+    base_config: dict | None = None,
+) -> torch.nn.Module:
+    """``model`` wrapped by ``peft.get_peft_model`` with the run's LoRA settings (``lora_r``, ``lora_alpha``,
+    ``lora_dropout``, ``lora_target_modules``; task CAUSAL_LM), the adapters initialised from ``seed`` (lora_B
+    zero: the policy starts as the base); only they require gradients. The base recipe (``base_model``, the name or
+    path ``model`` was loaded from, a tiny model's ``base_config`` overrides, ``seed``) rides along for
+    :func:`save_adapter`."""
     from peft import LoraConfig, get_peft_model
 
-    targets = config.lora_target_modules
+    targets = target_modules
     check_target_modules(model, targets)
     lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
         target_modules="all-linear" if targets in ("all-linear", ["all-linear"]) else list(targets),
         task_type="CAUSAL_LM",
     )
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(config.seed)  # lora_A's random init: the same in every run (and rank) of this seed
+        torch.manual_seed(seed)  # lora_A's random init: the same in every run (and rank) of this seed
         peft_model = get_peft_model(model, lora)
-    local = os.path.exists(config.model)
+    local = os.path.exists(base_model)
     base = {
-        "model": os.path.abspath(config.model) if local else config.model,
-        "model_config": config.model_config,
-        "seed": config.seed,
+        "model": os.path.abspath(base_model) if local else base_model,
+        "model_config": base_config,
+        "seed": seed,
     }
     peft_model.peft_config["default"].base_model_name_or_path = base["model"]
     peft_model.cppo_base = base  # read by save_adapter
@@ -186,12 +197,10 @@ def merge(folder: str, output: str, *, dtype: str = "float32") -> str:
 def _folder_in_place(target: str):
     """A fresh temporary folder beside ``target``, flushed and renamed to ``target`` when the block ends without
     error (removed otherwise)."""
-    from .checkpoint import fsync_tree
-
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(target)}-", dir=os.path.dirname(target))
     try:
         yield tmp
-        fsync_tree(tmp)
+        fileio.fsync_tree(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         os.replace(tmp, target)  # an empty target folder is replaced; a non-empty one was refused
     except BaseException:

@@ -8,46 +8,44 @@ import math
 
 import torch
 
-from .config import TrainConfig
 
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters (fp32 masters; after wrapping: FSDP2 replaces them with sharded
     ones; with LoRA the adapters only), with torch's defaults betas (0.9, 0.999) and eps 1e-8, as the Hugging Face
     Trainer's ``adamw_torch``."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, *, total: int):
-    """``config.lr_schedule`` over ``total`` optimizer steps, after a linear warm-up of ``ceil(total *
-    warmup_ratio)`` steps (the Hugging Face Trainer's count, which the official runs use; the float product
-    included: 30 * 0.1 = 3.0000000000000004 warms up for 4 steps)."""
+def make_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_ratio: float, total: int):
+    """The ``schedule`` (``lr_schedule``: cosine, linear or constant) over ``total`` optimizer steps, after a linear
+    warm-up of ``ceil(total * warmup_ratio)`` steps (the Hugging Face Trainer's count, which the official runs use;
+    the float product included: 30 * 0.1 = 3.0000000000000004 warms up for 4 steps)."""
     from transformers import (
         get_constant_schedule_with_warmup,
         get_cosine_schedule_with_warmup,
         get_linear_schedule_with_warmup,
     )
 
-    warmup = math.ceil(total * config.warmup_ratio)
-    if config.lr_schedule == "cosine":
+    warmup = math.ceil(total * warmup_ratio)
+    if schedule == "cosine":
         return get_cosine_schedule_with_warmup(optimizer, warmup, total)
-    if config.lr_schedule == "linear":
+    if schedule == "linear":
         return get_linear_schedule_with_warmup(optimizer, warmup, total)
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
-def apply_settings(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig) -> None:
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler, *, lr: float, weight_decay: float) -> None:
     """After a resume restored ``optimizer`` and ``scheduler`` from a checkpoint: the run's own ``lr`` and
-    ``weight_decay`` replace the saved ones, and the schedule (built from ``config``: ``lr_schedule``,
-    ``warmup_ratio``, the run's length) sets the current learning rate at the restored step, so that a setting a
-    resume accepts is applied, never recorded and ignored. With unchanged settings nothing changes (the same
-    formula the schedule applied at its last step)."""
-    scheduler.base_lrs = [float(config.lr)] * len(optimizer.param_groups)
+    ``weight_decay`` replace the saved ones, and the schedule (built by :func:`make_scheduler` for this run:
+    ``lr_schedule``, ``warmup_ratio``, the run's length) sets the current learning rate at the restored step, so that
+    a setting a resume accepts is applied, never recorded and ignored. With unchanged settings nothing changes (the
+    same formula the schedule applied at its last step)."""
+    scheduler.base_lrs = [float(lr)] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] = float(config.lr)
-        group["weight_decay"] = float(config.weight_decay)
-        group["lr"] = float(config.lr) * factor(scheduler.last_epoch)
+        group["initial_lr"] = float(lr)
+        group["weight_decay"] = float(weight_decay)
+        group["lr"] = float(lr) * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 

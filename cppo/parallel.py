@@ -15,10 +15,10 @@ from torch import nn
 
 from cppo_kernels.config import check_choice
 
-from .config import PARALLELISMS
 from .distributed import DistInfo, require_group
 
 __all__ = [
+    "PARALLELISMS",
     "ForwardModule",
     "wrap_model",
     "mixed_precision",
@@ -28,6 +28,9 @@ __all__ = [
     "gradient_sync",
     "grad_scale",
 ]
+
+#: ``parallelism``: how the model is replicated over torchrun's processes (``none``: one process only).
+PARALLELISMS = ("none", "ddp", "fsdp2")
 
 
 class ForwardModule(nn.Module):

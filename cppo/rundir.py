@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import DistInfo, barrier, max_across_ranks
+from .fileio import check_writable
 from .runlock import RunLock, RunLocked
 
 logger = logging.getLogger(__name__)
@@ -33,26 +33,6 @@ RESUMABLE = frozenset(
 FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
 #: LoRA: the checkpoint holds an adapter of that shape (or a full model), which only such a policy loads.
 FIXED |= {"use_peft", "lora_r", "lora_target_modules"}
-
-
-def check_writable(output_dir: str, *, create: bool = True) -> None:
-    """``ValueError`` unless ``output_dir`` is (or, with ``create``, can be made) a folder this process can write
-    in. ``create=False`` only checks, creating nothing: the nearest existing folder on the path must be writable."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"output_dir {output_dir!r} is a file, not a folder")
-    if not create:
-        existing = os.path.abspath(output_dir)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"output_dir {output_dir!r} cannot be created: {existing!r} is not a writable folder")
-        return
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as e:
-        raise ValueError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
 
 
 def existing_run(output_dir: str) -> list[str]:

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 from . import metrics
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
+from .fileio import check_writable
 
 __all__ = [
     "MetricSink",
@@ -46,8 +43,9 @@ class MetricSink(ABC):
         self.output_dir = output_dir
 
     @abstractmethod
-    def start(self, config: TrainConfig, *, step: int) -> None:
-        """Opens the sink for a run of ``config`` that continues after ``step`` (0: a new run)."""
+    def start(self, settings: dict, *, step: int) -> None:
+        """Opens the sink for a run of ``settings`` (``TrainConfig.to_dict()``) that continues after ``step`` (0: a
+        new run)."""
 
     @abstractmethod
     def log(self, record: dict, step: int) -> None:
@@ -65,11 +63,9 @@ def scalars(record: dict) -> dict[str, float]:
 
 def _check_folder(output_dir: str, name: str, folder: str) -> str:
     """``output_dir/folder``, or a ``ValueError`` naming ``report_to`` when it cannot be written (nothing created)."""
-    from . import rundir  # here: rundir imports the config, which imports this module
-
     path = os.path.join(output_dir, folder)
     try:
-        rundir.check_writable(path, create=False)
+        check_writable(path, create=False)
     except ValueError as e:
         raise ValueError(f"report_to: {name!r} writes to {path!r}, which cannot be written ({e})") from None
     return path
@@ -97,7 +93,7 @@ class JsonlSink(MetricSink):
         super().__init__(output_dir)
         self.path = os.path.join(output_dir, self.FILE)
 
-    def start(self, config: TrainConfig, *, step: int) -> None:
+    def start(self, settings: dict, *, step: int) -> None:
         """Keeps the log's records up to ``step``: a resumed run drops what a killed run logged after its
         checkpoint, and a torn last line."""
         if os.path.isfile(self.path):
@@ -122,7 +118,7 @@ class TensorBoardSink(MetricSink):
         self.log_dir = _check_folder(output_dir, "tensorboard", self.FOLDER)
         self.writer = None
 
-    def start(self, config: TrainConfig, *, step: int) -> None:
+    def start(self, settings: dict, *, step: int) -> None:
         """Opens a writer; after ``step`` > 0 (a resume) TensorBoard discards the older files' events past it."""
         from torch.utils.tensorboard import SummaryWriter
 
@@ -149,7 +145,7 @@ class WandbSink(MetricSink):
         _check_folder(output_dir, "wandb", "wandb")
         self.run = None
 
-    def start(self, config: TrainConfig, *, step: int) -> None:
+    def start(self, settings: dict, *, step: int) -> None:
         import wandb
 
         self.run = wandb.init(
@@ -157,7 +153,7 @@ class WandbSink(MetricSink):
             mode=os.environ.get("WANDB_MODE") or "offline",
             project=os.environ.get("WANDB_PROJECT") or "cppo",
             name=os.path.basename(os.path.abspath(self.output_dir)),
-            config=config.to_dict(),
+            config=settings,
         )
 
     def log(self, record: dict, step: int) -> None:
@@ -200,9 +196,16 @@ def check_report_to(names: list[str]) -> list[str]:
     return names
 
 
-def make_sinks(config: TrainConfig) -> list[MetricSink]:
-    """The sinks ``config.report_to`` names, built (so checked) before anything loads; not yet started."""
-    return [_SINKS[name](config.output_dir) for name in check_report_to(config.report_to) if name != "none"]
+def make_sinks(report_to: list[str], output_dir: str) -> list[MetricSink]:
+    """The sinks ``report_to`` names (as :func:`check_report_to` accepted it when the settings were built), each
+    built for ``output_dir``, which checks that it can start; not yet started."""
+    return [_sink_class(name)(output_dir) for name in report_to if name != "none"]
+
+
+def _sink_class(name: str) -> type[MetricSink]:
+    if name not in _SINKS:
+        raise ValueError(f"report_to: no sink is registered as {name!r}; the sinks are {available_sinks()}")
+    return _SINKS[name]
 
 
 register_sink("jsonl", JsonlSink)

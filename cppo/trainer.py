@@ -32,6 +32,7 @@ from .data import QuestionSampler, load_problems
 from .device import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
+from .fileio import check_writable
 from .interrupt import Interrupted, StopSignals
 from .models import (
     completion_hidden,
@@ -77,8 +78,9 @@ class Trainer:
                 f"questions per step ({self.pruning.questions_drawn}) must divide by world_size ({self.world_size})"
             )
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
-        rundir.check_writable(config.output_dir)  # before anything loads, not after the first step
-        self.sinks = sinks.make_sinks(config) if self.rank == 0 else []  # report_to: checked before the model loads
+        check_writable(config.output_dir)  # before anything loads, not after the first step
+        # report_to: the sinks are built (so checked) before the model loads
+        self.sinks = sinks.make_sinks(config.report_to, config.output_dir) if self.rank == 0 else []
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions,
             question_seed=config.training_question_seed,
@@ -89,8 +91,13 @@ class Trainer:
         self.num_steps = config.steps_for(len(self.problems))
         self._build_models()
         # after wrapping: FSDP2 replaces the parameters with sharded ones
-        self.optimizer = make_optimizer(self.model, config)
-        self.scheduler = make_scheduler(self.optimizer, config, total=self.num_steps * config.mu)
+        self.optimizer = make_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = make_scheduler(
+            self.optimizer,
+            schedule=config.lr_schedule,
+            warmup_ratio=config.warmup_ratio,
+            total=self.num_steps * config.mu,
+        )
         self.rollout = self._make_rollout()
         self.loss_config = config.loss_config
         self.skips = SkipCounter(config.max_skipped_updates)
@@ -114,7 +121,11 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
-            self.model = lora.apply_lora(self.model, cfg)
+            self.model = lora.apply_lora(
+                self.model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                target_modules=cfg.lora_target_modules, seed=cfg.seed, base_model=cfg.model,
+                base_config=cfg.model_config,
+            )  # fmt: skip
         self.model.train()
         self.ref_model = None
         if cfg.beta > 0 and not cfg.use_peft:
@@ -393,7 +404,7 @@ class Trainer:
         bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
         try:
             for sink in self.sinks:  # a resumed run drops what a killed run logged after its last checkpoint
-                sink.start(cfg, step=self.step)
+                sink.start(cfg.to_dict(), step=self.step)
             with StopSignals() as stop:
                 while self.step < self.num_steps:
                     record = self._step_and_log(logged)
@@ -492,7 +503,8 @@ class Trainer:
             info=self.info,
             required=checkpoint.TRAINER_KEYS,
         )
-        apply_settings(self.optimizer, self.scheduler, self.config)  # lr, weight decay, schedule: this run's
+        # lr, weight decay, schedule: this run's
+        apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         self.rollout.sync_weights()

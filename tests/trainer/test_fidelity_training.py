@@ -152,7 +152,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_step(tmp_path):
 def test_warmup_is_the_hugging_face_count(tmp_path, total):
     cfg = config(tmp_path, warmup_ratio=0.1, lr_schedule="cosine", lr=1.0)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = make_scheduler(opt, cfg, total=total)
+    scheduler = make_scheduler(opt, schedule=cfg.lr_schedule, warmup_ratio=cfg.warmup_ratio, total=total)
     warmup = math.ceil(total * 0.1)  # transformers' TrainingArguments.get_warmup_steps
     lrs = []
     for _ in range(warmup + 1):

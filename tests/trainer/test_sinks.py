@@ -81,9 +81,9 @@ def test_wandb_is_offline_unless_wandb_mode_says_otherwise(tmp_path, monkeypatch
     monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.delenv("WANDB_MODE", raising=False)
     config = tiny_config(tmp_path, report_to=["wandb"])
-    WandbSink(str(tmp_path)).start(config, step=0)
+    WandbSink(str(tmp_path)).start(config.to_dict(), step=0)
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    WandbSink(str(tmp_path)).start(config, step=0)
+    WandbSink(str(tmp_path)).start(config.to_dict(), step=0)
     assert [(c["mode"], c["dir"]) for c in calls] == [("offline", str(tmp_path)), ("disabled", str(tmp_path))]
     assert calls[0]["config"] == config.to_dict()
 
@@ -96,7 +96,7 @@ def test_report_to_none_writes_no_metrics_but_the_plot(tmp_path):
 
 def test_tensorboard_skips_metrics_that_are_not_numbers(tmp_path):
     sink = TensorBoardSink(str(tmp_path))
-    sink.start(tiny_config(tmp_path), step=0)
+    sink.start(tiny_config(tmp_path).to_dict(), step=0)
     sink.log({"step": 3, "loss": 0.5, "missing": None, "name": "x", "list": [1], "flag": True}, 3)
     sink.close()
     assert tensorboard_scalars(tmp_path / "tensorboard") == {"loss": [(3, 0.5)], "flag": [(3, 1.0)]}
