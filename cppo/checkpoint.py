@@ -100,6 +100,7 @@ def save(
         The absolute path of the checkpoint folder.
     """
     path = os.path.abspath(path)
+    model = unwrap_model(module)  # the model inside DDP / the packed forward (FSDP2: sharded in place)
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}")
     if info.is_main:
         if os.path.lexists(tmp):
@@ -108,12 +109,13 @@ def save(
     barrier(info)
     try:
         _write(
-            tmp, module=module, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state, info=info
-        )
+            tmp, module=module, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+            state=state, info=info,
+        )  # fmt: skip
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch's "unexpected pos", safetensors' error
         if info.is_main and os.path.lexists(tmp):
             remove(tmp)
-        raise CheckpointWriteError(_write_failure(path, e, module=module, optimizer=optimizer)) from None
+        raise CheckpointWriteError(_write_failure(path, e, model=model, optimizer=optimizer)) from None
     barrier(info)
     if info.is_main:
         fsync_tree(tmp)
@@ -127,17 +129,18 @@ class CheckpointWriteError(OSError):
     checkpoint is intact."""
 
 
-def _write(tmp: str, *, module, tokenizer, optimizer, scheduler, state: dict, info: DistInfo) -> None:
-    """The files of a checkpoint into the temporary folder ``tmp`` (every rank: FSDP2 writes shards from each)."""
+def _write(tmp: str, *, module, model, tokenizer, optimizer, scheduler, state: dict, info: DistInfo) -> None:
+    """The files of a checkpoint into the temporary folder ``tmp`` (every rank: FSDP2 writes shards from each):
+    ``module`` as wrapped, ``model`` the model inside it."""
     sharded = is_fsdp2(module)
     if sharded:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_sharded_state(module, optimizer), checkpoint_id=os.path.join(tmp, SHARDS_DIR))
-    elif info.is_main and lora.is_lora(unwrap_model(module)):  # the adapter in PEFT's format, megabytes
-        lora.save_adapter(unwrap_model(module), os.path.join(tmp, MODEL_DIR), tokenizer=tokenizer)
+    elif info.is_main and lora.is_lora(model):  # the adapter in PEFT's format, megabytes
+        lora.save_adapter(model, os.path.join(tmp, MODEL_DIR), tokenizer=tokenizer)
     elif info.is_main:
-        unwrap_model(module).save_pretrained(os.path.join(tmp, MODEL_DIR))
+        model.save_pretrained(os.path.join(tmp, MODEL_DIR))
         tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
     if info.is_main:
         optim = {} if sharded else {"optimizer": optimizer.state_dict()}  # FSDP2: in the shards
@@ -151,10 +154,10 @@ def _write(tmp: str, *, module, tokenizer, optimizer, scheduler, state: dict, in
         torch.save(full, os.path.join(tmp, STATE_FILE))
 
 
-def _write_failure(path: str, error: BaseException, *, module, optimizer) -> str:
+def _write_failure(path: str, error: BaseException, *, model, optimizer) -> str:
     """One line: which checkpoint, why, the free space against what it needs, and the one a resume would use."""
     folder = os.path.dirname(path)
-    params = sum(p.numel() * p.element_size() for p in unwrap_model(module).parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
     moments = sum(
         t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)
     )
