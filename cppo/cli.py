@@ -106,17 +106,14 @@ def _train(args) -> int:
     if args.dry_run:
         return _dry_run(args, config)
     info = distributed.init_distributed(device=config.device)  # torchrun's process group, or one process
-    lock = None
+    run = None
     try:
-        lock = rundir.prepare(config.output_dir, resume=args.resume, overwrite=args.overwrite, info=info)
-        candidates = (
-            rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=info)
-            if args.resume
-            else []
-        )
-        trainer = Trainer(config, info=info)
+        existing = "resume" if args.resume else "overwrite" if args.overwrite else "refuse"
+        run = rundir.open_run(config.output_dir, report_to=config.report_to, info=info, existing=existing)
+        candidates = _resume_candidates(config, args, info=info) if args.resume else []
+        trainer = Trainer(config, info=info, run=run)
         if args.overwrite:
-            rundir.clear_run(config.output_dir, info=info)
+            run.clear()
         if candidates:
             path = rundir.resume(trainer, candidates)
             distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
@@ -126,10 +123,22 @@ def _train(args) -> int:
             keys = ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
     finally:
-        if lock is not None:
-            lock.release()
+        if run is not None:
+            run.close()
         distributed.close_distributed()
     return 0
+
+
+def _resume_candidates(config: TrainConfig, args, *, info) -> list[str]:
+    """The checkpoints ``--resume`` may load (:func:`cppo.rundir.resume_candidates`), the run's settings compared
+    with each one's."""
+    from . import rundir
+    from .config import FIXED
+
+    return rundir.resume_candidates(
+        config.output_dir, changes_from=config.changes_from, fixed=FIXED,
+        allow_config_change=args.allow_config_change, info=info,
+    )  # fmt: skip
 
 
 def _dry_run(args, config: TrainConfig) -> int:
@@ -151,8 +160,7 @@ def _dry_run(args, config: TrainConfig) -> int:
         rundir.refuse_existing_run(config.output_dir)
     resume_from = None
     if args.resume:
-        candidates = rundir.resume_candidates(config, allow_config_change=args.allow_config_change, info=DistInfo())
-        resume_from = candidates[0]
+        resume_from = _resume_candidates(config, args, info=DistInfo())[0]
     problems = count_local_problems(
         config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
     )

@@ -42,6 +42,19 @@ HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: ``seed`` is at most this (the per-step seeds derived from it must fit torch's 64-bit seed).
 MAX_SEED = 2**32 - 1
+#: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
+#: its length (with a decaying lr_schedule, a new length reshapes the remaining schedule), and how (not what) it
+#: computes. Any other difference changes the run (:meth:`TrainConfig.changes_from`).
+RESUMABLE = frozenset(
+    {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
+    | {"report_to"}
+    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
+)
+#: Settings a resume cannot apply, even with --allow-config-change: the weights are of that model, the data
+#: position of that question list; LoRA: the checkpoint holds an adapter of that shape (or a full model), which only
+#: such a policy loads.
+FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
+FIXED |= {"use_peft", "lora_r", "lora_target_modules"}
 
 
 def setting(default, help: str, *, factory=None):
@@ -257,6 +270,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def changes_from(self, saved: dict) -> list[str]:
+        """What differs between the settings a checkpoint was saved with (``saved``: :meth:`to_dict`) and these,
+        except the :data:`RESUMABLE` ones: ``"name: saved -> now"`` each. A setting the checkpoint predates counts as
+        its default."""
+        changes, defaults = [], TrainConfig().to_dict()
+        for f in dataclasses.fields(TrainConfig):
+            if f.name in RESUMABLE:
+                continue
+            was, now = saved.get(f.name, defaults[f.name]), getattr(self, f.name)
+            if was != now:
+                changes.append(f"{f.name}: {was!r} -> {now!r}")
+        return changes
 
 
 def check_model_and_data(

@@ -1,38 +1,28 @@
-"""The output folder of a run: checked writable before the model loads, never shared by two runs (refused unless
-resuming or overwriting), cleaned of what a killed save left, and the checkpoint a resume continues from, whose
-saved settings must be the run's."""
+"""The output folder of a run, opened once before the model loads (:func:`open_run`, for ``cppo train`` and
+:meth:`cppo.trainer.Trainer.train` alike): checked writable, locked (one run per folder), never mixed with the run
+already there (refused unless resuming or overwriting), cleaned of what a killed save left, and its ``report_to``
+sinks built; then the checkpoint a resume continues from, whose saved settings the caller checks."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+from collections.abc import Callable, Collection
 
 from . import checkpoint
-from .config import TrainConfig
 from .distributed import DistInfo, barrier, max_across_ranks
 from .fileio import check_writable
 from .runlock import RunLock, RunLocked
+from .sinks import MetricSink, make_sinks
 
 logger = logging.getLogger(__name__)
 
 #: The files a run writes into its output_dir besides its checkpoint-N folders (the folders: report_to's sinks).
 RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb")
-#: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
-#: its length (with a decaying lr_schedule, a new length reshapes the remaining schedule), and how (not what) it
-#: computes. Any other difference changes the run.
-RESUMABLE = frozenset(
-    {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
-    | {"report_to"}
-    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
-)
-
-
-#: Settings a resume cannot apply, even with --allow-config-change: the weights are of that model, the data
-#: position of that question list.
-FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
-#: LoRA: the checkpoint holds an adapter of that shape (or a full model), which only such a policy loads.
-FIXED |= {"use_peft", "lora_r", "lora_target_modules"}
+#: What :func:`open_run` does with a run already in the folder: refuse it (a new run), keep it (``--resume``),
+#: delete it once the new run has loaded (``--overwrite``: :meth:`Run.clear`), or look when training starts
+#: (``later``: the Python API, whose caller may still load a checkpoint into the trainer).
+EXISTING = ("refuse", "resume", "overwrite", "later")
 
 
 def existing_run(output_dir: str) -> list[str]:
@@ -57,25 +47,6 @@ def refuse_existing_run(output_dir: str) -> None:
         )
 
 
-def prepare(output_dir: str, *, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
-    """Before anything loads: ``output_dir`` must be writable, rank 0 takes its run lock (:mod:`cppo.runlock`: a
-    second run or resume of the folder is refused, naming the holder) and, unless ``resume`` or ``overwrite``, the
-    folder must hold no run. Then rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`).
-    The old run itself goes only in :func:`clear_run`, once the new one has loaded. Call it on every rank; rank 0
-    gets the lock (held until it is released or the process exits), the others None."""
-    if resume and overwrite:
-        raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
-    check_writable(output_dir)
-    lock = _lock_on_rank0(output_dir, info=info)
-    try:
-        _check_and_clean(output_dir, fresh=not (resume or overwrite), info=info)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    return lock
-
-
 def _lock_on_rank0(output_dir: str, *, info: DistInfo) -> RunLock | None:
     """Rank 0 takes the lock; every rank learns whether it could (so none waits for a rank that gave up)."""
     lock, refused = None, None
@@ -89,9 +60,9 @@ def _lock_on_rank0(output_dir: str, *, info: DistInfo) -> RunLock | None:
     return lock
 
 
-def _check_and_clean(output_dir: str, *, fresh: bool, info: DistInfo) -> None:
-    if fresh:
-        refuse_existing_run(output_dir)
+def _clean_leftovers(output_dir: str, *, info: DistInfo) -> None:
+    """Rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`), every rank having looked
+    first."""
     barrier(info)  # every rank has looked before rank 0 changes anything
     if info.is_main:
         for name in checkpoint.remove_leftovers(output_dir):
@@ -99,42 +70,114 @@ def _check_and_clean(output_dir: str, *, fresh: bool, info: DistInfo) -> None:
     barrier(info)
 
 
-def clear_run(output_dir: str, *, info: DistInfo) -> None:
-    """``--overwrite``: rank 0 deletes the old run's files and checkpoints (nothing else in the folder). Called after
-    the new run's settings, rewards and model have all loaded, so a typo never costs the old run. Every rank."""
-    barrier(info)
-    if info.is_main:
-        for name in existing_run(output_dir):
-            checkpoint.remove(os.path.join(output_dir, name))
-    barrier(info)
+def open_run(output_dir: str, *, report_to: list[str], info: DistInfo, existing: str = "refuse") -> Run:
+    """Opens ``output_dir`` for one run, before anything loads; every check once: the folder must be writable; rank
+    0 builds the ``report_to`` sinks (each checks that it can start: its library, its folder); unless ``existing``
+    is ``"later"``, rank 0 takes the folder's run lock (:mod:`cppo.runlock`: a second run of the folder is refused,
+    naming the holder), a run already in the folder is refused unless ``existing`` is ``"resume"`` or
+    ``"overwrite"`` (the old run itself goes only in :meth:`Run.clear`, once the new one has loaded), and rank 0
+    deletes what killed saves left. Call it on every rank; ``Run.close`` releases what it took."""
+    if existing not in EXISTING:
+        raise ValueError(f"existing must be one of {EXISTING}, got {existing!r}")
+    check_writable(output_dir)
+    sinks = make_sinks(report_to, output_dir) if info.is_main else []
+    if existing == "later":
+        return Run(output_dir, info=info, sinks=sinks)
+    lock = _lock_on_rank0(output_dir, info=info)
+    try:
+        if existing == "refuse":
+            refuse_existing_run(output_dir)
+        _clean_leftovers(output_dir, info=info)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Run(output_dir, info=info, sinks=sinks, lock=lock, checked=True)
 
 
-def run_changes(saved: dict, config: TrainConfig) -> list[str]:
-    """What differs between the settings a checkpoint was saved with (``saved``: ``TrainConfig.to_dict()``) and
-    ``config``, except the :data:`RESUMABLE` ones: ``"name: saved -> now"`` each. A setting the checkpoint predates
-    counts as its default."""
-    changes, defaults = [], TrainConfig().to_dict()
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in RESUMABLE:
-            continue
-        was, now = saved.get(f.name, defaults[f.name]), getattr(config, f.name)
-        if was != now:
-            changes.append(f"{f.name}: {was!r} -> {now!r}")
-    return changes
+class Run:
+    """An output folder opened by :func:`open_run`: rank 0's lock and ``report_to`` sinks, and whether a run already
+    in the folder has been dealt with. :meth:`start` and :meth:`finish` bracket the training; :meth:`close` releases
+    everything (idempotent)."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        info: DistInfo,
+        sinks: list[MetricSink],
+        lock: RunLock | None = None,
+        checked: bool = False,
+    ) -> None:
+        self.output_dir, self.info, self.sinks = output_dir, info, sinks
+        self._lock, self._own_lock, self._checked = lock, None, checked
+
+    def clear(self) -> None:
+        """``--overwrite``: rank 0 deletes the old run's files and checkpoints (nothing else in the folder). Called
+        after the new run's settings, rewards and model have all loaded, so a typo never costs the old run. Every
+        rank."""
+        barrier(self.info)
+        if self.info.is_main:
+            for name in existing_run(self.output_dir):
+                checkpoint.remove(os.path.join(self.output_dir, name))
+        barrier(self.info)
+
+    def start(self, settings: dict, *, step: int) -> None:
+        """Training starts after ``step``: rank 0 holds the run lock (taken now when :func:`open_run` left it for
+        later), a new run (``step`` 0) finds no run in the folder (looked at now when it was left for later), and the
+        sinks start for a run of ``settings`` (a resumed run drops what a killed run logged after its checkpoint)."""
+        if self.info.is_main and self._lock is None and self._own_lock is None:
+            self._own_lock = RunLock.of(self.output_dir).acquire()
+        if step == 0 and not self._checked:  # a new run never mixes with one already there (resume or delete it)
+            refuse_existing_run(self.output_dir)
+        self._checked = True
+        for sink in self.sinks:
+            sink.start(settings, step=step)
+
+    def log(self, record: dict, step: int) -> None:
+        """One step's record to every sink."""
+        for sink in self.sinks:
+            sink.log(record, step)
+
+    def finish(self) -> None:
+        """The training ended: the sinks close, and the lock :meth:`start` took is released."""
+        for sink in self.sinks:
+            sink.close()
+        if self._own_lock is not None:
+            self._own_lock.release()
+            self._own_lock = None
+
+    def close(self) -> None:
+        """:meth:`finish`, and the lock :func:`open_run` took is released."""
+        self.finish()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
-def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: DistInfo) -> list[str]:
+def resume_candidates(
+    output_dir: str,
+    *,
+    changes_from: Callable[[dict], list[str]],
+    fixed: Collection[str],
+    allow_config_change: bool,
+    info: DistInfo,
+) -> list[str]:
     """The checkpoints a resume may load, newest first: from the newest whose files read (newer ones that do not are
     skipped with a warning naming them) down to the oldest, as fallbacks. Before any model loads.
 
+    ``changes_from(saved)``: what differs between the settings a checkpoint was saved with and the run's, as
+    ``"name: saved -> now"`` (``TrainConfig.changes_from``); ``fixed``: the settings among them that no resume can
+    apply (``cppo.config.FIXED``).
+
     Raises:
         ValueError: there is no readable checkpoint, or the newest readable one was saved with settings that change
-            the run (each difference named) and ``allow_config_change`` is false.
+            the run (each difference named): refused when one is ``fixed``, or when ``allow_config_change`` is false.
         cppo.checkpoint.UnsafeCheckpoint: a checkpoint holds more than plain data (never skipped).
     """
-    paths = checkpoint.checkpoints(config.output_dir)
+    paths = checkpoint.checkpoints(output_dir)
     if not paths:
-        raise ValueError(f"--resume: no checkpoint-* folder in output_dir {config.output_dir!r}")
+        raise ValueError(f"--resume: no checkpoint-* folder in output_dir {output_dir!r}")
     for i, path in enumerate(paths):
         try:
             state = checkpoint.verify(path, required=checkpoint.TRAINER_KEYS)
@@ -142,12 +185,13 @@ def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: D
             if info.is_main:
                 logger.warning("--resume: skipping %s: %s", path, e)
             continue
-        changes = run_changes(state.get("config", {}), config)
-        fixed = [c for c in changes if c.split(":")[0] in FIXED]
-        if fixed:
+        changes = changes_from(state.get("config", {}))
+        refused = [c for c in changes if c.split(":")[0] in fixed]
+        if refused:
             raise ValueError(
-                f"--resume: {path} was saved with other settings that a resume cannot apply ({'; '.join(fixed)}): the "
-                "checkpoint's weights and data position belong to those; start a new run (another output_dir) instead"
+                f"--resume: {path} was saved with other settings that a resume cannot apply ({'; '.join(refused)}): "
+                "the checkpoint's weights and data position belong to those; start a new run (another output_dir) "
+                "instead"
             )
         if changes and not allow_config_change:
             raise ValueError(
@@ -155,7 +199,7 @@ def resume_candidates(config: TrainConfig, *, allow_config_change: bool, info: D
                 "settings, or pass --allow-config-change to continue with the new ones"
             )
         return paths[i:]
-    raise ValueError(f"--resume: no checkpoint in output_dir {config.output_dir!r} can be read (see the warnings)")
+    raise ValueError(f"--resume: no checkpoint in output_dir {output_dir!r} can be read (see the warnings)")
 
 
 def resume(trainer, candidates: list[str]) -> str:

@@ -32,7 +32,6 @@ from .data import QuestionSampler, load_problems
 from .device import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
-from .fileio import check_writable
 from .interrupt import Interrupted, StopSignals
 from .models import (
     completion_hidden,
@@ -45,7 +44,6 @@ from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, 
 from .packing import PackedBatch, Sample, loss_weight, pack_all, pack_shared
 from .prompts import build_prompt
 from .rewards import get_rewards, score_all, training_correct
-from .runlock import RunLock
 
 
 def _on_kernel_backend(method):
@@ -65,10 +63,14 @@ class Trainer:
     """CPPO training of ``config.model``, in one process or one rank of a torchrun job.
 
     ``info`` places this process (:class:`cppo.distributed.DistInfo`); by default it is read from torchrun's
-    environment (joining the process group) or is the single process on ``config.device``.
+    environment (joining the process group) or is the single process on ``config.device``. ``run``: the output
+    folder as ``cppo train`` opened it (:func:`cppo.rundir.open_run`); by default the trainer opens it itself, the
+    lock and the look for a run already there waiting until :meth:`train` starts (a checkpoint may be loaded first).
     """
 
-    def __init__(self, config: TrainConfig, *, info: distributed.DistInfo | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, *, info: distributed.DistInfo | None = None, run: rundir.Run | None = None
+    ) -> None:
         config.check_sources()  # the model and the data exist (the settings were validated when config was built)
         self.info = info if info is not None else distributed.init_distributed(device=config.device)
         self.config, self.rank, self.world_size = config, self.info.rank, self.info.world_size
@@ -78,9 +80,10 @@ class Trainer:
                 f"questions per step ({self.pruning.questions_drawn}) must divide by world_size ({self.world_size})"
             )
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
-        check_writable(config.output_dir)  # before anything loads, not after the first step
-        # report_to: the sinks are built (so checked) before the model loads
-        self.sinks = sinks.make_sinks(config.report_to, config.output_dir) if self.rank == 0 else []
+        # output_dir writable and the report_to sinks built (so checked) before anything loads
+        self.run = run or rundir.open_run(
+            config.output_dir, report_to=config.report_to, info=self.info, existing="later"
+        )
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions,
             question_seed=config.training_question_seed,
@@ -385,26 +388,15 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Runs until ``num_steps``: a progress bar; the metrics of every ``log_every``-th, evaluated and last step
-        to the ``report_to`` sinks (:mod:`cppo.sinks`, rank 0); checkpoints every ``save_every`` steps and at the
-        end; and ``metrics.png`` (reward and phase times) over the whole run."""
+        to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.sinks`, rank 0); checkpoints every ``save_every`` steps
+        and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
 
-        lock = RunLock.of(self.config.output_dir).acquire() if self.rank == 0 else None  # nested in the CLI's lock
-        try:
-            return self._train(tqdm)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _train(self, tqdm) -> list[dict]:
         cfg = self.config
-        history, logged = [], []
-        if self.step == 0:  # a new run never mixes with one already there (resume it, or delete it)
-            rundir.refuse_existing_run(cfg.output_dir)
-        bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
+        history, logged, bar = [], [], None
         try:
-            for sink in self.sinks:  # a resumed run drops what a killed run logged after its last checkpoint
-                sink.start(cfg.to_dict(), step=self.step)
+            self.run.start(cfg.to_dict(), step=self.step)  # the lock; a new run never mixes with one already there
+            bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
             with StopSignals() as stop:
                 while self.step < self.num_steps:
                     record = self._step_and_log(logged)
@@ -419,9 +411,9 @@ class Trainer:
             if not cfg.save_every or self.step % cfg.save_every:
                 self.save_checkpoint(self._checkpoint_path())
         finally:
-            bar.close()
-            for sink in self.sinks:
-                sink.close()
+            if bar is not None:
+                bar.close()
+            self.run.finish()
         if self.rank == 0:
             self._plot(logged)
         return history
@@ -436,8 +428,7 @@ class Trainer:
             record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
         if evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps:
             logged.append(record)
-            for sink in self.sinks:
-                sink.log(record, self.step)
+            self.run.log(record, self.step)
         return record
 
     def _stop_if_signalled(self, stop: StopSignals, *, saved: bool) -> None:

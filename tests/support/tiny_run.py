@@ -9,8 +9,10 @@ import pathlib
 import pickle
 import shutil
 
-from cppo import TrainConfig
+from cppo import TrainConfig, rundir
 from cppo.cli import main
+from cppo.config import FIXED
+from cppo.distributed import DistInfo
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 #: ``cppo train --config tiny-cpu --set ...`` of a run of a few seconds (before output_dir and num_steps).
@@ -49,6 +51,14 @@ def train_cli(output_dir, *flags: str, settings: tuple[str, ...] = ()) -> int:
     return main(
         ["train", "--config", "tiny-cpu", *flags, "--set", *CLI_SETTINGS, f"output_dir={output_dir}", *settings]
     )
+
+
+def resume_candidates(config: TrainConfig, *, allow_config_change: bool) -> list[str]:
+    """The checkpoints ``cppo train --resume`` would try for ``config``, in one process (as the CLI asks for them)."""
+    return rundir.resume_candidates(
+        config.output_dir, changes_from=config.changes_from, fixed=FIXED, allow_config_change=allow_config_change,
+        info=DistInfo(),
+    )  # fmt: skip
 
 
 def copy_run(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:

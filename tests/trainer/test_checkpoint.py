@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, train_cli
+from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, resume_candidates, train_cli
 
 from cppo import checkpoint, load_config, metrics, rundir
 from cppo.distributed import DistInfo
@@ -152,7 +152,7 @@ def test_truncated_weights_are_a_corrupt_checkpoint(run):
     with pytest.raises(checkpoint.CorruptCheckpoint, match="model.safetensors"):
         checkpoint.verify(str(run / "checkpoint-000002"))
     config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "num_steps=2"])
-    candidates = rundir.resume_candidates(config, allow_config_change=False, info=DistInfo())
+    candidates = resume_candidates(config, allow_config_change=False)
     assert candidates == [str(run / "checkpoint-000001")]
 
 
@@ -280,7 +280,7 @@ def test_a_state_without_a_key_the_resume_reads_is_skipped_before_anything_loads
     with pytest.raises(checkpoint.CorruptCheckpoint, match=f"lacks \\['{key}'\\]"):
         checkpoint.verify(str(run / "checkpoint-000002"), required=checkpoint.TRAINER_KEYS)
     config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "num_steps=2"])
-    candidates = rundir.resume_candidates(config, allow_config_change=False, info=DistInfo())
+    candidates = resume_candidates(config, allow_config_change=False)
     assert candidates == [str(run / "checkpoint-000001")]
 
 
@@ -298,8 +298,8 @@ def test_settings_that_do_not_change_the_math_may_differ_on_resume():
     change on resume; a setting that changes the run is named."""
     saved = load_config("tiny-cpu").to_dict()
     free = ("gradient_checkpointing=true", "max_skipped_updates=3", "num_steps=99", "eval_every=4", "log_every=2")
-    assert rundir.run_changes(saved, load_config("tiny-cpu", list(free))) == []
-    changed = rundir.run_changes(saved, load_config("tiny-cpu", [*free, "reward_timeout=2.0", "top_p=0.9"]))
+    assert load_config("tiny-cpu", list(free)).changes_from(saved) == []
+    changed = load_config("tiny-cpu", [*free, "reward_timeout=2.0", "top_p=0.9"]).changes_from(saved)
     assert [c.split(":")[0] for c in changed] == ["top_p", "reward_timeout"], changed
 
 
@@ -399,4 +399,4 @@ def test_an_accepted_change_of_lr_weight_decay_and_schedule_is_applied(tmp_path,
 def test_settings_a_resume_cannot_apply_are_refused_naming_them(run):
     config = load_config("tiny-cpu", [*CLI_SETTINGS, f"output_dir={run}", "max_questions=16", "lr=0.5"])
     with pytest.raises(ValueError, match=r"settings that a resume cannot apply \(max_questions: 32 -> 16\)"):
-        rundir.resume_candidates(config, allow_config_change=True, info=DistInfo())
+        resume_candidates(config, allow_config_change=True)

@@ -7,12 +7,12 @@ import os
 import lora_worker
 import pytest
 import torch
-from tiny_run import CLI_SETTINGS, TINY, tiny_config, train_cli
+from tiny_run import CLI_SETTINGS, TINY, resume_candidates, tiny_config, train_cli
 from torchrun_harness import assert_ranks_ok, torchrun
 
-from cppo import TrainConfig, load_config, lora, rundir
+from cppo import TrainConfig, load_config, lora
 from cppo.cli import main
-from cppo.distributed import DistInfo
+from cppo.config import FIXED
 from cppo.models import load_model_and_tokenizer
 from cppo.trainer import Trainer
 from cppo_kernels import fused_cppo_loss
@@ -232,8 +232,8 @@ def test_a_resume_cannot_switch_lora_on_or_change_its_shape():
     saved = tiny_config("runs/x", **LORA).to_dict()
     for change in (dict(use_peft=False), dict(lora_r=8), dict(lora_target_modules=["q_proj"])):
         name = next(iter(change))
-        assert rundir.run_changes(saved, tiny_config("runs/x", **{**LORA, **change})) != []
-        assert name in rundir.FIXED
+        assert tiny_config("runs/x", **{**LORA, **change}).changes_from(saved) != []
+        assert name in FIXED
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +316,7 @@ def test_a_lora_run_folder_names_its_latest_checkpoint_to_eval(lora_run, capsys)
 def test_resume_of_a_lora_run_without_use_peft_is_refused(lora_run):
     settings = [*CLI_SETTINGS, f"output_dir={lora_run}", "num_steps=3", "lora_r=4", "lora_alpha=8", "use_peft=false"]
     with pytest.raises(ValueError, match=r"settings that a resume cannot apply \(use_peft: True -> False\)"):
-        rundir.resume_candidates(load_config("tiny-cpu", settings), allow_config_change=True, info=DistInfo())
+        resume_candidates(load_config("tiny-cpu", settings), allow_config_change=True)
 
 
 # ----------------------------------------------------------------------------------------------

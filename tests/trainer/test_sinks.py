@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tiny_run import tiny_config, train_cli
 
-from cppo import TrainConfig, Trainer, load_config, rundir
+from cppo import TrainConfig, Trainer, checkpoint, load_config
 from cppo.distributed import DistInfo
 from cppo.metrics import read_jsonl
 from cppo.sinks import JsonlSink, TensorBoardSink, WandbSink, scalars
@@ -39,7 +39,7 @@ def test_cppo_train_writes_tensorboard_events(tmp_path):
 def test_a_resume_purges_the_events_a_killed_run_wrote_after_its_checkpoint(tmp_path):
     settings = ("num_steps=2", "report_to=[jsonl,tensorboard]")
     assert train_cli(tmp_path, settings=settings) == 0
-    rundir.checkpoint.remove(str(tmp_path / "checkpoint-000002"))  # killed after logging step 2, before saving it
+    checkpoint.remove(str(tmp_path / "checkpoint-000002"))  # killed after logging step 2, before saving it
     assert train_cli(tmp_path, "--resume", settings=settings) == 0
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
     records = read_jsonl(str(tmp_path / "metrics.jsonl"))
@@ -109,7 +109,7 @@ class ModelLoaded(Exception):
 @pytest.fixture
 def no_model(monkeypatch):
     def build(self):
-        raise ModelLoaded(self.sinks)
+        raise ModelLoaded(self.run.sinks)
 
     monkeypatch.setattr(Trainer, "_build_models", build)
 
@@ -169,7 +169,7 @@ def test_report_to_from_the_command_line_and_on_resume(tmp_path):
         assert load_config("tiny-cpu", [item]).report_to == ["jsonl", "tensorboard"]
     assert load_config("tiny-cpu", ["report_to=none"]).report_to == ["none"]
     saved = TrainConfig().to_dict()
-    assert rundir.run_changes(saved, TrainConfig(report_to=["wandb"])) == []  # a resume may report elsewhere
+    assert TrainConfig(report_to=["wandb"]).changes_from(saved) == []  # a resume may report elsewhere
 
 
 def test_scalars_are_the_numeric_metrics():
