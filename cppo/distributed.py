@@ -1,7 +1,8 @@
 """The processes of a ``torchrun`` job and what passes between them: the process group, collectives, the split of
-the questions, gathering ragged tensors, balancing the retained completions, global counts and metric reductions.
+the questions, gathering ragged tensors and sequences, global counts and metric reductions.
 
-Model wrapping and gradient synchronisation are in :mod:`cppo.parallel`, checkpoints in :mod:`cppo.checkpoint`.
+Model wrapping and gradient synchronisation are in :mod:`cppo.parallel`, checkpoints in :mod:`cppo.checkpoint`, the
+balancing policy of the retained completions in :mod:`cppo.balance`.
 Every function takes a :class:`DistInfo` and is a no-op (or a plain local computation) in a single process, so the
 trainer has one code path. The data flow of a distributed step:
 
@@ -10,8 +11,9 @@ trainer has one code path. The data flow of a distributed step:
 2. selection (:mod:`cppo.selection`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
    official Open-R1 code), ``"global"`` gathers |A| from all ranks (:func:`all_gather_varlen`) and keeps the step's
    official count over the concatenation in rank order, each rank keeping its own survivors;
-3. the survivors are spread over the ranks by token count (:func:`balance_samples`, longest-processing-time greedy;
-   with prefix sharing a question's survivors move together, their prompt counted once);
+3. the survivors are spread over the ranks by token count (:func:`cppo.balance.balance_samples`,
+   longest-processing-time greedy over sequences gathered by :func:`gather_sequences`; with prefix sharing a
+   question's survivors move together, their prompt counted once);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
    :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
    single-process update of the concatenated batch;
@@ -24,7 +26,6 @@ runs when the ranks report different metric names, to name them in the error.
 from __future__ import annotations
 
 import datetime
-import heapq
 import itertools
 import os
 import zlib
@@ -35,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from .device import resolve_device
-from .packing import Sample, prompt_groups, shared_tokens
 
 #: How :func:`reduce_metrics` combines a metric over ranks (``mean`` may name a weight metric).
 REDUCTIONS = ("sum", "mean", "min", "max")
@@ -50,11 +50,7 @@ __all__ = [
     "question_slice",
     "all_gather_varlen",
     "SequenceShard",
-    "lpt_assign",
     "gather_sequences",
-    "balance_sequences",
-    "split_units",
-    "balance_samples",
     "GlobalCounts",
     "global_counts",
     "max_across_ranks",
@@ -207,7 +203,7 @@ def _gather_known_sizes(x: torch.Tensor, sizes: list[int], *, info: DistInfo) ->
 
 
 # --------------------------------------------------------------------------------------------
-# Balancing the retained completions across ranks by token count
+# Ragged sequences across ranks (balancing them: cppo.balance)
 # --------------------------------------------------------------------------------------------
 
 
@@ -259,25 +255,6 @@ class SequenceShard:
         )
 
 
-def lpt_assign(costs: Sequence[int], num_bins: int) -> list[int]:
-    """Longest-processing-time greedy: the bin of each item, spreading ``costs`` so that bin totals are even.
-
-    Items go longest first (ties: lower index first) to the bin with the smallest total so far (ties: lower bin).
-    Deterministic; the largest total is at most ``sum / num_bins + max(costs)``.
-    """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
-    if any(c < 0 for c in costs):
-        raise ValueError("costs must be >= 0")
-    heap = [(0, b) for b in range(num_bins)]
-    owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, b = heapq.heappop(heap)
-        owner[i] = b
-        heapq.heappush(heap, (load + int(costs[i]), b))
-    return owner
-
-
 def gather_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tensor | None = None):
     """``(all ranks' sequences in rank order (the global order), their costs [S_all] as a list or None)``: every field
     gathered in one collective; ``costs [S]`` (this rank's, optional) gathered with them."""
@@ -294,79 +271,6 @@ def gather_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tenso
     )
     cost_all = None if costs is None else _gather_known_sizes(costs.long(), seq_sizes, info=info).tolist()
     return gathered, cost_all
-
-
-def balance_sequences(local: SequenceShard, *, info: DistInfo, costs: torch.Tensor | None = None) -> SequenceShard:
-    """Redistributes the sequences of all ranks so that each rank gets about the same number of tokens.
-
-    Every rank gathers all sequences (in rank order: the global order), assigns them with :func:`lpt_assign` on
-    ``costs [S]`` (default: ``lengths``) and keeps the ones assigned to it, in global order. The result is a
-    partition: each sequence lands on exactly one rank. A rank gets nothing only when there are fewer sequences
-    than ranks. In a single process the input comes back unchanged.
-    """
-    if costs is not None and tuple(costs.shape) != (local.num_seqs,):
-        raise ValueError(f"costs must have shape [S] = ({local.num_seqs},), got {tuple(costs.shape)}")
-    if not info.distributed:
-        return local
-    gathered, cost_all = gather_sequences(local, info=info, costs=costs)
-    owner = lpt_assign(gathered.lengths.tolist() if cost_all is None else cost_all, info.world_size)
-    return gathered.select([i for i, r in enumerate(owner) if r == info.rank])
-
-
-def split_units(units: list[list[int]], num_bins: int) -> list[list[int]]:
-    """``units`` (lists of items that should stay together), the one with the most items (ties: the first) halved
-    until there are ``num_bins`` of them or every unit is one item, so that every bin can get one."""
-    units = [list(u) for u in units]
-    while len(units) < num_bins and any(len(u) > 1 for u in units):
-        k = max(range(len(units)), key=lambda j: (len(units[j]), -j))
-        half = (len(units[k]) + 1) // 2
-        units[k : k + 1] = [units[k][:half], units[k][half:]]
-    return units
-
-
-def _sample_shard(samples: list[Sample]) -> SequenceShard:
-    """The samples as a :class:`SequenceShard`: token ids (prompt then completion), prompt length and advantage."""
-    ids = [s.prompt_ids + s.completion_ids for s in samples]
-    return SequenceShard(
-        lengths=torch.tensor([len(x) for x in ids], dtype=torch.long),
-        token_fields={"ids": torch.tensor([t for x in ids for t in x], dtype=torch.long)},
-        seq_fields={
-            "prompt_length": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
-            "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float64),
-        },
-    )
-
-
-def _shard_samples(shard: SequenceShard) -> list[Sample]:
-    """The :class:`Sample` list of a shard built by :func:`_sample_shard`."""
-    flat, out, start = shard.token_fields["ids"].tolist(), [], 0  # one copy to the host, not one per sequence
-    for n, p, a in zip(
-        shard.lengths.tolist(), shard.seq_fields["prompt_length"].tolist(), shard.seq_fields["advantage"].tolist()
-    ):
-        out.append(Sample(flat[start : start + p], flat[start + p : start + n], a))
-        start += n
-    return out
-
-
-def balance_samples(samples: list[Sample], *, info: DistInfo, prefix_sharing: bool = False) -> list[Sample]:
-    """The retained completions of all ranks, spread over the ranks by the tokens the model will run on (each sample
-    moves with its prompt, completion and advantage); a no-op alone.
-
-    Without ``prefix_sharing`` each sample is placed alone by its input-token count (:func:`balance_sequences`).
-    With it, the samples of one prompt (:func:`cppo.packing.prompt_groups`, over all ranks) move as one unit costing
-    its shared token count (the prompt once), placed by :func:`lpt_assign`; a unit is split (:func:`split_units`,
-    each part re-sending the prompt) only while there are fewer units than ranks. A rank keeps its units' samples in
-    global order."""
-    if not info.distributed:
-        return samples
-    local = _sample_shard(samples)
-    if not prefix_sharing:
-        costs = torch.tensor([s.num_input_tokens for s in samples], dtype=torch.long)
-        return _shard_samples(balance_sequences(local, info=info, costs=costs))
-    everything = _shard_samples(gather_sequences(local, info=info)[0])
-    units = split_units(prompt_groups(everything), info.world_size)
-    owner = lpt_assign([shared_tokens(everything, u) for u in units], info.world_size)
-    return [everything[i] for i in sorted(i for u, r in zip(units, owner) if r == info.rank for i in u)]
 
 
 # --------------------------------------------------------------------------------------------

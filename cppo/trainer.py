@@ -27,6 +27,7 @@ import torch
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
 from . import checkpoint, distributed, lora, math_grading, metrics, parallel, rundir, sinks
+from .balance import balance_samples
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
 from .device import autocast, resolve_device
@@ -250,7 +251,7 @@ class Trainer:
         ]
         # prefix sharing: a question's completions after its prompt once, balanced and packed as one unit
         shared = use_prefix_sharing(self.model, self.config.prefix_sharing)
-        balanced = distributed.balance_samples(samples, info=self.info, prefix_sharing=shared)
+        balanced = balance_samples(samples, info=self.info, prefix_sharing=shared)
         pack = pack_shared if shared else pack_all
         return pack(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
 

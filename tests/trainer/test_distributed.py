@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
 from cppo import parallel as P
@@ -71,22 +72,22 @@ def test_question_slice_rejects_bad_count():
 
 @given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 5))
 def test_lpt_assign_is_a_balanced_partition(costs, num_bins):
-    owner = D.lpt_assign(costs, num_bins)
+    owner = B.lpt_assign(costs, num_bins)
     assert len(owner) == len(costs) and all(0 <= b < num_bins for b in owner)
     loads = [sum(c for c, b in zip(costs, owner) if b == k) for k in range(num_bins)]
     assert sum(loads) == sum(costs)
     assert max(loads) <= sum(costs) / num_bins + max(costs, default=0)
-    assert D.lpt_assign(costs, num_bins) == owner
+    assert B.lpt_assign(costs, num_bins) == owner
 
 
 def test_lpt_assign_example_and_ties():
     # longest first, to the emptiest bin, ties to the lower index and the lower bin
-    assert D.lpt_assign([3, 5, 5, 2, 1], 2) == [0, 0, 1, 1, 1]  # 5->0, 5->1, 3->0, 2->1, 1->1
-    assert D.lpt_assign([4, 4, 4, 4], 2) == [0, 1, 0, 1]
+    assert B.lpt_assign([3, 5, 5, 2, 1], 2) == [0, 0, 1, 1, 1]  # 5->0, 5->1, 3->0, 2->1, 1->1
+    assert B.lpt_assign([4, 4, 4, 4], 2) == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="num_bins"):
-        D.lpt_assign([1], 0)
+        B.lpt_assign([1], 0)
     with pytest.raises(ValueError, match="costs"):
-        D.lpt_assign([1, -1], 2)
+        B.lpt_assign([1, -1], 2)
 
 
 def test_sequence_shard_select_and_validation():
@@ -129,7 +130,7 @@ def test_sequence_shard_select_matches_slicing(lengths, data):
 def test_balance_sequences_rejects_costs_of_the_wrong_shape():
     shard = D.SequenceShard(lengths=torch.tensor([1, 2]), token_fields={"t": torch.tensor([7, 8, 9])})
     with pytest.raises(ValueError, match="costs"):
-        D.balance_sequences(shard, info=SINGLE, costs=torch.tensor([1, 2, 3]))
+        B.balance_sequences(shard, info=SINGLE, costs=torch.tensor([1, 2, 3]))
 
 
 def test_single_process_collectives_are_local():
@@ -137,7 +138,7 @@ def test_single_process_collectives_are_local():
     gathered, sizes = D.all_gather_varlen(x, info=SINGLE)
     assert torch.equal(gathered, x) and sizes == [3]
     shard = D.SequenceShard(lengths=torch.tensor([1, 2]), token_fields={"t": torch.tensor([7, 8, 9])})
-    assert D.balance_sequences(shard, info=SINGLE) is shard
+    assert B.balance_sequences(shard, info=SINGLE) is shard
     assert D.global_counts(num_tokens=7, num_seqs=2, info=SINGLE) == D.GlobalCounts(tokens=7, seqs=2)
     assert D.max_across_ranks(3, info=SINGLE) == 3
     D.barrier(SINGLE)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
+from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
 from cppo import parallel as P
@@ -119,14 +120,14 @@ def _local_sequences(info) -> D.SequenceShard:
 
 @check
 def balancing_is_a_balanced_partition(info):
-    out = D.balance_sequences(_local_sequences(info), info=info)
+    out = B.balance_sequences(_local_sequences(info), info=info)
     ids, _ = D.all_gather_varlen(out.seq_fields["id"], info=info)
     all_loads, _ = D.all_gather_varlen(out.lengths.sum().reshape(1), info=info)
     all_lengths = [3, 9, 1, 4, 4, 12, 2]
     assert sorted(ids.tolist()) == list(range(7))  # every sequence on exactly one rank
     assert all_loads.max() - all_loads.min() <= max(all_lengths), all_loads.tolist()
     assert all_loads.tolist() in ([17, 18], [18, 17]), all_loads.tolist()  # before: 21 and 14
-    owner = D.lpt_assign(all_lengths, WORLD)
+    owner = B.lpt_assign(all_lengths, WORLD)
     mine = [i for i, r in enumerate(owner) if r == info.rank]
     assert out.seq_fields["id"].tolist() == mine  # exactly the LPT plan, in global order
     # the fields travel with their sequence

@@ -18,7 +18,8 @@ from tiny_run import TINY, tiny_config
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 from cppo import Trainer
-from cppo.distributed import DistInfo, balance_samples, split_units
+from cppo.balance import balance_samples, split_units
+from cppo.distributed import DistInfo
 from cppo.models import (
     completion_hidden,
     decoder,
@@ -317,7 +318,7 @@ def worker(out_dir: str) -> None:
     def balance():
         everything = question_samples(seed=7)
         mine = everything[info.rank :: 2]  # each rank holds a strided share of the questions' completions
-        got = D.balance_samples(mine, info=info, prefix_sharing=True)
+        got = balance_samples(mine, info=info, prefix_sharing=True)
         parts: list = [None] * info.world_size
         torch.distributed.all_gather_object(parts, [(s.prompt_ids, s.completion_ids) for s in got])
         flat = sorted((tuple(p), tuple(c)) for part in parts for p, c in part)
@@ -328,7 +329,7 @@ def worker(out_dir: str) -> None:
                 owners.setdefault(tuple(p), set()).add(rank)
         assert all(len(r) == 1 for r in owners.values()), owners  # 3 questions, 2 ranks: none is split
         one = [s for s in everything if s.prompt_ids == everything[0].prompt_ids]  # 4 completions of one question
-        alone = D.balance_samples(one if info.rank == 0 else [], info=info, prefix_sharing=True)
+        alone = balance_samples(one if info.rank == 0 else [], info=info, prefix_sharing=True)
         assert len(alone) == 2  # one question only: split, so that each rank gets a share (its prompt re-sent)
 
     def step():
