@@ -19,7 +19,7 @@ from bench_out import run_folder_name
 
 import cppo
 from cppo import TrainConfig
-from cppo.device import resolve_device
+from cppo.distributed import resolve_device
 from cppo.fileio import check_writable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

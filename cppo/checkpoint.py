@@ -38,9 +38,8 @@ from safetensors import SafetensorError
 
 from . import lora
 from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
-from .distributed import DistInfo, barrier
+from .distributed import DistInfo, barrier, is_fsdp2, unwrap_model
 from .fileio import fsync, fsync_tree
-from .parallel import is_fsdp2, unwrap_model
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: A half-written folder (or metrics log) that a killed save leaves; see also :data:`REPLACED_PREFIX`.

@@ -262,7 +262,7 @@ def _eval(args) -> int:
     from . import fileio
     from .checkpoint import model_folder
     from .data import load_problems
-    from .device import resolve_device
+    from .distributed import resolve_device
     from .engines import EngineSettings, make_engine
     from .evaluate import evaluate_model
 

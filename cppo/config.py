@@ -18,10 +18,9 @@ from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
 from .data import check_arith_eval_limit
-from .device import check_device
+from .distributed import PARALLELISMS, check_device
 from .engines import check_engine_name
 from .math_grading import check_timeout
-from .parallel import PARALLELISMS
 from .selection import Pruning
 from .sinks import check_report_to
 

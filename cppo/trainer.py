@@ -26,11 +26,11 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, lora, math_grading, metrics, parallel, rundir, sinks
+from . import checkpoint, distributed, lora, math_grading, metrics, rundir, sinks
 from .balance import balance_samples
 from .config import TrainConfig
 from .data import QuestionSampler, load_problems
-from .device import autocast, resolve_device
+from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
 from .interrupt import Interrupted, StopSignals
@@ -135,7 +135,7 @@ class Trainer:
         if cfg.beta > 0 and not cfg.use_peft:
             self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         wrap = functools.partial(
-            parallel.wrap_model,
+            distributed.wrap_model,
             parallelism=cfg.parallelism,
             info=self.info,
             forward=completion_hidden,
@@ -144,7 +144,8 @@ class Trainer:
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
         if cfg.beta > 0 and cfg.use_peft:  # the wrapped policy itself (DDP / FSDP2 included), adapters disabled
-            self.ref_policy = parallel.ForwardModule(self.model, functools.partial(lora.reference_forward, self.policy))
+            reference = functools.partial(lora.reference_forward, self.policy)
+            self.ref_policy = distributed.ForwardModule(self.model, reference)
 
     def _make_rollout(self) -> RolloutEngine:
         """The engine ``rollout_backend`` names (:mod:`cppo.engines`), generating in the compute dtype; under FSDP2
@@ -226,7 +227,7 @@ class Trainer:
         cfg = self.config
         problems = [self.problems[i] for i in self.sampler.draw(self.pruning.questions_drawn)]  # this rank's share
         prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
-        with parallel.root_unsharded(self.policy):
+        with distributed.root_unsharded(self.policy):
             rollout = self.rollout.generate(prompts, cfg.group_size)
         return problems, prompts, rollout
 
@@ -277,7 +278,7 @@ class Trainer:
         flowing back to them through the casts)."""
         with autocast(self.device, self._autocast_dtype):
             hidden = policy(b.input_ids, b.position_ids, b.predict_index, b.prefix)  # [T, H]
-        weight, bias = lm_head(parallel.unwrap_model(policy))  # after the forward: FSDP2 has unsharded it
+        weight, bias = lm_head(distributed.unwrap_model(policy))  # after the forward: FSDP2 has unsharded it
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
@@ -317,9 +318,9 @@ class Trainer:
         """One policy update's forward and backward over every pass (gradients synchronised in the last one); adds
         each micro-batch's loss, kl, clip fraction and entropy times its share into ``into [4]`` (on the device: one
         host sync per step, after the updates)."""
-        scale = parallel.grad_scale(parallelism=self.config.parallelism, info=self.info)
+        scale = distributed.grad_scale(parallelism=self.config.parallelism, info=self.info)
         for k, (b, old_b, ref_b) in enumerate(zip(passes, old, ref)):
-            with parallel.gradient_sync(self.policy, k == len(passes) - 1):
+            with distributed.gradient_sync(self.policy, k == len(passes) - 1):
                 loss, stats = self._policy_loss(b, old_b, ref_b)
                 (loss * (weights[k] * scale)).backward()
             if k < len(shares):  # not a filler
@@ -464,7 +465,7 @@ class Trainer:
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
         rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (transformers on the policy for vLLM)
         if self._sharded:
-            with parallel.root_unsharded(self.policy):
+            with distributed.root_unsharded(self.policy):
                 result = evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)
         else:
             result = evaluate_split(rollout, self.tokenizer, problems, info=self.info, system_prompt=cfg.system_prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import autocast
+from ..distributed import autocast
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
 
 

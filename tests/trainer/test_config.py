@@ -5,8 +5,7 @@ import torch
 
 from cppo import TrainConfig, Trainer, load_config
 from cppo.config import available_presets
-from cppo.device import resolve_device
-from cppo.distributed import DistInfo
+from cppo.distributed import DistInfo, resolve_device
 from cppo.models import lm_head
 
 

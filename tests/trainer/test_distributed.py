@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
-from cppo import parallel as P
 from cppo.models import load_model_and_tokenizer
 
 SINGLE = D.DistInfo()
@@ -158,23 +157,23 @@ def test_reduce_metrics_single_process_and_spec_errors():
 
 def test_grad_scale_and_wrap_model_single_process():
     two = D.DistInfo(rank=0, world_size=2)
-    assert P.grad_scale(parallelism="ddp", info=two) == 2.0
-    assert P.grad_scale(parallelism="fsdp2", info=two) == 2.0
-    assert P.grad_scale(parallelism="none", info=SINGLE) == 1.0
+    assert D.grad_scale(parallelism="ddp", info=two) == 2.0
+    assert D.grad_scale(parallelism="fsdp2", info=two) == 2.0
+    assert D.grad_scale(parallelism="none", info=SINGLE) == 1.0
     with pytest.raises(ValueError, match="parallelism"):
-        P.grad_scale(parallelism="zero3", info=SINGLE)
+        D.grad_scale(parallelism="zero3", info=SINGLE)
     model = torch.nn.Linear(3, 2)
-    assert P.wrap_model(model, parallelism="ddp", info=SINGLE) is model
-    wrapped = P.wrap_model(model, parallelism="none", info=SINGLE, forward=lambda m, x: m(x) * 2)
+    assert D.wrap_model(model, parallelism="ddp", info=SINGLE) is model
+    wrapped = D.wrap_model(model, parallelism="none", info=SINGLE, forward=lambda m, x: m(x) * 2)
     x = torch.randn(4, 3)
-    assert torch.equal(wrapped(x), model(x) * 2) and P.unwrap_model(wrapped) is model
+    assert torch.equal(wrapped(x), model(x) * 2) and D.unwrap_model(wrapped) is model
     with pytest.raises(ValueError, match="parallelism='none'"):
-        P.wrap_model(model, parallelism="none", info=two)
+        D.wrap_model(model, parallelism="none", info=two)
     # a frozen model has no gradients to synchronise: DDP leaves it unwrapped, without a process group
-    frozen = P.wrap_model(model, parallelism="ddp", info=two, forward=lambda m, x: m(x), frozen=True)
-    assert isinstance(frozen, P.ForwardModule) and P.unwrap_model(frozen) is model
-    assert not P.is_fsdp2(wrapped)
-    with P.gradient_sync(model, False), P.root_unsharded(model):
+    frozen = D.wrap_model(model, parallelism="ddp", info=two, forward=lambda m, x: m(x), frozen=True)
+    assert isinstance(frozen, D.ForwardModule) and D.unwrap_model(frozen) is model
+    assert not D.is_fsdp2(wrapped)
+    with D.gradient_sync(model, False), D.root_unsharded(model):
         model(x).sum().backward()
     assert model.weight.grad is not None
 

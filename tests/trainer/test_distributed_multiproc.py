@@ -20,7 +20,6 @@ from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
-from cppo import parallel as P
 from cppo.selection import Pruning
 from cppo_kernels import LossConfig, reference
 
@@ -257,8 +256,8 @@ def _distributed_grads(info, parallelism: str, agg: str) -> tuple[dict, dict]:
 
     model = ToyLM()
     model.load_state_dict(state)
-    wrapped = P.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
-    inner = P.unwrap_model(wrapped)
+    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=lambda m, ids: m.hidden_states(ids))
+    inner = D.unwrap_model(wrapped)
     assert inner is model
     # rank 0 holds sequences 0..3 in two micro-batches, rank 1 holds 4..6 in one: both run max_across_ranks passes,
     # the short rank a dummy pass with weight 0, and only the last pass synchronises gradients
@@ -266,10 +265,10 @@ def _distributed_grads(info, parallelism: str, agg: str) -> tuple[dict, dict]:
     local_tokens = sum(batch["lengths"][i] for m in micro for i in m)
     counts = D.global_counts(num_tokens=local_tokens, num_seqs=sum(map(len, micro)), info=info)
     passes = D.max_across_ranks(len(micro), info=info)
-    scale = P.grad_scale(parallelism=parallelism, info=info)
+    scale = D.grad_scale(parallelism=parallelism, info=info)
     for k in range(passes):
         seqs = micro[k] if k < len(micro) else micro[0]
-        with P.gradient_sync(wrapped, k == passes - 1):
+        with D.gradient_sync(wrapped, k == passes - 1):
             loss, t, s = _micro_loss(wrapped, lambda: inner.head.weight, batch, seqs, agg)
             share = (t / counts.tokens if agg == "token-mean" else s / counts.seqs) if k < len(micro) else 0.0
             (loss * share * scale).backward()
@@ -304,9 +303,9 @@ def fsdp2_root_unsharded_for_code_outside_forward(info):
     model = ToyLM()
     want = ToyLM()
     want.load_state_dict(model.state_dict())
-    wrapped = P.wrap_model(model, parallelism="fsdp2", info=info, forward=lambda m, ids: m.hidden_states(ids))
+    wrapped = D.wrap_model(model, parallelism="fsdp2", info=info, forward=lambda m, ids: m.hidden_states(ids))
     ids = torch.tensor([1, 4, 2])
-    with P.root_unsharded(wrapped):
+    with D.root_unsharded(wrapped):
         whole = type(model.embed.weight).__name__
         h = model.hidden_states(ids)  # what generate does: the model's own code, the blocks gathering themselves
     after = type(model.embed.weight).__name__
@@ -336,7 +335,7 @@ def _hidden(model, ids: torch.Tensor) -> torch.Tensor:
 
 def _checkpoint_round_trip(info, parallelism: str, root: pathlib.Path) -> None:
     model, tok = _tiny_lm()
-    wrapped = P.wrap_model(model, parallelism=parallelism, info=info, forward=_hidden)
+    wrapped = D.wrap_model(model, parallelism=parallelism, info=info, forward=_hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ids = torch.arange(5) + info.rank
@@ -366,7 +365,7 @@ def _checkpoint_round_trip(info, parallelism: str, root: pathlib.Path) -> None:
     step()
     after_resume = _full_params(model)
     twin, _ = _tiny_lm()
-    twin_wrapped = P.wrap_model(twin, parallelism=parallelism, info=info, forward=_hidden)
+    twin_wrapped = D.wrap_model(twin, parallelism=parallelism, info=info, forward=_hidden)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.05)
     twin_sched = torch.optim.lr_scheduler.StepLR(twin_opt, step_size=1, gamma=0.5)
     for _ in range(2):

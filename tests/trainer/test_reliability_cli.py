@@ -253,8 +253,7 @@ def test_ddp_wrapping_raises_no_warning_of_ours(tmp_path):
     """torchrun printed a ``broadcast_buffers`` FutureWarning from cppo/parallel.py: the DDP wrap must warn nothing."""
     import torch.distributed as dist
 
-    from cppo.distributed import DistInfo
-    from cppo.parallel import wrap_model
+    from cppo.distributed import DistInfo, wrap_model
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

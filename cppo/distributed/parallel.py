@@ -15,7 +15,7 @@ from torch import nn
 
 from cppo_kernels.config import check_choice
 
-from .distributed import DistInfo, require_group
+from .processes import DistInfo, require_group
 
 __all__ = [
     "PARALLELISMS",
