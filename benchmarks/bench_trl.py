@@ -166,8 +166,7 @@ def build_trainer(spec: dict):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from cppo.data import arithmetic_problems
-    from cppo.rewards import digits_reward
+    from cppo.tasks import arithmetic_problems, digits_reward
     from cppo.trl import CPPOConfig, CPPOTrainer
 
     prompts = [p["question"] + "\nAnswer:" for p in arithmetic_problems(spec["steps"] + 1, seed=0)]

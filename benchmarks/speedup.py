@@ -90,7 +90,7 @@ from tqdm.auto import tqdm
 
 import cppo
 from cppo import TrainConfig
-from cppo.data import count_local_problems, load_problems, question_id
+from cppo.tasks import count_local_problems, load_problems, question_id
 
 #: ``on_step(plan, metrics)`` after every measured step (progress).
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None

@@ -145,11 +145,10 @@ def _dry_run(args, config: TrainConfig) -> int:
     """What ``cppo train`` checks before the model loads, writing nothing: output_dir, the training data (local data
     only: nothing is downloaded) and, with ``--resume``, the checkpoint and its settings. Prints the plan as JSON."""
     from . import rundir
-    from .data import count_local_problems
     from .distributed import DistInfo
     from .fileio import check_writable
-    from .rewards import get_rewards
     from .runlock import check_free
+    from .tasks import count_local_problems, get_rewards
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
@@ -190,12 +189,12 @@ def _check_eval_args(args) -> None:
     naming the flag."""
     from cppo_kernels.config import check_float, check_int
 
-    from . import math_grading
     from .checkpoint import model_folder
     from .config import check_model_and_data
     from .engines import check_engine_name
     from .fileio import check_writable
     from .lora import is_adapter_folder
+    from .tasks import verifier
 
     if args.limit is not None:
         check_int("--limit", args.limit, low=1)
@@ -206,7 +205,7 @@ def _check_eval_args(args) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs sampling: set --temperature > 0 (greedy decoding repeats itself)")
-    math_grading.verifier(timeout=args.reward_timeout)
+    verifier(timeout=args.reward_timeout)
     if args.output:  # before the evaluation, not after it
         if os.path.isdir(args.output):
             raise ValueError(f"--output {args.output!r} is a folder: name the JSON file to write")
@@ -261,10 +260,10 @@ def _eval(args) -> int:
 
     from . import fileio
     from .checkpoint import model_folder
-    from .data import load_problems
     from .distributed import resolve_device
     from .engines import EngineSettings, make_engine
     from .evaluate import evaluate_model
+    from .tasks import load_problems
 
     _check_eval_args(args)
     device = resolve_device(args.device)

@@ -17,12 +17,11 @@ import yaml
 from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
-from .data import check_arith_eval_limit
 from .distributed import PARALLELISMS, check_device
 from .engines import check_engine_name
-from .math_grading import check_timeout
 from .selection import Pruning
 from .sinks import check_report_to
+from .tasks import check_arith_eval_limit, check_timeout
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 #: Models built in code (no download).

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from .distributed import DistInfo, question_slice, reduce_metrics
 from .engines import RolloutEngine
-from .prompts import build_prompt
-from .rewards import eval_correct, has_official_format
+from .tasks import build_prompt, eval_correct, has_official_format
 
 
 def evaluate_model(

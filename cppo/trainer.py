@@ -26,10 +26,9 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, lora, math_grading, metrics, rundir, sinks
+from . import checkpoint, distributed, lora, metrics, rundir, sinks
 from .balance import balance_samples
 from .config import TrainConfig
-from .data import QuestionSampler, load_problems
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
@@ -43,8 +42,7 @@ from .models import (
 )
 from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import PackedBatch, Sample, loss_weight, pack_all, pack_shared
-from .prompts import build_prompt
-from .rewards import get_rewards, score_all, training_correct
+from .tasks import QuestionSampler, build_prompt, get_rewards, load_problems, score_all, training_correct, verifier
 
 
 def _on_kernel_backend(method):
@@ -90,7 +88,7 @@ class Trainer:
             question_seed=config.training_question_seed,
         )  # fmt: skip
         self.reward_fns = get_rewards(config.rewards)
-        math_grading.verifier(timeout=config.reward_timeout)
+        verifier(timeout=config.reward_timeout)
         self.sampler = QuestionSampler(len(self.problems), seed=config.seed, rank=self.rank, world_size=self.world_size)
         self.num_steps = config.steps_for(len(self.problems))
         self._build_models()

@@ -20,9 +20,7 @@ import pathlib
 
 from datasets import Dataset
 
-from cppo.data import load_problems
-from cppo.prompts import GSM8K_SYSTEM_PROMPT
-from cppo.rewards import accuracy_reward, format_reward
+from cppo.tasks import GSM8K_SYSTEM_PROMPT, accuracy_reward, format_reward, load_problems
 from cppo.trl import CPPOConfig, CPPOTrainer
 
 SHARED_GSM8K = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

@@ -119,8 +119,8 @@ def main() -> None:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import official_cppo as off
 
-    from cppo.data import normalise_row
-    from cppo.rewards import gsm8k_eval_correct, gsm8k_score, has_official_format
+    from cppo.tasks.data import normalise_row
+    from cppo.tasks.rewards import gsm8k_eval_correct, gsm8k_score, has_official_format
 
     rows = gsm8k_rows("train") + gsm8k_rows("test")
     start = time.perf_counter()
@@ -134,7 +134,7 @@ def main() -> None:
         bad["eval"] += gsm8k_eval_correct(text, gold) != off.gsm8k_eval_is_correct(text, gold)
     print(f"GSM8K/format corpus: {len(corpus)} completions, disagreements {bad}, {time.perf_counter() - start:.1f} s")
 
-    from cppo.math_grading import MathVerifier
+    from cppo.tasks.math_grading import MathVerifier
 
     verifier = MathVerifier()
     pairs = math_corpus(math500_rows(), per_row=6)

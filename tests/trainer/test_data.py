@@ -5,16 +5,16 @@ import json
 import pytest
 
 from cppo.config import load_config
-from cppo.data import (
+from cppo.models import tiny_tokenizer
+from cppo.tasks import build_prompt
+from cppo.tasks.data import (
     QuestionSampler,
     arithmetic_problems,
-    build_prompt,
     count_local_problems,
     load_problems,
     normalise_row,
 )
-from cppo.models import tiny_tokenizer
-from cppo.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
+from cppo.tasks.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 
 
 def test_arithmetic_is_seeded_and_correct():

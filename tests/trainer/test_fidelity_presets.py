@@ -8,7 +8,7 @@ import yaml
 
 from cppo import load_config
 from cppo.config import PRESET_DIR, available_presets
-from cppo.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
+from cppo.tasks.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ OFFICIAL = {
     "num_steps": None,  # max_steps: -1
     "rewards": ["accuracy", "format"],  # reward_funcs, reward_weights 1.0 / 1.0 (summed)
     "seed": 42,  # recipe seed
-    "system_prompt": None,  # the recipe's system_prompt: cppo.prompts' default for the dataset
+    "system_prompt": None,  # the recipe's system_prompt: cppo.tasks.prompts' default for the dataset
     "eval_every": 50,  # eval_steps 100 optimizer steps = 50 steps of mu = 2 updates
     "eval_limit": None,  # the whole test split
 }

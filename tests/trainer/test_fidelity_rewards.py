@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cppo.data import normalise_row
-from cppo.math_grading import MathVerifier
-from cppo.rewards import (
+from cppo.tasks.data import normalise_row
+from cppo.tasks.math_grading import MathVerifier
+from cppo.tasks.rewards import (
     extract_answer,
     gsm8k_eval_correct,
     gsm8k_score,

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-import cppo._math_verify_worker as worker
-from cppo import math_grading
-from cppo.math_grading import MathVerifier
-from cppo.rewards import accuracy_reward, eval_correct, training_correct
+import cppo.tasks._math_verify_worker as worker
+from cppo.tasks import math_grading
+from cppo.tasks.math_grading import MathVerifier
+from cppo.tasks.rewards import accuracy_reward, eval_correct, training_correct
 
 BOMBS = ["\\boxed{9^{9^{9^{9}}}}", "$\\boxed{9^{9^{9^{9}}}}$ and $\\boxed{9^{9^{9^{9}}}}$"]
 

@@ -30,7 +30,7 @@ from cppo.models import (
     use_prefix_sharing,
 )
 from cppo.packing import Sample, pack_all, pack_shared, prompt_groups, shared_tokens
-from cppo.rewards import digits_reward
+from cppo.tasks.rewards import digits_reward
 from cppo_kernels import reference
 
 ARCHS = ("qwen2", "llama")

@@ -4,7 +4,7 @@ code on large corpora.)"""
 
 import pytest
 
-from cppo.rewards import (
+from cppo.tasks.rewards import (
     REWARDS,
     eval_correct,
     extract_answer,

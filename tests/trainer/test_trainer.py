@@ -8,7 +8,7 @@ from tiny_run import tiny_config
 
 from cppo import Trainer
 from cppo.models import decoder, lm_head
-from cppo.rewards import digits_reward
+from cppo.tasks.rewards import digits_reward
 from cppo_kernels import LossConfig, reference
 
 

@@ -14,8 +14,6 @@ import random
 
 import torch
 
-from .prompts import build_prompt  # noqa: F401  (re-exported: the prompt lives in cppo.prompts)
-
 HUB_NAMES = {
     "gsm8k": ("openai/gsm8k", "main"),
     "math": ("DigitalLearningGmbH/MATH-lighteval", None),  # the MATH training set (7,500 problems)
