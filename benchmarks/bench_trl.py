@@ -226,7 +226,7 @@ def save_model(name: str, folder: pathlib.Path) -> str:
     of :data:`TINY`, a .gguf file (de-quantised) or a folder (used as it is)."""
     if os.path.isdir(name):
         return name
-    from cppo.models import load_model_and_tokenizer
+    from cppo.step import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name, model_config=TINY if name == "tiny-qwen2" else None)
     model.save_pretrained(folder)

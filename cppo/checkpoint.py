@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from . import lora
 from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 from .distributed import DistInfo, barrier, is_fsdp2, unwrap_model
 from .fileio import fsync, fsync_tree
+from .step import is_adapter_folder, is_lora, load_adapter_weights, save_adapter
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: A half-written folder (or metrics log) that a killed save leaves; see also :data:`REPLACED_PREFIX`.
@@ -136,8 +136,8 @@ def _write(tmp: str, *, module, model, tokenizer, optimizer, scheduler, state: d
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_sharded_state(module, optimizer), checkpoint_id=os.path.join(tmp, SHARDS_DIR))
-    elif info.is_main and lora.is_lora(model):  # the adapter in PEFT's format, megabytes
-        lora.save_adapter(model, os.path.join(tmp, MODEL_DIR), tokenizer=tokenizer)
+    elif info.is_main and is_lora(model):  # the adapter in PEFT's format, megabytes
+        save_adapter(model, os.path.join(tmp, MODEL_DIR), tokenizer=tokenizer)
     elif info.is_main:
         model.save_pretrained(os.path.join(tmp, MODEL_DIR))
         tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
@@ -377,9 +377,9 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
 def _load_model_dir(model: torch.nn.Module, folder: str) -> None:
     """The weights of a checkpoint's ``model/`` into ``model``: a LoRA adapter into a PEFT model, full weights into
     a plain one; ``ValueError`` naming ``use_peft`` when the two do not match."""
-    if lora.is_lora(model):
-        lora.load_adapter_weights(model, folder)
-    elif lora.is_adapter_folder(folder):
+    if is_lora(model):
+        load_adapter_weights(model, folder)
+    elif is_adapter_folder(folder):
         raise ValueError(f"checkpoint {folder!r} holds a LoRA adapter: resume it with use_peft=true")
     else:
         load_weights(model, folder)

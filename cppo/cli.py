@@ -22,7 +22,7 @@ import yaml
 
 from .config import TrainConfig, setting_help
 from .interrupt import Interrupted
-from .optim import NonFiniteUpdates
+from .step import NonFiniteUpdates
 
 
 def settings_epilog() -> str:
@@ -193,7 +193,7 @@ def _check_eval_args(args) -> None:
     from .config import check_model_and_data
     from .engines import check_engine_name
     from .fileio import check_writable
-    from .lora import is_adapter_folder
+    from .step import is_adapter_folder
     from .tasks import verifier
 
     if args.limit is not None:
@@ -242,7 +242,7 @@ def _as_flags(message: str) -> str:
 def _check_not_a_run_folder(model: str) -> None:
     """A training run's folder (checkpoints, no model of its own) is named with the checkpoint to evaluate."""
     from .checkpoint import latest, model_folder
-    from .lora import is_adapter_folder
+    from .step import is_adapter_folder
 
     found = latest(model) if os.path.isdir(model) else None
     folder = model_folder(model)
@@ -309,8 +309,7 @@ def _eval(args) -> int:
 
 def _load_eval_model(folder: str, *, dtype: str, device, seed: int):
     """``(model, tokenizer)`` of ``cppo eval``: base + adapter for a LoRA adapter folder, else the model itself."""
-    from .lora import is_adapter_folder, load_adapter_model
-    from .models import load_model_and_tokenizer
+    from .step import is_adapter_folder, load_adapter_model, load_model_and_tokenizer
 
     if is_adapter_folder(folder):
         return load_adapter_model(folder, dtype=dtype, device=device)
@@ -324,7 +323,7 @@ def _merge(args) -> int:
 
     from .checkpoint import model_folder
     from .config import DTYPES
-    from .lora import is_adapter_folder, merge
+    from .step import is_adapter_folder, merge
 
     check_choice("--dtype", args.dtype, DTYPES)
     folder = model_folder(args.checkpoint)

@@ -19,8 +19,8 @@ from cppo_kernels.config import check_choice, check_float, check_int
 
 from .distributed import PARALLELISMS, check_device
 from .engines import check_engine_name
-from .selection import Pruning
 from .sinks import check_report_to
+from .step import Pruning
 from .tasks import check_arith_eval_limit, check_timeout
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"

@@ -26,22 +26,32 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, lora, metrics, rundir, sinks
-from .balance import balance_samples
+from . import checkpoint, distributed, metrics, rundir, sinks
 from .config import TrainConfig
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
 from .interrupt import Interrupted, StopSignals
-from .models import (
+from .step import (
+    PackedBatch,
+    Sample,
+    SkipCounter,
+    apply_lora,
+    apply_settings,
+    balance_samples,
     completion_hidden,
     enable_gradient_checkpointing,
     lm_head,
     load_model_and_tokenizer,
+    loss_weight,
+    make_optimizer,
+    make_scheduler,
+    optimizer_step,
+    pack_all,
+    pack_shared,
+    reference_forward,
     use_prefix_sharing,
-)
-from .optim import SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
-from .packing import PackedBatch, Sample, loss_weight, pack_all, pack_shared
+)  # fmt: skip
 from .tasks import QuestionSampler, build_prompt, get_rewards, load_problems, score_all, training_correct, verifier
 
 
@@ -123,7 +133,7 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
-            self.model = lora.apply_lora(
+            self.model = apply_lora(
                 self.model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                 target_modules=cfg.lora_target_modules, seed=cfg.seed, base_model=cfg.model,
                 base_config=cfg.model_config,
@@ -142,7 +152,7 @@ class Trainer:
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
         if cfg.beta > 0 and cfg.use_peft:  # the wrapped policy itself (DDP / FSDP2 included), adapters disabled
-            reference = functools.partial(lora.reference_forward, self.policy)
+            reference = functools.partial(reference_forward, self.policy)
             self.ref_policy = distributed.ForwardModule(self.model, reference)
 
     def _make_rollout(self) -> RolloutEngine:

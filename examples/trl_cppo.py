@@ -64,7 +64,7 @@ def gsm8k_dataset(path: str | None, limit: int | None) -> Dataset:
 
 def tiny_model(folder: str) -> str:
     """A tiny Qwen2 with a character tokenizer, built in code and saved (TRL reloads the reference from the path)."""
-    from cppo.models import load_model_and_tokenizer
+    from cppo.step import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2")
     model.save_pretrained(folder)

@@ -27,7 +27,7 @@ def packed_errors(plan: Plan, dtype: str) -> dict:
     sequences see the earlier ones, the leak the packing must prevent."""
     import torch
 
-    from cppo.models import load_model_and_tokenizer, packed_hidden
+    from cppo.step import load_model_and_tokenizer, packed_hidden
 
     device = torch.device(plan.device)
     model, _ = load_model_and_tokenizer("tiny-qwen2", model_config=plan.packed_model, dtype=dtype, device=device)
@@ -80,7 +80,7 @@ def vllm_argv(plan: Plan, folder: pathlib.Path) -> list[str]:
     its seed) is saved to ``folder`` and named by ``--model`` instead of ``--model-config``."""
     import speedup
 
-    from cppo.models import load_model_and_tokenizer
+    from cppo.step import load_model_and_tokenizer
 
     config = speedup.base_config(speedup.parse_args(list(plan.speedup_argv)))
     model, tokenizer = load_model_and_tokenizer(

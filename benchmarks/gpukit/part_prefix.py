@@ -46,7 +46,7 @@ def draw_samples(sizes: Sizes, vocab_size: int, seed: int = 0) -> list:
     shuffled: pruning leaves the questions' completions interleaved."""
     import torch
 
-    from cppo.packing import Sample
+    from cppo.step import Sample
 
     g = torch.Generator().manual_seed(seed)
 
@@ -65,7 +65,7 @@ def draw_samples(sizes: Sizes, vocab_size: int, seed: int = 0) -> list:
 def completion_rows(model, batches, *, masked: bool = True) -> dict:
     """Each sample's final hidden states ``[c, H]`` at the rows that predict its completion tokens, by sample index,
     over ``batches``; ``masked=False`` runs a shared row without its block mask (the negative control)."""
-    from cppo.models import completion_hidden
+    from cppo.step import completion_hidden
 
     out = {}
     for b in batches:
@@ -78,7 +78,7 @@ def token_logprobs(model, hidden, targets):
     """fp64 log-probs ``[T]`` of ``targets [T]`` from ``hidden [T, H]`` through the model's LM head."""
     import torch
 
-    from cppo.models import lm_head
+    from cppo.step import lm_head
 
     weight, bias = lm_head(model)
     logits = hidden.double() @ weight.double().T + (0 if bias is None else bias.double())  # [T, V]
@@ -114,7 +114,7 @@ def fwd_bwd(model, batches: list, upstream: dict) -> None:
     ``sum(logp * upstream)`` (``upstream``: a random ``[c]`` per sample index) backward, into fresh gradients."""
     import torch
 
-    from cppo.models import completion_hidden, lm_head
+    from cppo.step import completion_hidden, lm_head
 
     model.zero_grad(set_to_none=True)
     weight, bias = lm_head(model)
@@ -158,8 +158,7 @@ def prefix_shared(plan: Plan, dtype: str, sizes: Sizes | None = None) -> dict:
     import torch
 
     from cppo.config import TrainConfig
-    from cppo.models import load_model_and_tokenizer
-    from cppo.packing import pack_all, pack_shared
+    from cppo.step import load_model_and_tokenizer, pack_all, pack_shared
 
     sizes = sizes or SIZES["dry" if plan.dry else "gpu"]
     device = torch.device(plan.device)

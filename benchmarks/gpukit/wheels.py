@@ -14,7 +14,7 @@ from typing import Any
 #: Modules the parts import (``import`` checked by the parent first) and optional ones (looked up only).
 REQUIRED = (
     "torch", "triton", "transformers", "pytest", "hypothesis", "matplotlib", "yaml", "tqdm", "cppo_kernels", "cppo",
-    "cppo.models", "cppo.packing", "bench_loss", "bench_select", "speedup",
+    "cppo.step", "bench_loss", "bench_select", "speedup",
 )  # fmt: skip
 OPTIONAL = ("xdist", "liger_kernel", "flash_attn", "vllm", "math_verify", "gguf")
 

@@ -8,7 +8,7 @@ from trl import GRPOConfig
 
 from cppo_kernels.config import METRICS, check_choice
 
-from ..selection import SCOPES, Pruning
+from ..step import SCOPES, Pruning
 
 __all__ = ["CPPOConfig"]
 

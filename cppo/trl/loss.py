@@ -27,7 +27,7 @@ from torch import Tensor
 
 from cppo_kernels import fused_cppo_loss
 
-from ..models import lm_head
+from ..step import lm_head
 
 __all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "padded_hidden", "fused_policy_loss"]
 

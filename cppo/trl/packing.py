@@ -25,8 +25,7 @@ from torch import Tensor
 
 from cppo_kernels import fused_logprobs
 
-from ..models import prefix_attention_mask, use_prefix_sharing
-from ..packing import PackedBatch, Sample, pack_shared
+from ..step import PackedBatch, Sample, pack_shared, prefix_attention_mask, use_prefix_sharing
 from .loss import _head_inputs, install_hidden_forward
 
 #: The longest packed row (unless one padded row is longer): sdpa and eager take a dense ``[L, L]`` mask and compute

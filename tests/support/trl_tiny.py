@@ -25,7 +25,7 @@ CPU = dict(
 
 def save_tiny_model(folder: pathlib.Path, *, seed: int = 0) -> str:
     """A tiny Qwen2 and its character tokenizer saved to ``folder``; returns the path as a string."""
-    from cppo.models import load_model_and_tokenizer
+    from cppo.step.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=seed)
     model.save_pretrained(folder)

@@ -14,7 +14,7 @@ from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, re
 
 from cppo import checkpoint, load_config, metrics, rundir
 from cppo.distributed import DistInfo
-from cppo.models import load_model_and_tokenizer
+from cppo.step.models import load_model_and_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 from cppo import TrainConfig, Trainer, load_config
 from cppo.config import available_presets
 from cppo.distributed import DistInfo, resolve_device
-from cppo.models import lm_head
+from cppo.step.models import lm_head
 
 
 def test_presets_load():

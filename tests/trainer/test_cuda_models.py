@@ -7,8 +7,8 @@ later sequences do see the earlier ones: its error must be far above the toleran
 tests/trainer/test_packing.py checks the same on the CPU (sdpa, float32).
 
 Prefix sharing (a question's completions after one copy of its prompt, a block mask) runs through flex_attention on
-CUDA (:func:`cppo.models.attn_implementation`): its log-probs and hidden states must equal those of a prompt copy per
-completion (the attention picked without sharing), with a negative control (the shared row without its mask, where
+CUDA (:func:`cppo.step.models.attn_implementation`): its log-probs and hidden states must equal those of a prompt copy
+per completion (the attention picked without sharing), with a negative control (the shared row without its mask, where
 sibling completions see each other). tests/trainer/test_prefix_sharing.py checks the same on the CPU (sdpa, eager).
 """
 
@@ -19,8 +19,8 @@ import itertools
 import pytest
 import torch
 
-from cppo.models import completion_hidden, lm_head, load_model_and_tokenizer, packed_hidden
-from cppo.packing import Sample, pack_all, pack_shared
+from cppo.step.models import completion_hidden, lm_head, load_model_and_tokenizer, packed_hidden
+from cppo.step.packing import Sample, pack_all, pack_shared
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

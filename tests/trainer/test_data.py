@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cppo.config import load_config
-from cppo.models import tiny_tokenizer
+from cppo.step.models import tiny_tokenizer
 from cppo.tasks import build_prompt
 from cppo.tasks.data import (
     QuestionSampler,

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
-from cppo.models import load_model_and_tokenizer
+from cppo.step import balance as B
+from cppo.step.models import load_model_and_tokenizer
 
 SINGLE = D.DistInfo()
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
-from cppo import balance as B
 from cppo import checkpoint as C
 from cppo import distributed as D
-from cppo.selection import Pruning
+from cppo.step import balance as B
+from cppo.step.selection import Pruning
 from cppo_kernels import LossConfig, reference
 
 WORLD = 2
@@ -321,14 +321,14 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _tiny_lm():
     """A tiny causal LM (transformers, seeded) and its tokenizer: what the trainer checkpoints."""
-    from cppo.models import load_model_and_tokenizer
+    from cppo.step.models import load_model_and_tokenizer
 
     config = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     return load_model_and_tokenizer("tiny-qwen2", model_config=config, seed=0)
 
 
 def _hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    from cppo.models import packed_hidden
+    from cppo.step.models import packed_hidden
 
     return packed_hidden(model, ids[None], torch.arange(ids.numel())[None])  # [L, H]
 

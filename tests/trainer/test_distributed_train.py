@@ -79,14 +79,14 @@ def _run(trainer, steps: int) -> list[dict]:
 
 class PerHalfBatchPruning:
     """The 1-process counterpart of "batch" on 2 ranks: pool each rank's half of the batch separately (in place of
-    the trainer's :class:`cppo.selection.Pruning`)."""
+    the trainer's :class:`cppo.step.selection.Pruning`)."""
 
     def __init__(self, trainer) -> None:
         self.config = trainer.config
         self.questions_drawn = trainer.pruning.questions_drawn
 
     def select(self, rewards, *, seed, info):
-        from cppo.selection import Selection
+        from cppo.step.selection import Selection
         from cppo_kernels import group_advantages, select_completions
 
         cfg = self.config
@@ -121,7 +121,7 @@ def worker(out_dir: str) -> None:
     # Rank 0 packs its 4 sequences into 1 micro-batch, rank 1 puts each in its own: rank 0 runs 3 weight-0 fillers
     # to stay in step, and the 1-process runs below (one sequence per micro-batch) check that packing changes nothing.
     import cppo.trainer
-    from cppo.packing import pack
+    from cppo.step.packing import pack
 
     pack_all = cppo.trainer.pack_all
     if info.rank == 1:

@@ -11,7 +11,7 @@ from toy_engine import TEXTS, FixedEngine
 from cppo import Trainer
 from cppo.cli import main
 from cppo.engines import EngineSettings, available_engines, base, make_engine, register_engine
-from cppo.models import load_model_and_tokenizer
+from cppo.step.models import load_model_and_tokenizer
 from cppo.tasks.data import load_problems
 from cppo.tasks.rewards import digits_reward, eval_correct
 

@@ -10,7 +10,7 @@ import pytest
 from cppo.cli import _parser, main
 from cppo.engines import Rollout
 from cppo.evaluate import evaluate_model
-from cppo.models import tiny_tokenizer
+from cppo.step.models import tiny_tokenizer
 
 GSM8K_OUTPUTS = [
     "<think>16 - 3 - 4 = 9, 9 * 2 = 18</think>\n<answer>18</answer>",  # tagged, right

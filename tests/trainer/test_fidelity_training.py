@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tiny_run import tiny_config
 
 from cppo import TrainConfig, Trainer
-from cppo.optim import make_scheduler
+from cppo.step.optim import make_scheduler
 from cppo_kernels import cppo_select
 
 

@@ -10,10 +10,11 @@ import torch
 from tiny_run import CLI_SETTINGS, TINY, resume_candidates, tiny_config, train_cli
 from torchrun_harness import assert_ranks_ok, torchrun
 
-from cppo import TrainConfig, load_config, lora
+from cppo import TrainConfig, load_config
 from cppo.cli import main
 from cppo.config import FIXED
-from cppo.models import load_model_and_tokenizer
+from cppo.step import lora
+from cppo.step.models import load_model_and_tokenizer
 from cppo.trainer import Trainer
 from cppo_kernels import fused_cppo_loss
 

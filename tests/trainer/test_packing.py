@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from cppo import checkpoint
 from cppo.distributed import DistInfo
-from cppo.models import lm_head, load_model_and_tokenizer, packed_hidden
-from cppo.packing import Sample, allocate, loss_weight, pack, pack_all
+from cppo.step.models import lm_head, load_model_and_tokenizer, packed_hidden
+from cppo.step.packing import Sample, allocate, loss_weight, pack, pack_all
 from cppo_kernels import reference
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)

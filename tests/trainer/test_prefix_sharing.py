@@ -18,9 +18,9 @@ from tiny_run import TINY, tiny_config
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 from cppo import Trainer
-from cppo.balance import balance_samples, split_units
 from cppo.distributed import DistInfo
-from cppo.models import (
+from cppo.step.balance import balance_samples, split_units
+from cppo.step.models import (
     completion_hidden,
     decoder,
     enable_gradient_checkpointing,
@@ -29,7 +29,7 @@ from cppo.models import (
     prefix_sharing_blocker,
     use_prefix_sharing,
 )
-from cppo.packing import Sample, pack_all, pack_shared, prompt_groups, shared_tokens
+from cppo.step.packing import Sample, pack_all, pack_shared, prompt_groups, shared_tokens
 from cppo.tasks.rewards import digits_reward
 from cppo_kernels import reference
 

@@ -26,7 +26,7 @@ def no_model(monkeypatch):
         raise AssertionError("the model loaded before the error was found")
 
     monkeypatch.setattr("cppo.trainer.load_model_and_tokenizer", refuse)
-    monkeypatch.setattr("cppo.models.load_model_and_tokenizer", refuse)
+    monkeypatch.setattr("cppo.step.models.load_model_and_tokenizer", refuse)
 
 
 GOOD_ROW = '{"question": "1+1", "answer": "2"}'

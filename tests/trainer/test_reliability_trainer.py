@@ -10,7 +10,7 @@ import torch
 from tiny_run import tiny_config, train_cli
 
 from cppo import TrainConfig, Trainer
-from cppo.optim import NonFiniteUpdates
+from cppo.step.optim import NonFiniteUpdates
 
 
 @pytest.fixture(autouse=True)

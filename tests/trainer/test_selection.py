@@ -1,4 +1,4 @@
-"""cppo.selection: the whole pruning step (counts, scopes, the random generator across ranks) against the float64
+"""cppo.step.selection: the whole pruning step (counts, scopes, the random generator across ranks) against the float64
 oracle, and the rule that no other module of cppo calls the selection kernels."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cppo import TrainConfig
 from cppo.distributed import DistInfo
-from cppo.selection import SCOPES, Pruning, kept_count
+from cppo.step.selection import SCOPES, Pruning, kept_count
 from cppo_kernels import reference
 from cppo_kernels.config import SCOPES as KERNEL_SCOPES
 

@@ -7,7 +7,7 @@ import torch
 from tiny_run import tiny_config
 
 from cppo import Trainer
-from cppo.models import decoder, lm_head
+from cppo.step.models import decoder, lm_head
 from cppo.tasks.rewards import digits_reward
 from cppo_kernels import LossConfig, reference
 
@@ -211,7 +211,7 @@ def test_train_writes_metrics_plot_and_checkpoint(tmp_path):
 
 def test_kernel_backend_is_scoped_to_the_step(tmp_path, monkeypatch):
     """kernel_backend applies inside the step without touching the process environment."""
-    import cppo.selection as selection_module
+    import cppo.step.selection as selection_module
 
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "auto")
     seen = []

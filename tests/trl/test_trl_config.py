@@ -7,7 +7,7 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig
 from trl_tiny import CPU
 
-from cppo.selection import Pruning
+from cppo.step.selection import Pruning
 from cppo.trl import CPPOConfig
 
 

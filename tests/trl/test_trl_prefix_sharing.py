@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig
 from trl_tiny import TINY, PassCounter, digit_reward, losses, make_config, tiny_dataset, weights
 
-import cppo.models
+import cppo.step.models
 from cppo.trl import CPPOConfig, CPPOTrainer
 from cppo.trl.loss import fused_policy_loss
 from cppo.trl.packing import shared_hidden, shared_rows
@@ -35,7 +35,7 @@ def llama_model(tmp_path_factory) -> str:
     """A tiny Llama (untied LM head) saved to disk, with the tiny Qwen2's tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from cppo.models import tiny_tokenizer
+    from cppo.step.models import tiny_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = tiny_tokenizer(TINY["vocab_size"])
@@ -171,7 +171,7 @@ def test_a_training_step_with_sharing_equals_one_without(tiny_model, tmp_path, l
 
 
 def test_attention_without_the_mask_falls_back_with_one_warning_and_trains(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(cppo.models, "prefix_sharing_blocker", lambda model: "its attention takes no 4-D mask")
+    monkeypatch.setattr(cppo.step.models, "prefix_sharing_blocker", lambda model: "its attention takes no 4-D mask")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = train(tiny_model, tmp_path)

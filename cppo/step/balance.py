@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .distributed import DistInfo, SequenceShard, gather_sequences
+from ..distributed import DistInfo, SequenceShard, gather_sequences
 from .packing import Sample, prompt_groups, shared_tokens
 
 __all__ = ["lpt_assign", "balance_sequences", "split_units", "balance_samples"]

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from . import fileio
+from .. import fileio
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's

@@ -39,7 +39,7 @@ from cppo_kernels import cppo_select, group_advantages, select_completions
 from cppo_kernels.config import METRICS, SCALES, check_choice, check_float, check_int
 from cppo_kernels.config import SCOPES as KERNEL_SCOPES
 
-from .distributed import DistInfo, all_gather_varlen
+from ..distributed import DistInfo, all_gather_varlen
 
 __all__ = ["SCOPES", "METRICS", "Pruning", "Selection", "kept_count"]
 
