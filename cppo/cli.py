@@ -21,7 +21,7 @@ import sys
 import yaml
 
 from .config import TrainConfig, setting_help
-from .interrupt import Interrupted
+from .run import Interrupted
 from .step import NonFiniteUpdates
 
 
@@ -96,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from . import distributed, rundir
+    from . import distributed
     from .config import load_config
+    from .run import open_run, resume
     from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
@@ -109,13 +110,13 @@ def _train(args) -> int:
     run = None
     try:
         existing = "resume" if args.resume else "overwrite" if args.overwrite else "refuse"
-        run = rundir.open_run(config.output_dir, report_to=config.report_to, info=info, existing=existing)
+        run = open_run(config.output_dir, report_to=config.report_to, info=info, existing=existing)
         candidates = _resume_candidates(config, args, info=info) if args.resume else []
         trainer = Trainer(config, info=info, run=run)
         if args.overwrite:
             run.clear()
         if candidates:
-            path = rundir.resume(trainer, candidates)
+            path = resume(trainer, candidates)
             distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
         history = trainer.train()
         if history:
@@ -130,12 +131,12 @@ def _train(args) -> int:
 
 
 def _resume_candidates(config: TrainConfig, args, *, info) -> list[str]:
-    """The checkpoints ``--resume`` may load (:func:`cppo.rundir.resume_candidates`), the run's settings compared
+    """The checkpoints ``--resume`` may load (:func:`cppo.run.resume_candidates`), the run's settings compared
     with each one's."""
-    from . import rundir
     from .config import FIXED
+    from .run import resume_candidates
 
-    return rundir.resume_candidates(
+    return resume_candidates(
         config.output_dir, changes_from=config.changes_from, fixed=FIXED,
         allow_config_change=args.allow_config_change, info=info,
     )  # fmt: skip
@@ -144,10 +145,9 @@ def _resume_candidates(config: TrainConfig, args, *, info) -> list[str]:
 def _dry_run(args, config: TrainConfig) -> int:
     """What ``cppo train`` checks before the model loads, writing nothing: output_dir, the training data (local data
     only: nothing is downloaded) and, with ``--resume``, the checkpoint and its settings. Prints the plan as JSON."""
-    from . import rundir
     from .distributed import DistInfo
     from .fileio import check_writable
-    from .runlock import check_free
+    from .run import check_free, refuse_existing_run
     from .tasks import count_local_problems, get_rewards
 
     if args.resume and args.overwrite:
@@ -156,7 +156,7 @@ def _dry_run(args, config: TrainConfig) -> int:
     check_free(config.output_dir)
     get_rewards(config.rewards)
     if not (args.resume or args.overwrite):
-        rundir.refuse_existing_run(config.output_dir)
+        refuse_existing_run(config.output_dir)
     resume_from = None
     if args.resume:
         resume_from = _resume_candidates(config, args, info=DistInfo())[0]
@@ -189,10 +189,10 @@ def _check_eval_args(args) -> None:
     naming the flag."""
     from cppo_kernels.config import check_float, check_int
 
-    from .checkpoint import model_folder
     from .config import check_model_and_data
     from .engines import check_engine_name
     from .fileio import check_writable
+    from .run import model_folder
     from .step import is_adapter_folder
     from .tasks import verifier
 
@@ -241,7 +241,7 @@ def _as_flags(message: str) -> str:
 
 def _check_not_a_run_folder(model: str) -> None:
     """A training run's folder (checkpoints, no model of its own) is named with the checkpoint to evaluate."""
-    from .checkpoint import latest, model_folder
+    from .run import latest, model_folder
     from .step import is_adapter_folder
 
     found = latest(model) if os.path.isdir(model) else None
@@ -259,10 +259,10 @@ def _eval(args) -> int:
     from safetensors import SafetensorError
 
     from . import fileio
-    from .checkpoint import model_folder
     from .distributed import resolve_device
     from .engines import EngineSettings, make_engine
     from .evaluate import evaluate_model
+    from .run import model_folder
     from .tasks import load_problems
 
     _check_eval_args(args)
@@ -321,8 +321,8 @@ def _merge(args) -> int:
     plain model + tokenizer to ``--output`` (a new or empty folder, filled beside itself and renamed into place)."""
     from cppo_kernels.config import check_choice
 
-    from .checkpoint import model_folder
     from .config import DTYPES
+    from .run import model_folder
     from .step import is_adapter_folder, merge
 
     check_choice("--dtype", args.dtype, DTYPES)

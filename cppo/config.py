@@ -19,7 +19,7 @@ from cppo_kernels.config import check_choice, check_float, check_int
 
 from .distributed import PARALLELISMS, check_device
 from .engines import check_engine_name
-from .sinks import check_report_to
+from .run import check_report_to
 from .step import Pruning
 from .tasks import check_arith_eval_limit, check_timeout
 

@@ -26,12 +26,25 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import checkpoint, distributed, metrics, rundir, sinks
+from . import distributed
 from .config import TrainConfig
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
-from .interrupt import Interrupted, StopSignals
+from .run import (
+    TRAINER_KEYS,
+    Interrupted,
+    JsonlSink,
+    PhaseTimer,
+    Run,
+    StopSignals,
+    load_checkpoint,
+    metric_reduction,
+    open_run,
+    plot,
+    read_jsonl,
+    save_checkpoint,
+)  # fmt: skip
 from .step import (
     PackedBatch,
     Sample,
@@ -78,7 +91,7 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainConfig, *, info: distributed.DistInfo | None = None, run: rundir.Run | None = None
+        self, config: TrainConfig, *, info: distributed.DistInfo | None = None, run: Run | None = None
     ) -> None:
         config.check_sources()  # the model and the data exist (the settings were validated when config was built)
         self.info = info if info is not None else distributed.init_distributed(device=config.device)
@@ -90,9 +103,7 @@ class Trainer:
             )
         self.device = self.info.device if self.info.distributed else resolve_device(config.device)
         # output_dir writable and the report_to sinks built (so checked) before anything loads
-        self.run = run or rundir.open_run(
-            config.output_dir, report_to=config.report_to, info=self.info, existing="later"
-        )
+        self.run = run or open_run(config.output_dir, report_to=config.report_to, info=self.info, existing="later")
         self.problems = load_problems(
             config.dataset, split="train", dataset_path=config.dataset_path, max_questions=config.max_questions,
             question_seed=config.training_question_seed,
@@ -190,7 +201,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One CPPO step; returns its metrics (docs/training.md lists them)."""
         cfg = self.config
-        timer, start = metrics.PhaseTimer(self.device), time.perf_counter()
+        timer, start = PhaseTimer(self.device), time.perf_counter()
         torch.manual_seed(self._step_seed())  # sampling in generate draws from the global RNG: reproducible per step
 
         with timer("generate"):
@@ -220,7 +231,7 @@ class Trainer:
         record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
         record["time/step"] = time.perf_counter() - start
-        return distributed.reduce_metrics(record, info=self.info, reductions=metrics.metric_reduction)
+        return distributed.reduce_metrics(record, info=self.info, reductions=metric_reduction)
 
     # ------------------------------------------------------------------------------------------------------
     # Stages
@@ -455,11 +466,11 @@ class Trainer:
     def _plot(self, logged: list[dict]) -> None:
         """``metrics.png`` over the whole run: from ``metrics.jsonl`` when ``report_to`` keeps it, else from the
         records this call logged (none: no plot)."""
-        log_path = os.path.join(self.config.output_dir, sinks.JsonlSink.FILE)
+        log_path = os.path.join(self.config.output_dir, JsonlSink.FILE)
         kept = "jsonl" in self.config.report_to and os.path.isfile(log_path)
-        records = metrics.read_jsonl(log_path) if kept else logged
+        records = read_jsonl(log_path) if kept else logged
         if records:
-            metrics.plot(records, os.path.join(self.config.output_dir, "metrics.png"))
+            plot(records, os.path.join(self.config.output_dir, "metrics.png"))
 
     def _checkpoint_path(self) -> str:
         return os.path.join(self.config.output_dir, f"checkpoint-{self.step:06d}")
@@ -483,7 +494,7 @@ class Trainer:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
-        return checkpoint.save(
+        return save_checkpoint(
             path,
             module=self.policy,
             tokenizer=self.tokenizer,
@@ -496,13 +507,13 @@ class Trainer:
     def load_checkpoint(self, path: str) -> None:
         """Restores model weights, optimizer, scheduler, data position, RNG states and step from ``path`` (on every
         rank; a sharded FSDP2 checkpoint needs the world size that wrote it)."""
-        state = checkpoint.load(
+        state = load_checkpoint(
             path,
             module=self.policy,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             info=self.info,
-            required=checkpoint.TRAINER_KEYS,
+            required=TRAINER_KEYS,
         )
         # lr, weight decay, schedule: this run's
         apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)

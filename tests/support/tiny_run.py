@@ -9,7 +9,7 @@ import pathlib
 import pickle
 import shutil
 
-from cppo import TrainConfig, rundir
+from cppo import TrainConfig, run
 from cppo.cli import main
 from cppo.config import FIXED
 from cppo.distributed import DistInfo
@@ -55,7 +55,7 @@ def train_cli(output_dir, *flags: str, settings: tuple[str, ...] = ()) -> int:
 
 def resume_candidates(config: TrainConfig, *, allow_config_change: bool) -> list[str]:
     """The checkpoints ``cppo train --resume`` would try for ``config``, in one process (as the CLI asks for them)."""
-    return rundir.resume_candidates(
+    return run.resume_candidates(
         config.output_dir, changes_from=config.changes_from, fixed=FIXED, allow_config_change=allow_config_change,
         info=DistInfo(),
     )  # fmt: skip

@@ -12,8 +12,10 @@ import pytest
 import torch
 from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, resume_candidates, train_cli
 
-from cppo import checkpoint, load_config, metrics, rundir
+from cppo import load_config
 from cppo.distributed import DistInfo
+from cppo.run import checkpoint, metrics
+from cppo.run import folder as rundir
 from cppo.step.models import load_model_and_tokenizer
 
 
@@ -92,7 +94,7 @@ def test_rng_states_round_trip_as_plain_data():
 def test_fsdp2_shard_metadata_and_entries_are_read_without_running_code(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from cppo.shard_io import load_shards, read_metadata
+    from cppo.run.shard_io import load_shards, read_metadata
 
     marker = tmp_path / "code-ran"
     saved = {"w": torch.randn(3, 2), "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]}

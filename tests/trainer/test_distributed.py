@@ -1,4 +1,4 @@
-"""Single-process tests of cppo.distributed, cppo.parallel and cppo.checkpoint: the pure parts (splitting, LPT
+"""Single-process tests of cppo.distributed, cppo.parallel and cppo.run.checkpoint: the pure parts (splitting, LPT
 balancing, shards, reductions' specs), the single-process defaults every collective and wrapper falls back to, and
 checkpoints. The 2-process tests are in test_distributed_multiproc.py."""
 
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cppo import checkpoint as C
 from cppo import distributed as D
+from cppo.run import checkpoint as C
 from cppo.step import balance as B
 from cppo.step.models import load_model_and_tokenizer
 

@@ -1,4 +1,4 @@
-"""2-process tests of cppo.distributed, cppo.parallel and cppo.checkpoint on CPU (gloo), launched once through
+"""2-process tests of cppo.distributed, cppo.parallel and cppo.run.checkpoint on CPU (gloo), launched once through
 torchrun.
 
 This file is both the pytest module and the worker: the test runs ``python -m torch.distributed.run --standalone
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
-from cppo import checkpoint as C
 from cppo import distributed as D
+from cppo.run import checkpoint as C
 from cppo.step import balance as B
 from cppo.step.selection import Pruning
 from cppo_kernels import LossConfig, reference

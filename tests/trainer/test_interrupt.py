@@ -13,7 +13,7 @@ import time
 import pytest
 from tiny_run import CLI_SETTINGS
 
-from cppo import checkpoint, metrics
+from cppo.run import checkpoint, metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

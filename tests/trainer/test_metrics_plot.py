@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cppo.metrics import _reward_panel, plot  # noqa: E402
+from cppo.run.metrics import _reward_panel, plot  # noqa: E402
 
 
 def _labels(records):

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cppo import checkpoint
 from cppo.distributed import DistInfo
+from cppo.run import checkpoint
 from cppo.step.models import lm_head, load_model_and_tokenizer, packed_hidden
 from cppo.step.packing import Sample, allocate, loss_weight, pack, pack_all
 from cppo_kernels import reference

@@ -11,11 +11,11 @@ import sys
 import pytest
 from tiny_run import train_cli
 
-from cppo.runlock import LOCK_NAME, RunLock, RunLocked, check_free
+from cppo.run.lock import LOCK_NAME, RunLock, RunLocked, check_free
 
 HOLD = """
 import sys, time
-from cppo.runlock import RunLock
+from cppo.run.lock import RunLock
 RunLock.of(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -39,7 +39,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with caplog.at_level("WARNING", logger="cppo.runlock"):
+    with caplog.at_level("WARNING", logger="cppo.run.lock"):
         lock = RunLock(str(tmp_path)).acquire()  # the kernel dropped the dead holder's lock
     assert "took over the lock of a run that ended without releasing it" in caplog.text
     assert f"PID {os.getpid()}" not in caplog.text

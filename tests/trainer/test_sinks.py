@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from tiny_run import tiny_config, train_cli
 
-from cppo import TrainConfig, Trainer, checkpoint, load_config
+from cppo import TrainConfig, Trainer, load_config
 from cppo.distributed import DistInfo
-from cppo.metrics import read_jsonl
-from cppo.sinks import JsonlSink, TensorBoardSink, WandbSink, scalars
+from cppo.run import checkpoint
+from cppo.run.metrics import read_jsonl
+from cppo.run.sinks import JsonlSink, TensorBoardSink, WandbSink, scalars
 
 CHECKED = ("loss", "reward_mean", "kept_fraction")
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 
+from ..fileio import check_writable
 from . import metrics
-from .fileio import check_writable
 
 __all__ = [
     "MetricSink",

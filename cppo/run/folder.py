@@ -9,10 +9,10 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
+from ..distributed import DistInfo, barrier, max_across_ranks
+from ..fileio import check_writable
 from . import checkpoint
-from .distributed import DistInfo, barrier, max_across_ranks
-from .fileio import check_writable
-from .runlock import RunLock, RunLocked
+from .lock import RunLock, RunLocked
 from .sinks import MetricSink, make_sinks
 
 logger = logging.getLogger(__name__)

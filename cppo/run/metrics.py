@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .fileio import atomic_path, atomic_write
+from ..fileio import atomic_path, atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
+from .errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 
 #: Globals DCP's metadata pickles besides its own ``torch.distributed.checkpoint.metadata`` classes and dtypes.
 ALLOWED_GLOBALS = frozenset(

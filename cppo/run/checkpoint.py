@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from .checkpoint_errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
-from .distributed import DistInfo, barrier, is_fsdp2, unwrap_model
-from .fileio import fsync, fsync_tree
-from .step import is_adapter_folder, is_lora, load_adapter_weights, save_adapter
+from ..distributed import DistInfo, barrier, is_fsdp2, unwrap_model
+from ..fileio import fsync, fsync_tree
+from ..step import is_adapter_folder, is_lora, load_adapter_weights, save_adapter
+from .errors import CorruptCheckpoint, UnsafeCheckpoint, first_line
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: A half-written folder (or metrics log) that a killed save leaves; see also :data:`REPLACED_PREFIX`.
