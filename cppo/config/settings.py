@@ -17,13 +17,13 @@ import yaml
 from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
-from .distributed import PARALLELISMS, check_device
-from .engines import check_engine_name
-from .run import check_report_to
-from .step import Pruning
-from .tasks import check_arith_eval_limit, check_timeout
+from ..distributed import PARALLELISMS, check_device
+from ..engines import check_engine_name
+from ..run import check_report_to
+from ..step import Pruning
+from ..tasks import check_arith_eval_limit, check_timeout
 
-PRESET_DIR = pathlib.Path(__file__).resolve().parent / "presets"
+PRESET_DIR = pathlib.Path(__file__).resolve().parents[1] / "presets"
 #: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
 #: ``dtype``: the compute dtype (master weights and optimizer state are always float32).
