@@ -1,14 +1,18 @@
-"""What a user configures: TrainConfig (every setting, its choices and checks), loaded from a preset or a YAML file
-with key=value overrides."""
+"""What a user configures: TrainConfig, every setting with its meaning and checks (settings.py), the choices of the
+named ones and what a resume may change (choices.py), loaded from a preset or a YAML file with key=value overrides
+(loading.py); the model and data checked to exist (sources.py); values in YAML's words (values.py)."""
 
-from .settings import (  # noqa: I001  (grouped, as __all__)
-    DATASETS, DTYPES, FIXED, HUB_ID_RE, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, MAX_YAML_DEPTH,
-    PRESET_DIR, RESUMABLE, TINY_MODELS, TRL_NAMES, TrainConfig, available_presets, check_model_and_data,
-    check_tiny_config, did_you_mean, load_config, setting_help,
+from .choices import (  # noqa: I001  (grouped, as __all__)
+    DATASETS, DTYPES, FIXED, HUB_ID_RE, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE,
+    TINY_MODELS,
 )  # fmt: skip
+from .loading import MAX_YAML_DEPTH, PRESET_DIR, TRL_NAMES, available_presets, load_config
+from .settings import TrainConfig, setting_help
+from .sources import check_model_and_data, check_tiny_config
+from .values import did_you_mean
 
 __all__ = [
     "DATASETS", "DTYPES", "FIXED", "HUB_ID_RE", "KERNEL_BACKENDS", "LORA_TARGET_MODULES", "LR_SCHEDULES", "MAX_SEED",
-    "MAX_YAML_DEPTH", "PRESET_DIR", "RESUMABLE", "TINY_MODELS", "TRL_NAMES", "TrainConfig", "available_presets",
-    "check_model_and_data", "check_tiny_config", "did_you_mean", "load_config", "setting_help",
+    "RESUMABLE", "TINY_MODELS", "MAX_YAML_DEPTH", "PRESET_DIR", "TRL_NAMES", "available_presets", "load_config",
+    "TrainConfig", "setting_help", "check_model_and_data", "check_tiny_config", "did_you_mean",
 ]  # fmt: skip

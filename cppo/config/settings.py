@@ -1,18 +1,12 @@
-"""Training configuration: one dataclass, loadable from a preset or a YAML file with ``key=value`` overrides, and the
-choices each setting accepts."""
+"""Training configuration: one dataclass of every setting with its one-line meaning, its checks (``validate``, run on
+construction) and the settings a resume compares (:meth:`TrainConfig.changes_from`). Loading it from a preset or a
+YAML file: :mod:`cppo.config.loading`."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
-import pathlib
-import re
-import types
 import typing
 from dataclasses import dataclass, field
-
-import yaml
 
 from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
@@ -22,37 +16,9 @@ from ..engines import check_engine_name
 from ..run import check_report_to
 from ..step import Pruning
 from ..tasks import check_arith_eval_limit, check_timeout
-
-PRESET_DIR = pathlib.Path(__file__).resolve().parents[1] / "presets"
-#: Models built in code (no download).
-TINY_MODELS = ("tiny-qwen2",)
-#: ``dtype``: the compute dtype (master weights and optimizer state are always float32).
-DTYPES = ("float32", "bfloat16", "float16")
-#: ``lr_schedule``: cosine / linear decay or constant, each after a linear warm-up.
-LR_SCHEDULES = ("cosine", "linear", "constant")
-#: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
-KERNEL_BACKENDS = ("auto", "triton", "torch")
-#: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
-DATASETS = ("arith", "gsm8k", "math", "math500")
-#: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).
-HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-#: ``lora_target_modules`` by default: the attention and MLP projections (Llama, Qwen2, Mistral, SmolLM2 names).
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: ``seed`` is at most this (the per-step seeds derived from it must fit torch's 64-bit seed).
-MAX_SEED = 2**32 - 1
-#: Settings a resume may change without --allow-config-change: where and how often the run writes and evaluates,
-#: its length (with a decaying lr_schedule, a new length reshapes the remaining schedule), and how (not what) it
-#: computes. Any other difference changes the run (:meth:`TrainConfig.changes_from`).
-RESUMABLE = frozenset(
-    {"output_dir", "num_steps", "num_epochs", "save_every", "log_every", "eval_every", "eval_limit", "preset"}
-    | {"report_to"}
-    | {"device", "kernel_backend", "micro_batch_tokens", "parallelism", "gradient_checkpointing", "max_skipped_updates"}
-)
-#: Settings a resume cannot apply, even with --allow-config-change: the weights are of that model, the data
-#: position of that question list; LoRA: the checkpoint holds an adapter of that shape (or a full model), which only
-#: such a policy loads.
-FIXED = frozenset({"model", "model_config", "dataset", "dataset_path", "max_questions"})
-FIXED |= {"use_peft", "lora_r", "lora_target_modules"}
+from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
+from .sources import check_model_and_data
+from .values import check_type
 
 
 def setting(default, help: str, *, factory=None):
@@ -208,8 +174,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first bad setting."""
-        for name, hint in _field_types().items():
-            _check_type(name, getattr(self, name), hint)
+        for name, hint in field_types().items():
+            check_type(name, getattr(self, name), hint)
             if isinstance(getattr(self, name), float):
                 check_float(name, getattr(self, name))  # no inf or nan reaches the run
         _positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
@@ -283,159 +249,8 @@ class TrainConfig:
         return changes
 
 
-def check_model_and_data(
-    *,
-    model: str,
-    dataset: str,
-    dataset_path: str | None = None,
-    model_config: dict | None = None,
-    dtype: str = "float32",
-    device: str = "auto",
-) -> None:
-    """Whether the model and the data exist, checked before anything loads (the trainer, ``cppo train --dry-run`` and
-    ``cppo eval`` call it; it reads the file system and imports transformers for a tiny model's config):
-    ``ValueError`` naming the setting."""
-    check_choice("dtype", dtype, DTYPES)
-    check_device(device)
-    if dataset_path is not None and not os.path.exists(dataset_path):
-        raise ValueError(f"dataset_path {dataset_path!r} does not exist")
-    if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
-        raise ValueError(f"dataset file {dataset!r} does not exist")
-    if not (dataset in DATASETS or dataset.endswith(".jsonl") or ("/" in dataset and HUB_ID_RE.match(dataset))):
-        raise ValueError(
-            f"dataset {dataset!r} is unknown{did_you_mean(dataset, DATASETS)}: use one of {DATASETS}, a .jsonl file "
-            "or a hub dataset owner/name"
-        )
-    if model.endswith(".gguf") and not os.path.isfile(model):
-        raise ValueError(f"model file {model!r} does not exist")
-    if model.startswith("tiny-") and model not in TINY_MODELS:
-        raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
-    if not (model.startswith("tiny-") or os.path.exists(model) or HUB_ID_RE.match(model)):
-        raise ValueError(f"model {model!r} does not exist (not a local folder or file, nor a hub name owner/name)")
-    if model_config is not None and not model.startswith("tiny-"):
-        raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
-    if model_config is not None:
-        check_tiny_config(model_config)
-
-
-def check_tiny_config(model_config: dict) -> None:
-    """``ValueError`` naming the keys of ``model_config`` that Qwen2's config does not know (they would be ignored)."""
-    from transformers import Qwen2Config
-
-    known = set(Qwen2Config().to_dict())
-    try:
-        built = set(Qwen2Config(**model_config).to_dict())
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"model_config: {e}") from None
-    unknown = sorted(set(model_config) & (built - known))  # an unknown key is kept as an extra attribute
-    if unknown:
-        raise ValueError(
-            f"model_config: unknown key {unknown[0]!r}{did_you_mean(unknown[0], known)}: the keys are those of "
-            "transformers' Qwen2Config"
-        )
-
-
-#: TRL's GRPOConfig / transformers' TrainingArguments names a user types, and what to use here.
-TRL_NAMES = {
-    "learning_rate": "lr",
-    "num_generations": "group_size",
-    "per_device_train_batch_size": "questions_per_step (questions per step; each brings group_size completions)",
-    "gradient_accumulation_steps": "questions_per_step (one optimizer step per generation step here)",
-    "num_iterations": "mu",
-    "epsilon": "epsilon_low",
-    "num_train_epochs": "num_epochs",
-    "max_steps": "num_steps",
-    "lr_scheduler_type": "lr_schedule",
-    "save_steps": "save_every",
-    "logging_steps": "log_every",
-    "eval_steps": "eval_every",
-    "loss_type": "loss_agg (dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm)",
-    "bf16": "dtype=bfloat16",
-    "fp16": "dtype=float16",
-    "model_name_or_path": "model",
-    "dataset_name": "dataset",
-    "use_vllm": "rollout_backend=vllm",
-    "pruning_metric": "selection_metric",
-}
-
-
-def _suggest(key: str, hints) -> str:
-    """``" (TRL's name: use lr)"`` for a TRL / transformers name, else the closest setting (:func:`did_you_mean`)."""
-    if key in TRL_NAMES:
-        return f" (that is TRL's name: here use {TRL_NAMES[key]})"
-    close = difflib.get_close_matches(key, [*hints, *TRL_NAMES], n=1, cutoff=0.6)
-    if close and close[0] in TRL_NAMES:
-        return f" (did you mean TRL's {close[0]!r}? here use {TRL_NAMES[close[0]]})"
-    return did_you_mean(key, hints)
-
-
-def did_you_mean(name: str, choices) -> str:
-    """``" (did you mean 'x'?)"`` for the choice closest to ``name``, or ``""`` when none is close."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _field_types() -> dict[str, typing.Any]:
+def field_types() -> dict[str, typing.Any]:
     return typing.get_type_hints(TrainConfig)
-
-
-def _alternatives(hint) -> tuple:
-    """``int | None`` -> (int, NoneType); ``list[str]`` -> (list[str],)."""
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    return typing.get_args(hint) if union else (hint,)
-
-
-def _check_type(name: str, value, hint) -> None:
-    allowed = _alternatives(hint)
-    for t in allowed:
-        t = typing.get_origin(t) or t
-        if t is type(None) and value is None:
-            return
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if t is int and isinstance(value, bool):
-            continue
-        if t is list and isinstance(value, list):
-            _check_items(name, value, typing.get_args(_alternatives(hint)[0]))
-            return
-        if isinstance(t, type) and t is not type(None) and isinstance(value, t):
-            return
-    raise ValueError(f"{name} must be {_type_name(hint)}, got {_shown(value)}")
-
-
-def _check_items(name: str, value: list, item_types: tuple) -> None:
-    """Each item of a ``list[T]`` setting is a ``T`` (``rewards: [format, [digits]]`` names item 2)."""
-    for i, item in enumerate(value, start=1):
-        if item_types and not isinstance(item, item_types):
-            kinds = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in item_types)
-            raise ValueError(f"{name} must be a list of {kinds}s, but item {i} is {_shown(item)}")
-
-
-#: Type names as a YAML user reads them (no Python reprs in errors).
-_TYPE_WORDS = {str: "name", int: "integer", float: "number", bool: "true/false", list: "list", dict: "mapping"}
-
-
-def _shown(value) -> str:
-    """A value as YAML would write it, with its kind: ``abc (text)``, ``[1, 2] (a list)``."""
-    kind = {str: "text", bool: "true/false", int: "an integer", float: "a number", list: "a list", dict: "a mapping"}
-    text = yaml.safe_dump(value, default_flow_style=True, width=80).strip().removesuffix("...").strip()
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({kind.get(type(value), type(value).__name__)})" if value is not None else "null"
-
-
-def _type_name(hint) -> str:
-    """A setting's type as a YAML user reads it: ``a number``, ``an integer or null``, ``a list of names``."""
-    words = {float: "a number", int: "an integer", str: "text", bool: "true or false", dict: "a mapping"}
-    parts = []
-    for t in _alternatives(hint):
-        if t is type(None):
-            parts.append("null")
-        elif (typing.get_origin(t) or t) is list:
-            parts.append("a list of names" if typing.get_args(t) == (str,) else "a list")
-        else:
-            parts.append(words.get(t, getattr(t, "__name__", str(t))))
-    return " or ".join(parts)
 
 
 def _check_lora(cfg: TrainConfig) -> None:
@@ -457,139 +272,3 @@ def _positive(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-
-
-def _coerce(name: str, value, hint):
-    """YAML reads ``1e-6`` as a string and ``2`` as an int: convert to the field's type where that is lossless."""
-    allowed = _alternatives(hint)
-    if float in allowed and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if list in [typing.get_origin(t) or t for t in allowed] and isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return value
-
-
-def available_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """A :class:`TrainConfig` from a preset name (``cppo/presets/NAME.yaml``) or a YAML file, then ``key=value``
-    overrides (values parsed as YAML scalars).
-
-    Raises:
-        ValueError: naming where the bad setting came from (the file and line, or the ``--set`` item): malformed
-            YAML, an unknown setting (with the closest known name), or a value the setting refuses.
-    """
-    path = pathlib.Path(preset_or_yaml)
-    if path.suffix in (".yaml", ".yml") or path.is_file():
-        if not path.is_file():
-            raise ValueError(f"config file {preset_or_yaml!r} does not exist")
-        preset = None
-    else:
-        if preset_or_yaml not in available_presets():
-            raise ValueError(
-                f"unknown preset {preset_or_yaml!r}{did_you_mean(preset_or_yaml, available_presets())}: the presets "
-                f"are {available_presets()} (or pass a YAML path)"
-            )
-        preset, path = preset_or_yaml, PRESET_DIR / f"{preset_or_yaml}.yaml"
-    values, origin = _read_yaml(path)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} must look like key=value")
-        try:
-            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
-            raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({_yaml_problem(e)})") from None
-        origin[key.strip()] = f"--set {item}"
-    hints = _field_types()
-    for key in values:
-        if key not in hints:
-            raise ValueError(
-                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints)}; cppo train --help lists them all"
-            )
-    values = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
-    values.setdefault("preset", preset)
-    try:
-        config = TrainConfig(**values)
-        config.check_sources()
-        return config
-    except ValueError as e:  # the checks' messages start with the setting's name: say where it was set
-        name = re.match(r"\w*", str(e)).group()
-        if name not in origin:
-            raise
-        raise ValueError(f"{origin[name]}: {e}") from None
-
-
-#: Deepest nesting of a config file (settings are scalars, lists and the tiny model's flat mapping).
-MAX_YAML_DEPTH = 16
-
-
-def _read_yaml(path: pathlib.Path) -> tuple[dict, dict]:
-    """The settings of a YAML file and where each was set (``"FILE, line N"``). Refused in one line naming the file:
-    aliases (``*name``: a config needs none, and a few hundred bytes of them expand to gigabytes), nesting deeper
-    than :data:`MAX_YAML_DEPTH`, and a key written twice in any mapping."""
-    try:
-        text = path.read_text(encoding="utf-8")
-        _check_events(text, path)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        values = yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"config {str(path)!r} cannot be read: {e}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"config {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
-    if values is None:
-        return {}, {}
-    if not isinstance(values, dict):
-        raise ValueError(f"config {str(path)!r} must be a YAML mapping of settings, got {type(values).__name__}")
-    _check_duplicates(node, path)
-    lines = {key.value: key.start_mark.line + 1 for key, _ in node.value}
-    return values, {k: f"{path}, line {lines.get(str(k), '?')}" for k in values}
-
-
-def _check_events(text: str, path: pathlib.Path) -> None:
-    """Walks the YAML event stream (no recursion, nothing built): aliases and deep nesting are refused."""
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        line = event.start_mark.line + 1
-        if isinstance(event, yaml.AliasEvent):
-            raise ValueError(f"{path}, line {line}: YAML aliases (*{event.anchor}) are not allowed in a config")
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_YAML_DEPTH:
-                raise ValueError(f"{path}, line {line}: nested deeper than {MAX_YAML_DEPTH} levels")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-
-
-def _check_duplicates(node: yaml.Node, path: pathlib.Path) -> None:
-    """A key written twice in any mapping of the file is named (YAML keeps the last silently)."""
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for key, value in node.value:
-            line = key.start_mark.line + 1
-            if key.value in lines:
-                raise ValueError(
-                    f"{path}, line {line}: {key.value!r} is set twice (line {lines[key.value]} and {line})"
-                )
-            lines[key.value] = line
-            _check_duplicates(value, path)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _check_duplicates(item, path)
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """Where and what: ``line L, column C: PROBLEM`` (with what the parser was in, e.g. an unclosed list's line)."""
-    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
-        return " ".join(str(e).split())
-    text = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {e.problem}"
-    if e.context and e.context_mark is not None:
-        text += f" ({e.context} started at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
-    return text

@@ -1,0 +1,64 @@
+"""Whether the model and the data a run names exist, checked before anything loads (the trainer, ``cppo train
+--dry-run`` and ``cppo eval``): ``ValueError`` naming the setting."""
+
+from __future__ import annotations
+
+import os
+
+from cppo_kernels.config import check_choice
+
+from ..distributed import check_device
+from .choices import DATASETS, DTYPES, HUB_ID_RE, TINY_MODELS
+from .values import did_you_mean
+
+
+def check_model_and_data(
+    *,
+    model: str,
+    dataset: str,
+    dataset_path: str | None = None,
+    model_config: dict | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+) -> None:
+    """Whether the model and the data exist, checked before anything loads (the trainer, ``cppo train --dry-run`` and
+    ``cppo eval`` call it; it reads the file system and imports transformers for a tiny model's config):
+    ``ValueError`` naming the setting."""
+    check_choice("dtype", dtype, DTYPES)
+    check_device(device)
+    if dataset_path is not None and not os.path.exists(dataset_path):
+        raise ValueError(f"dataset_path {dataset_path!r} does not exist")
+    if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
+        raise ValueError(f"dataset file {dataset!r} does not exist")
+    if not (dataset in DATASETS or dataset.endswith(".jsonl") or ("/" in dataset and HUB_ID_RE.match(dataset))):
+        raise ValueError(
+            f"dataset {dataset!r} is unknown{did_you_mean(dataset, DATASETS)}: use one of {DATASETS}, a .jsonl file "
+            "or a hub dataset owner/name"
+        )
+    if model.endswith(".gguf") and not os.path.isfile(model):
+        raise ValueError(f"model file {model!r} does not exist")
+    if model.startswith("tiny-") and model not in TINY_MODELS:
+        raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
+    if not (model.startswith("tiny-") or os.path.exists(model) or HUB_ID_RE.match(model)):
+        raise ValueError(f"model {model!r} does not exist (not a local folder or file, nor a hub name owner/name)")
+    if model_config is not None and not model.startswith("tiny-"):
+        raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+    if model_config is not None:
+        check_tiny_config(model_config)
+
+
+def check_tiny_config(model_config: dict) -> None:
+    """``ValueError`` naming the keys of ``model_config`` that Qwen2's config does not know (they would be ignored)."""
+    from transformers import Qwen2Config
+
+    known = set(Qwen2Config().to_dict())
+    try:
+        built = set(Qwen2Config(**model_config).to_dict())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model_config: {e}") from None
+    unknown = sorted(set(model_config) & (built - known))  # an unknown key is kept as an extra attribute
+    if unknown:
+        raise ValueError(
+            f"model_config: unknown key {unknown[0]!r}{did_you_mean(unknown[0], known)}: the keys are those of "
+            "transformers' Qwen2Config"
+        )
