@@ -26,7 +26,7 @@ import torch
 
 from cppo_kernels import fused_cppo_loss, fused_logprobs, use_backend
 
-from . import distributed
+from . import distributed, step
 from .config import TrainConfig
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
@@ -34,37 +34,16 @@ from .evaluate import evaluate_model, evaluate_split
 from .run import (
     TRAINER_KEYS,
     Interrupted,
-    JsonlSink,
     PhaseTimer,
     Run,
     StopSignals,
     load_checkpoint,
     metric_reduction,
     open_run,
-    plot,
-    read_jsonl,
+    plot_run,
     save_checkpoint,
 )  # fmt: skip
-from .step import (
-    PackedBatch,
-    Sample,
-    SkipCounter,
-    apply_lora,
-    apply_settings,
-    balance_samples,
-    completion_hidden,
-    enable_gradient_checkpointing,
-    lm_head,
-    load_model_and_tokenizer,
-    loss_weight,
-    make_optimizer,
-    make_scheduler,
-    optimizer_step,
-    pack_all,
-    pack_shared,
-    reference_forward,
-    use_prefix_sharing,
-)  # fmt: skip
+from .step import PackedBatch, lm_head
 from .tasks import QuestionSampler, build_prompt, get_rewards, load_problems, score_all, training_correct, verifier
 
 
@@ -114,8 +93,8 @@ class Trainer:
         self.num_steps = config.steps_for(len(self.problems))
         self._build_models()
         # after wrapping: FSDP2 replaces the parameters with sharded ones
-        self.optimizer = make_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
-        self.scheduler = make_scheduler(
+        self.optimizer = step.make_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = step.make_scheduler(
             self.optimizer,
             schedule=config.lr_schedule,
             warmup_ratio=config.warmup_ratio,
@@ -123,7 +102,7 @@ class Trainer:
         )
         self.rollout = self._make_rollout()
         self.loss_config = config.loss_config
-        self.skips = SkipCounter(config.max_skipped_updates)
+        self.skips = step.SkipCounter(config.max_skipped_updates)
         self.step = 0
 
     def _build_models(self) -> None:
@@ -133,7 +112,7 @@ class Trainer:
         plain otherwise."""
         cfg = self.config
         self.compute_dtype = getattr(torch, cfg.dtype)
-        self.model, self.tokenizer = load_model_and_tokenizer(
+        self.model, self.tokenizer = step.load_model_and_tokenizer(
             cfg.model,
             model_config=cfg.model_config,
             dtype="float32",
@@ -142,9 +121,9 @@ class Trainer:
             prefix_sharing=cfg.prefix_sharing,
         )
         if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+            step.enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
-            self.model = apply_lora(
+            self.model = step.apply_lora(
                 self.model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                 target_modules=cfg.lora_target_modules, seed=cfg.seed, base_model=cfg.model,
                 base_config=cfg.model_config,
@@ -157,13 +136,13 @@ class Trainer:
             distributed.wrap_model,
             parallelism=cfg.parallelism,
             info=self.info,
-            forward=completion_hidden,
+            forward=step.completion_hidden,
             compute_dtype=self.compute_dtype,
         )
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
         if cfg.beta > 0 and cfg.use_peft:  # the wrapped policy itself (DDP / FSDP2 included), adapters disabled
-            reference = functools.partial(reference_forward, self.policy)
+            reference = functools.partial(step.reference_forward, self.policy)
             self.ref_policy = distributed.ForwardModule(self.model, reference)
 
     def _make_rollout(self) -> RolloutEngine:
@@ -266,13 +245,13 @@ class Trainer:
         selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
         advantages, kept = selected.advantages, selected.kept  # [Q * G], [K]
         samples = [
-            Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
+            step.Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
             for i, a in zip(kept.tolist(), advantages[kept].tolist())
         ]
         # prefix sharing: a question's completions after its prompt once, balanced and packed as one unit
-        shared = use_prefix_sharing(self.model, self.config.prefix_sharing)
-        balanced = balance_samples(samples, info=self.info, prefix_sharing=shared)
-        pack = pack_shared if shared else pack_all
+        shared = step.use_prefix_sharing(self.model, self.config.prefix_sharing)
+        balanced = step.balance_samples(samples, info=self.info, prefix_sharing=shared)
+        pack = step.pack_shared if shared else step.pack_all
         return pack(balanced, self.config.micro_batch_tokens, device=self.device), len(samples)
 
     def _fillers(self, batches: list[PackedBatch]) -> list[PackedBatch]:
@@ -312,7 +291,7 @@ class Trainer:
             num_tokens=sum(b.num_tokens for b in batches), num_seqs=sum(b.num_seqs for b in batches), info=self.info
         )
         weights = [
-            loss_weight(
+            step.loss_weight(
                 cfg.loss_agg,
                 num_tokens=b.num_tokens,
                 num_seqs=b.num_seqs,
@@ -364,7 +343,7 @@ class Trainer:
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied
         (``max_skipped_updates`` of them in a row stop the run). Returns the gradient norm and whether it applied."""
-        grad_norm, applied = optimizer_step(
+        grad_norm, applied = step.optimizer_step(
             self.model, self.optimizer, self.scheduler, max_grad_norm=self.config.max_grad_norm
         )
         self.skips.record(applied, grad_norm=grad_norm, step=self.step + 1)
@@ -435,8 +414,8 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.run.finish()
-        if self.rank == 0:
-            self._plot(logged)
+        if self.rank == 0:  # metrics.png over the whole run
+            plot_run(cfg.output_dir, log_kept="jsonl" in cfg.report_to, logged=logged)
         return history
 
     def _step_and_log(self, logged: list[dict]) -> dict:
@@ -462,15 +441,6 @@ class Trainer:
         if not saved:
             self.save_checkpoint(path)
         raise Interrupted(signum, step=self.step, checkpoint=path)
-
-    def _plot(self, logged: list[dict]) -> None:
-        """``metrics.png`` over the whole run: from ``metrics.jsonl`` when ``report_to`` keeps it, else from the
-        records this call logged (none: no plot)."""
-        log_path = os.path.join(self.config.output_dir, JsonlSink.FILE)
-        kept = "jsonl" in self.config.report_to and os.path.isfile(log_path)
-        records = read_jsonl(log_path) if kept else logged
-        if records:
-            plot(records, os.path.join(self.config.output_dir, "metrics.png"))
 
     def _checkpoint_path(self) -> str:
         return os.path.join(self.config.output_dir, f"checkpoint-{self.step:06d}")
@@ -516,7 +486,7 @@ class Trainer:
             required=TRAINER_KEYS,
         )
         # lr, weight decay, schedule: this run's
-        apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         self.rollout.sync_weights()

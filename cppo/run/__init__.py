@@ -8,7 +8,7 @@ from .errors import CorruptCheckpoint, UnsafeCheckpoint
 from .folder import RUN_FILES, Run, existing_run, open_run, refuse_existing_run, resume, resume_candidates
 from .interrupt import Interrupted, StopSignals
 from .lock import RunLock, RunLocked, check_free
-from .metrics import PHASES, PhaseTimer, metric_reduction, plot, read_jsonl
+from .metrics import PHASES, PhaseTimer, metric_reduction, plot, plot_run, read_jsonl
 from .sinks import (
     JsonlSink, MetricSink, TensorBoardSink, WandbSink, available_sinks, check_report_to, make_sinks, register_sink,
 )  # fmt: skip
@@ -17,6 +17,6 @@ __all__ = [
     "TRAINER_KEYS", "CheckpointWriteError", "latest", "model_folder", "load_checkpoint", "save_checkpoint",
     "CorruptCheckpoint", "UnsafeCheckpoint", "RUN_FILES", "Run", "existing_run", "open_run", "refuse_existing_run",
     "resume", "resume_candidates", "Interrupted", "StopSignals", "RunLock", "RunLocked", "check_free", "PHASES",
-    "PhaseTimer", "metric_reduction", "plot", "read_jsonl", "JsonlSink", "MetricSink", "TensorBoardSink",
+    "PhaseTimer", "metric_reduction", "plot", "plot_run", "read_jsonl", "JsonlSink", "MetricSink", "TensorBoardSink",
     "WandbSink", "available_sinks", "check_report_to", "make_sinks", "register_sink",
 ]  # fmt: skip

@@ -15,6 +15,8 @@ from ..fileio import atomic_path, atomic_write
 
 logger = logging.getLogger(__name__)
 
+#: The JSON-lines log of a run's step records in its output_dir (the ``jsonl`` sink).
+LOG_FILE = "metrics.jsonl"
 #: The timed phases of a step, in order (``time/<phase>`` metrics; ``time/step`` is the whole step).
 PHASES = ("generate", "reward", "select", "logprobs", "update", "optimizer")
 
@@ -113,6 +115,15 @@ def _reward_panel(ax, records: list[dict], title: str) -> None:
     ax.set_title(f"{title}: reward and accuracy")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
+
+
+def plot_run(output_dir: str, *, log_kept: bool, logged: list[dict]) -> None:
+    """``output_dir/metrics.png`` over the whole run: from its :data:`LOG_FILE` when the run keeps one (``log_kept``:
+    ``report_to`` names ``jsonl``), else from the records this process logged (none: no plot)."""
+    log_path = os.path.join(output_dir, LOG_FILE)
+    records = read_jsonl(log_path) if log_kept and os.path.isfile(log_path) else logged
+    if records:
+        plot(records, os.path.join(output_dir, "metrics.png"))
 
 
 def plot(records: list[dict], path: str, *, title: str = "CPPO") -> str:

@@ -87,7 +87,7 @@ class JsonlSink(MetricSink):
     last line, which :func:`cppo.metrics.read_jsonl` drops; a resume first rewrites the log atomically up to its
     checkpoint (:func:`cppo.metrics.write_jsonl`)."""
 
-    FILE = "metrics.jsonl"
+    FILE = metrics.LOG_FILE
 
     def __init__(self, output_dir: str) -> None:
         super().__init__(output_dir)

@@ -120,12 +120,12 @@ def worker(out_dir: str) -> None:
     # phase 1, every rank together: the 2-process runs (each also checks that the ranks hold equal parameters).
     # Rank 0 packs its 4 sequences into 1 micro-batch, rank 1 puts each in its own: rank 0 runs 3 weight-0 fillers
     # to stay in step, and the 1-process runs below (one sequence per micro-batch) check that packing changes nothing.
-    import cppo.trainer
+    import cppo.step
     from cppo.step.packing import pack
 
-    pack_all = cppo.trainer.pack_all
+    pack_all = cppo.step.pack_all  # the trainer packs through the step package's face
     if info.rank == 1:
-        cppo.trainer.pack_all = lambda samples, budget, *, device: [
+        cppo.step.pack_all = lambda samples, budget, *, device: [
             pack(samples, [i], device=device) for i in range(len(samples))
         ]
     runs = {}
@@ -166,7 +166,7 @@ def worker(out_dir: str) -> None:
 
     record("ddp_resume_matches_uninterrupted", lambda: resume("ddp"))
     record("fsdp2_resume_matches_uninterrupted", lambda: resume("fsdp2"))
-    cppo.trainer.pack_all = pack_all
+    cppo.step.pack_all = pack_all
     D.barrier(info)
 
     # phase 2, no communication: 1-process references, rank 0 for "group" and "global", rank 1 for "batch" and the

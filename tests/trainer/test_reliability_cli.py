@@ -25,7 +25,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model loaded before the error was found")
 
-    monkeypatch.setattr("cppo.trainer.load_model_and_tokenizer", refuse)
+    monkeypatch.setattr("cppo.step.load_model_and_tokenizer", refuse)
     monkeypatch.setattr("cppo.step.models.load_model_and_tokenizer", refuse)
 
 

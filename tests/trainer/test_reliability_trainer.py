@@ -124,7 +124,7 @@ def test_cppo_train_refuses_the_setting_before_the_model_loads(setting, match, t
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the bad setting was found")
 
-    monkeypatch.setattr("cppo.trainer.load_model_and_tokenizer", no_model)
+    monkeypatch.setattr("cppo.step.load_model_and_tokenizer", no_model)
     assert train_cli(tmp_path / "run", settings=(setting,)) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"cppo train: error: --set {setting}: {match}"), line
