@@ -117,7 +117,8 @@ class RateRun:
     setup_seconds: float = 0.0
     cpu_seconds: float = float("nan")
     curve: list[EvalPoint] = dataclasses.field(default_factory=list)
-    train_question_ids: list[str] | None = None  # cppo.data.question_id of every training question (None: not read)
+    # cppo.tasks.data.question_id of every training question (None: not read)
+    train_question_ids: list[str] | None = None
 
 
 def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[float]) -> dict[str, Any]:
@@ -158,7 +159,7 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
     - ``paper_speedup_gsm8k``: the paper's reported whole-run speedup at this P (None where it reports none, for an
       ablation, and without allocation: the paper's CPPO always allocates);
     - ``seed``, ``question_seed`` (the seed that drew the training questions), ``train_question_ids``
-      (:func:`cppo.data.question_id` of each), ``allocation``, ``selection_scope``;
+      (:func:`cppo.tasks.data.question_id` of each), ``allocation``, ``selection_scope``;
     - ``selection_metric``: what the run prunes (``smallest`` |A|: CPPO; ``random`` / ``largest``: ablations);
     - the accuracy columns of :func:`accuracy_fields` (None without an accuracy curve), the time to reach GRPO's
       final accuracy measured against the lower end of its 95% interval.

@@ -164,7 +164,7 @@ def _dry_run(args, config: TrainConfig) -> int:
         config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
     )
     steps = config.steps_for(problems) if problems else config.num_steps
-    pruning = config.pruning  # the trainer's own counts (cppo.selection)
+    pruning = config.pruning  # the trainer's own counts (cppo.step.selection)
     plan = {
         "dry_run": "ok",
         "output_dir": config.output_dir,

@@ -1,7 +1,7 @@
 """Evaluation under the official CPPO protocol (``cppo eval`` and :meth:`cppo.Trainer.evaluate`), in one process or
 with the problems split over the ranks of a torchrun job.
 
-Per problem kind (see :func:`cppo.rewards.eval_correct`): GSM8K is right when the tagged answer, or else the whole
+Per problem kind (see :func:`cppo.tasks.rewards.eval_correct`): GSM8K is right when the tagged answer, or else the whole
 text, matches the gold (exact, single number, then last number: ``GRPOTrainer.evaluate`` in ``grpo_trainer_gsm.py``);
 MATH-style sets (MATH-500, AIME, AMC) are checked by math-verify against the gold parsed from the full solution
 (``grpo_trainer_math.py``). The official runs decode MATH-500 and GSM8K greedily (1,024 new tokens) and AMC23 /

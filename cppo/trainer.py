@@ -1,13 +1,13 @@
 """The CPPO trainer: one step reads top to bottom in :meth:`Trainer.train_step`, each stage a method.
 
-prompts -> rollouts (G each) -> rewards -> cppo.selection (advantages over the full group, then prune) -> allocate
+prompts -> rollouts (G each) -> rewards -> cppo.step.selection (advantages over the full group, then prune) -> allocate
 + pack the retained completions -> old / reference log-probs (fused_logprobs) -> mu policy updates
 (fused_cppo_loss, micro-batches weighted so that they sum to the whole batch's loss) -> optimizer.
 
 Under torchrun (see :mod:`cppo.distributed`) each rank rolls out its share of the step's questions, selection is
 per group, per rank ("batch") or over all ranks ("global"), the survivors are balanced across ranks by token count,
 the loss is normalised by the global token / sequence counts and the gradients are synchronised by DDP or FSDP2
-(:mod:`cppo.parallel`), so an update equals the single-process update of the concatenated batch.
+(:mod:`cppo.distributed.parallel`), so an update equals the single-process update of the concatenated batch.
 
 Precision: parameters and AdamW state are fp32 whatever ``dtype`` says; ``dtype`` is the compute dtype of the
 forward and backward passes (``torch.autocast``; under FSDP2 a mixed-precision policy with fp32 gradient reduction)
@@ -65,7 +65,7 @@ class Trainer:
 
     ``info`` places this process (:class:`cppo.distributed.DistInfo`); by default it is read from torchrun's
     environment (joining the process group) or is the single process on ``config.device``. ``run``: the output
-    folder as ``cppo train`` opened it (:func:`cppo.rundir.open_run`); by default the trainer opens it itself, the
+    folder as ``cppo train`` opened it (:func:`cppo.run.folder.open_run`); by default the trainer opens it itself, the
     lock and the look for a run already there waiting until :meth:`train` starts (a checkpoint may be loaded first).
     """
 
@@ -388,8 +388,8 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Runs until ``num_steps``: a progress bar; the metrics of every ``log_every``-th, evaluated and last step
-        to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.sinks`, rank 0); checkpoints every ``save_every`` steps
-        and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
+        to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.run.sinks`, rank 0); checkpoints every ``save_every``
+        steps and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
 
         cfg = self.config
@@ -433,7 +433,7 @@ class Trainer:
 
     def _stop_if_signalled(self, stop: StopSignals, *, saved: bool) -> None:
         """At the safe point after a step: when any rank received SIGINT / SIGTERM, every rank saves this step (unless
-        just saved) and raises :class:`cppo.interrupt.Interrupted` (the ranks agree, so none waits for another)."""
+        just saved) and raises :class:`cppo.run.interrupt.Interrupted` (the ranks agree, so none waits for another)."""
         signum = distributed.max_across_ranks(stop.received or 0, info=self.info)
         if not signum:
             return
@@ -462,7 +462,7 @@ class Trainer:
 
     def save_checkpoint(self, path: str) -> str:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
-        :mod:`cppo.checkpoint`); call it on every rank. Returns its absolute path."""
+        :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
         return save_checkpoint(
             path,

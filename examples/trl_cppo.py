@@ -2,9 +2,10 @@
 writes it, with ``cppo.trl.CPPOTrainer`` in place of ``trl.GRPOTrainer``.
 
 The settings are the official CPPO run's (``recipes/gsm8k/Qwen2.5-1.5B-Instruct.yaml`` and ``scripts/CPPO_gsm.sh`` in
-lzhxmu/CPPO): the official system prompt and rewards (format 1.0 + accuracy 2.0 / 1.5 / 0, from :mod:`cppo.rewards`),
-16 completions per question and 16 trained per step, mu = 2, beta = 0.04 (k3, no importance weight on the KL),
-clip 0.2, token-mean loss, lr 1e-6 cosine with 10% warm-up, bf16 with gradient checkpointing, seed 42.
+lzhxmu/CPPO): the official system prompt and rewards (format 1.0 + accuracy 2.0 / 1.5 / 0, from
+:mod:`cppo.tasks.rewards`), 16 completions per question and 16 trained per step, mu = 2, beta = 0.04 (k3, no importance
+weight on the KL), clip 0.2, token-mean loss, lr 1e-6 cosine with 10% warm-up, bf16 with gradient checkpointing, seed
+42.
 
     python examples/trl_cppo.py                                   # GPU: the paper's run (GSM8K: ../shared or hub)
     python examples/trl_cppo.py --pruning-rate 0 --no-allocation  # the GRPO baseline

@@ -1,8 +1,8 @@
 """Part ``e2e``'s prefix-sharing measurement (called from :func:`gpukit.part_e2e.run`): a few questions' completions
 packed as the trainer packs them with ``prefix_sharing`` on (each prompt once, block-causal mask, the attention
-:func:`cppo.models.attn_implementation` picks for it: flex_attention on CUDA) and off (a prompt copy per completion,
-the attention picked without it: flash-attention 2 or sdpa), the same seeded weights either way. Recorded: the
-error of the shared final hidden states and log-probs at the completion rows against the unshared ones, a negative
+:func:`cppo.step.models.attn_implementation` picks for it: flex_attention on CUDA) and off (a prompt copy per
+completion, the attention picked without it: flash-attention 2 or sdpa), the same seeded weights either way. Recorded:
+the error of the shared final hidden states and log-probs at the completion rows against the unshared ones, a negative
 control (the shared row without its mask: sibling completions see each other), the tokens through the model each
 way, and forward+backward wall time and peak memory each way. Checked: the equality only."""
 

@@ -39,7 +39,7 @@ class TrainConfig:
     setting; it reads no file and loads no library: whether the model and the data exist is checked where they
     load (:func:`check_model_and_data`, by the trainer and the CLI before anything trains).
 
-    The pruning rule (counts, scopes, allocation) is :class:`cppo.selection.Pruning`, built by :attr:`pruning`.
+    The pruning rule (counts, scopes, allocation) is :class:`cppo.step.selection.Pruning`, built by :attr:`pruning`.
     """
 
     # model
@@ -151,7 +151,7 @@ class TrainConfig:
 
     @property
     def pruning(self) -> Pruning:
-        """The run's pruning policy (:class:`cppo.selection.Pruning`): counts per step and the selection itself."""
+        """The run's pruning policy (:class:`cppo.step.selection.Pruning`): counts per step and the selection itself."""
         return Pruning.from_config(self)
 
     def steps_for(self, problems: int) -> int:

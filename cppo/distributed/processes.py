@@ -1,22 +1,22 @@
 """The processes of a ``torchrun`` job and what passes between them: the process group, collectives, the split of
 the questions, gathering ragged tensors and sequences, global counts and metric reductions.
 
-Model wrapping and gradient synchronisation are in :mod:`cppo.parallel`, checkpoints in :mod:`cppo.checkpoint`, the
-balancing policy of the retained completions in :mod:`cppo.balance`.
+Model wrapping and gradient synchronisation are in :mod:`cppo.distributed.parallel`, checkpoints in
+:mod:`cppo.run.checkpoint`, the balancing policy of the retained completions in :mod:`cppo.step.balance`.
 Every function takes a :class:`DistInfo` and is a no-op (or a plain local computation) in a single process, so the
 trainer has one code path. The data flow of a distributed step:
 
 1. each rank takes its contiguous block of the step's questions (:func:`question_slice`), so a question's G
    completions and their group advantages never straddle ranks;
-2. selection (:mod:`cppo.selection`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
+2. selection (:mod:`cppo.step.selection`): ``"group"`` and ``"batch"`` are local (``"batch"`` pools per rank, as the
    official Open-R1 code), ``"global"`` gathers |A| from all ranks (:func:`all_gather_varlen`) and keeps the step's
    official count over the concatenation in rank order, each rank keeping its own survivors;
-3. the survivors are spread over the ranks by token count (:func:`cppo.balance.balance_samples`,
+3. the survivors are spread over the ranks by token count (:func:`cppo.step.balance.balance_samples`,
    longest-processing-time greedy over sequences gathered by :func:`gather_sequences`; with prefix sharing a
    question's survivors move together, their prompt counted once);
 4. the loss of every micro-batch is normalised by all-reduced counts (:func:`global_counts`) and multiplied by
-   :func:`cppo.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals the
-   single-process update of the concatenated batch;
+   :func:`cppo.distributed.parallel.grad_scale` because DDP and FSDP2 average gradients over ranks, so the update equals
+   the single-process update of the concatenated batch;
 5. metrics are reduced across ranks (:func:`reduce_metrics`) and only rank 0 prints and writes (``DistInfo.is_main``).
 
 Collectives are tensor collectives on the rank's device (nccl on CUDA, gloo on CPU); the only object collective
@@ -107,8 +107,9 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
 
     Under torchrun (``WORLD_SIZE`` set; ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` read by torch)
     the backend is nccl when the device is CUDA, gloo on the CPU. ``device`` is resolved by
-    :func:`cppo.device.resolve_device`: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``);
-    a single process also accepts ``"cuda:N"``. Idempotent: an already initialised group is reused.
+    :func:`cppo.distributed.device.resolve_device`: ``"auto"``, ``"cpu"`` or ``"cuda"`` (each rank takes
+    ``cuda:LOCAL_RANK``); a single process also accepts ``"cuda:N"``. Idempotent: an already initialised group is
+    reused.
     """
     if "WORLD_SIZE" not in os.environ:
         return DistInfo(device=resolve_device(device))
@@ -203,7 +204,7 @@ def _gather_known_sizes(x: torch.Tensor, sizes: list[int], *, info: DistInfo) ->
 
 
 # --------------------------------------------------------------------------------------------
-# Ragged sequences across ranks (balancing them: cppo.balance)
+# Ragged sequences across ranks (balancing them: cppo.step.balance)
 # --------------------------------------------------------------------------------------------
 
 

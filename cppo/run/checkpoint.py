@@ -4,7 +4,7 @@ written atomically and read without running code.
 Layout of ``output_dir/checkpoint-{step:06d}/``:
 
 - single process and DDP: ``model/`` (weights and tokenizer, loadable by ``from_pretrained`` and by ``cppo eval``;
-  with ``use_peft`` the adapter in PEFT's format instead, see :mod:`cppo.lora`) and ``trainer_state.pt`` (the
+  with ``use_peft`` the adapter in PEFT's format instead, see :mod:`cppo.step.lora`) and ``trainer_state.pt`` (the
   caller's state, e.g. step, data position and config, plus world size, optimizer, scheduler and RNG states), both
   written by rank 0;
 - FSDP2: ``dcp/`` (every rank's shards of the model and optimizer, through ``torch.distributed.checkpoint``) and
@@ -90,7 +90,8 @@ def save(
     """Writes a checkpoint folder at ``path`` atomically; call it on every rank.
 
     Args:
-        module: the model as :func:`cppo.parallel.wrap_model` returned it (FSDP2 modules are saved as shards).
+        module: the model as :func:`cppo.distributed.parallel.wrap_model` returned it (FSDP2 modules are saved as
+            shards).
         tokenizer: saved beside the full model.
         state: the caller's dict of tensors and plain data (e.g. step, data position, config); :func:`load`
             returns it.

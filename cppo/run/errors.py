@@ -1,5 +1,5 @@
-"""What can be wrong with a checkpoint on disk: the exceptions :mod:`cppo.checkpoint` and :mod:`cppo.shard_io` raise
-(a module of their own, so that neither imports the other for them)."""
+"""What can be wrong with a checkpoint on disk: the exceptions :mod:`cppo.run.checkpoint` and :mod:`cppo.run.shard_io`
+raise (a module of their own, so that neither imports the other for them)."""
 
 from __future__ import annotations
 

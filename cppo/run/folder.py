@@ -61,7 +61,7 @@ def _lock_on_rank0(output_dir: str, *, info: DistInfo) -> RunLock | None:
 
 
 def _clean_leftovers(output_dir: str, *, info: DistInfo) -> None:
-    """Rank 0 deletes what killed saves left (:func:`cppo.checkpoint.remove_leftovers`), every rank having looked
+    """Rank 0 deletes what killed saves left (:func:`cppo.run.checkpoint.remove_leftovers`), every rank having looked
     first."""
     barrier(info)  # every rank has looked before rank 0 changes anything
     if info.is_main:
@@ -73,7 +73,7 @@ def _clean_leftovers(output_dir: str, *, info: DistInfo) -> None:
 def open_run(output_dir: str, *, report_to: list[str], info: DistInfo, existing: str = "refuse") -> Run:
     """Opens ``output_dir`` for one run, before anything loads; every check once: the folder must be writable; rank
     0 builds the ``report_to`` sinks (each checks that it can start: its library, its folder); unless ``existing``
-    is ``"later"``, rank 0 takes the folder's run lock (:mod:`cppo.runlock`: a second run of the folder is refused,
+    is ``"later"``, rank 0 takes the folder's run lock (:mod:`cppo.run.lock`: a second run of the folder is refused,
     naming the holder), a run already in the folder is refused unless ``existing`` is ``"resume"`` or
     ``"overwrite"`` (the old run itself goes only in :meth:`Run.clear`, once the new one has loaded), and rank 0
     deletes what killed saves left. Call it on every rank; ``Run.close`` releases what it took."""
@@ -173,7 +173,7 @@ def resume_candidates(
     Raises:
         ValueError: there is no readable checkpoint, or the newest readable one was saved with settings that change
             the run (each difference named): refused when one is ``fixed``, or when ``allow_config_change`` is false.
-        cppo.checkpoint.UnsafeCheckpoint: a checkpoint holds more than plain data (never skipped).
+        cppo.run.checkpoint.UnsafeCheckpoint: a checkpoint holds more than plain data (never skipped).
     """
     paths = checkpoint.checkpoints(output_dir)
     if not paths:

@@ -1,5 +1,5 @@
 """A step's metrics: the timer of its phases, how each metric combines over ranks, reading and writing the JSON-lines
-log (the ``jsonl`` sink of :mod:`cppo.sinks` writes it) and the PNG of the reward and per-phase time curves."""
+log (the ``jsonl`` sink of :mod:`cppo.run.sinks` writes it) and the PNG of the reward and per-phase time curves."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def metric_reduction(name: str) -> str:
 
 
 def append_jsonl(path: str, record: dict) -> None:
-    """Appends ``record`` as one JSON line and fsyncs it (a log: see :class:`cppo.sinks.JsonlSink`)."""
+    """Appends ``record`` as one JSON line and fsyncs it (a log: see :class:`cppo.run.sinks.JsonlSink`)."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()

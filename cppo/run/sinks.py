@@ -84,8 +84,8 @@ def _import(name: str, module: str, package: str) -> None:
 class JsonlSink(MetricSink):
     """``output_dir/metrics.jsonl``: the run's records, one JSON object a line, each appended and fsynced (a log
     grows by a line a step: rewriting it whole would cost the square of the run's length). A kill can tear only the
-    last line, which :func:`cppo.metrics.read_jsonl` drops; a resume first rewrites the log atomically up to its
-    checkpoint (:func:`cppo.metrics.write_jsonl`)."""
+    last line, which :func:`cppo.run.metrics.read_jsonl` drops; a resume first rewrites the log atomically up to its
+    checkpoint (:func:`cppo.run.metrics.write_jsonl`)."""
 
     FILE = metrics.LOG_FILE
 

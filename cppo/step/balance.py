@@ -2,8 +2,8 @@
 the policy (longest-processing-time greedy, :func:`lpt_assign`), the units it moves (a completion alone, or with
 prefix sharing all of a question's completions with their prompt counted once) and the exchange
 (:func:`cppo.distributed.gather_sequences`). In a single process every function returns its input: the trainer has
-one code path. A batch goes: selection (:mod:`cppo.selection`) -> :func:`balance_samples` -> packing
-(:mod:`cppo.packing`)."""
+one code path. A batch goes: selection (:mod:`cppo.step.selection`) -> :func:`balance_samples` -> packing
+(:mod:`cppo.step.packing`)."""
 
 from __future__ import annotations
 
@@ -94,10 +94,10 @@ def balance_samples(samples: list[Sample], *, info: DistInfo, prefix_sharing: bo
     moves with its prompt, completion and advantage); a no-op alone.
 
     Without ``prefix_sharing`` each sample is placed alone by its input-token count (:func:`balance_sequences`).
-    With it, the samples of one prompt (:func:`cppo.packing.prompt_groups`, over all ranks) move as one unit costing
-    its shared token count (the prompt once), placed by :func:`lpt_assign`; a unit is split (:func:`split_units`,
-    each part re-sending the prompt) only while there are fewer units than ranks. A rank keeps its units' samples in
-    global order."""
+    With it, the samples of one prompt (:func:`cppo.step.packing.prompt_groups`, over all ranks) move as one unit
+    costing its shared token count (the prompt once), placed by :func:`lpt_assign`; a unit is split
+    (:func:`split_units`, each part re-sending the prompt) only while there are fewer units than ranks. A rank keeps its
+    units' samples in global order."""
     if not info.distributed:
         return samples
     local = _sample_shard(samples)

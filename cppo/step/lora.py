@@ -110,7 +110,7 @@ def reference_context(model: torch.nn.Module):
 
 def reference_forward(policy: torch.nn.Module, model: torch.nn.Module, *args) -> torch.Tensor:
     """``policy(*args)`` (the wrapped packed forward) with ``model``'s adapters disabled: the reference pass, on the
-    very parameters of the policy (a ``ForwardModule`` fn: :func:`cppo.parallel.wrap_model`)."""
+    very parameters of the policy (a ``ForwardModule`` fn: :func:`cppo.distributed.parallel.wrap_model`)."""
     with reference_context(model):
         return policy(*args)
 

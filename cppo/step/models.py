@@ -160,7 +160,7 @@ PREFIX_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def prefix_sharing_blocker(model) -> str | None:
-    """Why ``model`` cannot run prefix-shared rows (:class:`cppo.packing.SharedPrefix`), or None when it can: its
+    """Why ``model`` cannot run prefix-shared rows (:class:`cppo.step.packing.SharedPrefix`), or None when it can: its
     attention must take a 4-D mask and every layer must be full (causal) attention, which the mask replaces."""
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
@@ -241,5 +241,5 @@ def completion_hidden(
 ) -> torch.Tensor:
     """Final hidden states ``[T, H]`` of the rows of a packed row that predict completion tokens (``predict_index
     [T]``; with prefix sharing a prompt's last row predicts the first token of each of its completions): the
-    forward that DDP / FSDP2 wrap (see :func:`cppo.parallel.wrap_model`)."""
+    forward that DDP / FSDP2 wrap (see :func:`cppo.distributed.parallel.wrap_model`)."""
     return packed_hidden(model, input_ids, position_ids, prefix)[predict_index]

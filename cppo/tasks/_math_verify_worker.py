@@ -1,5 +1,5 @@
-"""The math-verify worker of :mod:`cppo.math_grading`, run as a script (``python _math_verify_worker.py IN_FD OUT_FD``)
-so that it imports math-verify and the standard library only, never torch or the ``cppo`` package.
+"""The math-verify worker of :mod:`cppo.tasks.math_grading`, run as a script (``python _math_verify_worker.py IN_FD
+OUT_FD``) so that it imports math-verify and the standard library only, never torch or the ``cppo`` package.
 
 It warms math-verify up once, then serves batches through a forked child that grades one item at a time and
 stays alive (its caches warm) from batch to batch; an item that overruns its deadline (or kills the child) gets
@@ -7,8 +7,8 @@ stays alive (its caches warm) from batch to batch; an item that overruns its dea
 math-verify's own timeouts (``signal.alarm``, whole seconds, main thread only) are switched off: the deadline here
 is the only one. A grading child dies with the worker (``PR_SET_PDEATHSIG`` on Linux) and holds no descriptor but
 its own two pipes, so a killed worker never leaves a child grading on or holding the caller's reply pipe; the
-caller (:mod:`cppo.math_grading`) also runs the worker in a process group of its own, kills the group on a deadline
-of its own, and restarts it. A fork that fails (a process limit) is answered ``{"error": ...}``, not a crash.
+caller (:mod:`cppo.tasks.math_grading`) also runs the worker in a process group of its own, kills the group on a
+deadline of its own, and restarts it. A fork that fails (a process limit) is answered ``{"error": ...}``, not a crash.
 
 The grading functions reproduce the official CPPO code (lzhxmu/CPPO, ``src/open_r1``) call for call:
 ``reward`` is ``rewards_math.accuracy_reward`` for one completion, ``eval`` the MATH-500 / AIME check of

@@ -1,4 +1,5 @@
-"""Datasets (GSM8K, MATH, a seeded arithmetic task) and the seeded question sampler (prompts: :mod:`cppo.prompts`).
+"""Datasets (GSM8K, MATH, a seeded arithmetic task) and the seeded question sampler (prompts:
+:mod:`cppo.tasks.prompts`).
 
 A problem is a dict ``{"question": str, "answer": str, "kind": "gsm8k" | "math" | "arith"}``; ``kind`` picks
 the accuracy reward and the prompt. MATH problems also carry ``solution``, the text math-verify parses the gold from.

@@ -13,7 +13,7 @@ backtrack quadratically on long adversarial text) and never raising on odd text:
   removed, "..." counting as none) equals the gold string, 1.5 when it and the gold each hold exactly one number
   (``-?\\d*\\.?\\d+``) and these are equal as floats, else 0; MATH: math-verify over the whole completion against
   the gold parsed from the full solution, x2 (1.0 when the gold does not parse), graded in a worker process with a
-  hard deadline (:mod:`cppo.math_grading`: a time-out scores 0); arithmetic (not in the official code): 1.0 / 0.
+  hard deadline (:mod:`cppo.tasks.math_grading`: a time-out scores 0); arithmetic (not in the official code): 1.0 / 0.
 
 Also built in (not in the official recipes): ``accuracy01`` (1.0 for a correct answer), ``tag_count`` (0.25 for each
 of the four tags present exactly once: a dense format signal for small models; Open-R1's function of that name

@@ -19,7 +19,7 @@ class CPPOConfig(GRPOConfig):
 
     A generation's completions get TRL's own advantages (``scale_rewards`` / ``multi_objective_aggregation``
     honoured); then the ``int(N * pruning_rate)`` of a pool of N with the smallest |advantage| are dropped before the
-    old-policy, reference and policy passes. See :class:`cppo.selection.Pruning` for the rule.
+    old-policy, reference and policy passes. See :class:`cppo.step.selection.Pruning` for the rule.
     """
 
     pruning_rate: float = field(

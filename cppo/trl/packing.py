@@ -2,12 +2,12 @@
 
 TRL 1.16 runs its old-policy, reference and policy passes on ``[B, P + C]`` rows (prompts padded on the left,
 completions on the right), so a question's prompt is computed once per kept completion. Here the rows become
-:class:`cppo.packing.Sample` s (unpadded prompt and completion ids; rows with identical prompts share one prompt),
-:func:`cppo.packing.pack_shared` packs them (block-causal mask: each completion sees its prompt and itself, position
-ids continuing from the prompt), and the hidden states of the positions that predict completion tokens are put back
-into TRL's ``[B, C, H]`` layout (zeros at masked positions). The same downstream code then runs: ``fused_cppo_loss``
-for the policy, the LM head (``fused_logprobs``, TRL's temperature and ``cast_lm_head_to_fp32``) for the old-policy
-and reference log-probs, zero at masked positions as TRL's are.
+:class:`cppo.step.packing.Sample` s (unpadded prompt and completion ids; rows with identical prompts share one prompt),
+:func:`cppo.step.packing.pack_shared` packs them (block-causal mask: each completion sees its prompt and itself,
+position ids continuing from the prompt), and the hidden states of the positions that predict completion tokens are put
+back into TRL's ``[B, C, H]`` layout (zeros at masked positions). The same downstream code then runs:
+``fused_cppo_loss`` for the policy, the LM head (``fused_logprobs``, TRL's temperature and ``cast_lm_head_to_fp32``) for
+the old-policy and reference log-probs, zero at masked positions as TRL's are.
 
 The hidden states equal the padded layout's within float rounding: a completion attends to the same tokens, and its
 rotary positions are those of the padded row shifted by the row's left padding (attention depends only on position
@@ -54,7 +54,7 @@ class SharedRows:
 def prefix_sharing_possible(trainer) -> bool:
     """Whether ``trainer`` (a ``CPPOTrainer``, once built) may run prefix-shared rows: ``prefix_sharing`` asked for,
     the fused loss runs (TRL's own loss takes its padded rows), and the policy (and reference model) take the mask,
-    else one warning naming ``prefix_sharing`` (:func:`cppo.models.use_prefix_sharing`) and TRL's padded rows. The
+    else one warning naming ``prefix_sharing`` (:func:`cppo.step.models.use_prefix_sharing`) and TRL's padded rows. The
     reference model gets the hidden-state forward the policy has (:func:`cppo.trl.loss.install_hidden_forward`)."""
     if not trainer.args.prefix_sharing or trainer.fused_loss_refused is not None:
         return False

@@ -4,7 +4,7 @@ TRL scores a generation in ``_generate_and_score_completions`` (``grpo_trainer.p
 the old-policy pass (2646-2657) and the reference pass (2712-2739) over every completion, then the rewards (2753)
 and the group advantages. This trainer runs TRL's own method with those two passes deferred (they return an
 unused placeholder, nothing is computed), so TRL computes the rewards and advantages with every one of its
-settings; then it prunes with :class:`cppo.selection.Pruning`, keeps the kept rows (trimmed to the longest kept
+settings; then it prunes with :class:`cppo.step.selection.Pruning`, keeps the kept rows (trimmed to the longest kept
 completion), recounts ``num_items_in_batch`` over them across processes, and runs the old-policy and reference
 passes on the kept rows alone. The policy passes see only the kept rows too, and compute the loss with
 :func:`cppo_kernels.fused_cppo_loss` where it expresses TRL's (:mod:`cppo.trl.loss`). With ``prefix_sharing``
