@@ -36,7 +36,9 @@ def settings_epilog() -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:
+    """``cppo``'s parser; ``flags_only``: the eval defaults that a checkpoint's training config may replace are None,
+    to tell which flags a command line gave."""
     parser = argparse.ArgumentParser(prog="cppo", description="CPPO training with fused kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
@@ -60,25 +62,40 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="check config, output_dir, data and resume; load no model, write nothing"
     )
+    official = {"dataset": "arith", "max_prompt_length": 512, "max_completion_length": 1024}
+    official = dict.fromkeys(official) if flags_only else official  # None: the flag was not given
     ev = sub.add_parser(
         "eval",
         help="accuracy of a model on a dataset's test split (the official CPPO protocol)",
-        description="Official protocol: GSM8K and MATH-500 greedy with 1,024 new tokens (the defaults); AMC23 / AIME24"
-        " .jsonl sets (rows: problem, answer or solution) with --num-samples 4 --temperature 0.6 --top-p 0.95"
-        " --max-completion-length 3072, the accuracy averaged over the samples.",
+        description="A checkpoint of cppo train is evaluated as it trained: the flags not given follow its training "
+        "config (dataset, data path, prompt lengths, system prompt), so a CPU run's checkpoint is evaluated at its own "
+        "completion length. Any other model, or --official: the official protocol, GSM8K and MATH-500 greedy with "
+        "1,024 new tokens; AMC23 / AIME24 .jsonl sets (rows: problem, answer or solution) with --num-samples 4 "
+        "--temperature 0.6 --top-p 0.95 --max-completion-length 3072, the accuracy averaged over the samples.",
     )
     ev.add_argument("--model", required=True, help="tiny-qwen2, a checkpoint folder, a hub name or a .gguf file")
-    ev.add_argument("--dataset", default="arith", help="arith | gsm8k | math500 | a .jsonl file | a hub name")
+    ev.add_argument(
+        "--dataset", default=official["dataset"], help="arith | gsm8k | math500 | a .jsonl file | a hub name"
+    )
     ev.add_argument("--dataset-path", default=None, help="a .jsonl file or a folder with test.jsonl")
     ev.add_argument("--limit", type=int, default=None, help="evaluate the first N problems")
-    ev.add_argument("--max-prompt-length", type=int, default=512)
-    ev.add_argument("--max-completion-length", type=int, default=1024, help="new tokens per completion at most")
+    ev.add_argument("--max-prompt-length", type=int, default=official["max_prompt_length"])
+    ev.add_argument(
+        "--max-completion-length", type=int, default=official["max_completion_length"],
+        help="new tokens per completion at most",
+    )  # fmt: skip
+    ev.add_argument(
+        "--official", action="store_true",
+        help="a checkpoint too by the official protocol (its defaults above), not as it trained",
+    )  # fmt: skip
     ev.add_argument("--num-samples", type=int, default=1, help="completions per problem (accuracy averaged)")
     ev.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy decoding)")
     ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (sampling only)")
     ev.add_argument("--reward-timeout", type=float, default=0.5, help="seconds math-verify may spend on one answer")
     ev.add_argument("--system-prompt", default=None, help="replaces the default system prompt")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument(
+        "--batch-size", type=int, default=None, help="prompts per generate call (default: 32 on CUDA, 8 on the CPU)"
+    )
     ev.add_argument("--device", default="auto")
     ev.add_argument("--dtype", default="float32")
     ev.add_argument("--rollout-backend", default="hf", help="hf, vllm, auto or a registered engine")
@@ -123,11 +140,27 @@ def _train(args) -> int:
             last = history[-1]
             keys = ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
+        if trainer.last_checkpoint:  # the last line: where the run went and how to evaluate it
+            distributed.print_main(_eval_hint(trainer.last_checkpoint), file=sys.stderr, info=info)
     finally:
         if run is not None:
             run.close()
         distributed.close_distributed()
     return 0
+
+
+def _eval_hint(checkpoint: str) -> str:
+    """``cppo train: saved CHECKPOINT; evaluate it with: PROGRAM eval --model CHECKPOINT`` (the program as it was
+    called: ``.venv/bin/cppo``, ``cppo``, or ``PYTHON -m cppo``; the path relative to here when it is below)."""
+    here = os.path.relpath(checkpoint)
+    shown = here if not here.startswith(os.pardir) else checkpoint
+    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "cppo" else f"{_shown_program(sys.executable)} -m cppo"
+    return f"cppo train: saved {shown}; evaluate it with: {program} eval --model {shlex.quote(shown)}"
+
+
+def _shown_program(path: str) -> str:
+    here = os.path.relpath(path)
+    return shlex.quote(here if not here.startswith(os.pardir) else path)
 
 
 def _resume_candidates(config: TrainConfig, args, *, info) -> list[str]:
@@ -199,7 +232,8 @@ def _check_eval_args(args) -> None:
     if args.limit is not None:
         check_int("--limit", args.limit, low=1)
     for flag in ("max_prompt_length", "max_completion_length", "batch_size", "num_samples"):
-        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
+        if getattr(args, flag) is not None:  # --batch-size: None follows the device
+            check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
     check_float("--temperature", args.temperature, low=0.0)
     if not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
@@ -265,8 +299,16 @@ def _eval(args) -> int:
     from .run import model_folder
     from .tasks import load_problems
 
+    trained = _as_trained(args)
     _check_eval_args(args)
     device = resolve_device(args.device)
+    if args.batch_size is None:  # the progress bar moves per batch: a CPU's batches are small
+        args.batch_size = 32 if device.type == "cuda" else 8
+    if trained:
+        print(
+            f"cppo eval: {args.model} is evaluated as it trained ({trained}); --official for the official protocol",
+            file=sys.stderr,
+        )
     try:
         problems = load_problems(args.dataset, split="test", dataset_path=args.dataset_path, max_questions=args.limit)
     except ValueError as e:
@@ -307,6 +349,36 @@ def _eval(args) -> int:
     return 0
 
 
+#: What ``cppo eval`` takes from a checkpoint's training config for the flags not given (the dataset's path only with
+#: the dataset itself).
+TRAINED = ("dataset", "dataset_path", "max_prompt_length", "max_completion_length", "system_prompt")
+
+
+def _as_trained(args) -> str | None:
+    """A checkpoint of ``cppo train`` (its ``trainer_state.pt`` beside ``model/``) is evaluated as it trained: the
+    flags of :data:`TRAINED` not given on the command line take its training config's values (unless ``--official``).
+    Returns what was taken, in words, or None (another model: the official protocol)."""
+    from .run import STATE_FILE, CorruptCheckpoint, read_state
+
+    folder = os.path.abspath(args.model)
+    if not os.path.isfile(os.path.join(folder, STATE_FILE)):
+        folder = os.path.dirname(folder)  # CHECKPOINT/model names the same checkpoint
+    if args.official or not os.path.isfile(os.path.join(folder, STATE_FILE)):
+        return None
+    try:
+        config = read_state(folder, mmap=True).get("config") or {}
+    except CorruptCheckpoint as e:
+        logging.getLogger("cppo").warning("%s; evaluating by the official protocol", e)
+        return None
+    taken = [
+        name for name in TRAINED
+        if name in config and name not in args.given and (name != "dataset_path" or "dataset" not in args.given)
+    ]  # fmt: skip
+    for name in taken:
+        setattr(args, name, config[name])
+    return ", ".join(f"{name} {config[name]!r}" for name in taken) or None
+
+
 def _load_eval_model(folder: str, *, dtype: str, device, seed: int):
     """``(model, tokenizer)`` of ``cppo eval``: base + adapter for a LoRA adapter folder, else the model itself."""
     from .step import is_adapter_folder, load_adapter_model, load_model_and_tokenizer
@@ -342,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``cppo train``, ``cppo eval`` or ``cppo merge``; returns the exit code (2: a user error; 1: a run that
     diverged)."""
     args = _parser().parse_args(argv)
+    if args.command == "eval":  # which flags the command line gave (a checkpoint's training config fills the others)
+        flags = vars(_parser(flags_only=True).parse_args(argv))
+        args.given = {name for name in TRAINED if flags.get(name) is not None}
     handler = logging.StreamHandler()  # the package's warnings (files skipped, cleaned up), as one line each
     handler.setFormatter(logging.Formatter(f"cppo {args.command}: warning: %(message)s"))
     logging.getLogger("cppo").addHandler(handler)

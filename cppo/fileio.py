@@ -30,6 +30,7 @@ __all__ = [
     "write_json",
     "json_safe",
     "check_writable",
+    "shown_path",
     "fsync",
     "fsync_tree",
     "git_commit",
@@ -116,6 +117,15 @@ def check_writable(output_dir: str, *, create: bool = True) -> None:
             pass
     except OSError as e:
         raise ValueError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` as an error names it: quoted, and a relative one with the current directory it was resolved from
+    (a preset's ``../shared`` depends on where ``cppo`` runs)."""
+    path = os.fspath(path)
+    if os.path.isabs(path):
+        return repr(path)
+    return f"{path!r} (resolved from the current directory {os.getcwd()!r} to {os.path.abspath(path)!r})"
 
 
 def fsync(path: str) -> None:

@@ -104,6 +104,7 @@ class Trainer:
         self.loss_config = config.loss_config
         self.skips = step.SkipCounter(config.max_skipped_updates)
         self.step = 0
+        self.last_checkpoint: str | None = None  # the absolute path of the last checkpoint written
 
     def _build_models(self) -> None:
         """The policy (fp32 master weights; with ``use_peft`` LoRA adapters on a frozen base), the frozen reference
@@ -464,7 +465,7 @@ class Trainer:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
-        return save_checkpoint(
+        self.last_checkpoint = save_checkpoint(
             path,
             module=self.policy,
             tokenizer=self.tokenizer,
@@ -473,6 +474,7 @@ class Trainer:
             state=state,
             info=self.info,
         )
+        return self.last_checkpoint
 
     def load_checkpoint(self, path: str) -> None:
         """Restores model weights, optimizer, scheduler, data position, RNG states and step from ``path`` (on every

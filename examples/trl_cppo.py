@@ -7,10 +7,10 @@ lzhxmu/CPPO): the official system prompt and rewards (format 1.0 + accuracy 2.0 
 weight on the KL), clip 0.2, token-mean loss, lr 1e-6 cosine with 10% warm-up, bf16 with gradient checkpointing, seed
 42.
 
-    python examples/trl_cppo.py                                   # GPU: the paper's run (GSM8K: ../shared or hub)
-    python examples/trl_cppo.py --pruning-rate 0 --no-allocation  # the GRPO baseline
-    python examples/trl_cppo.py --tiny --max-steps 2              # CPU smoke run: a tiny model built in code
-    accelerate launch examples/trl_cppo.py --pruning-rate 0.75    # several GPUs (each prunes its own share)
+    .venv/bin/python examples/trl_cppo.py                                   # GPU: the paper's run (GSM8K: ../shared)
+    .venv/bin/python examples/trl_cppo.py --pruning-rate 0 --no-allocation  # the GRPO baseline
+    .venv/bin/python examples/trl_cppo.py --tiny --max-steps 2              # CPU smoke run: a tiny model built in code
+    .venv/bin/accelerate launch examples/trl_cppo.py --pruning-rate 0.75    # several GPUs (each prunes its share)
 """
 
 from __future__ import annotations
@@ -120,7 +120,27 @@ def main(argv: list[str] | None = None) -> CPPOTrainer:
         model=model, reward_funcs=[gsm8k_format, gsm8k_accuracy], args=config(args), train_dataset=dataset
     )
     trainer.train()
+    if args.tiny:
+        print(tiny_summary(trainer.state.log_history, steps=trainer.state.global_step))
     return trainer
+
+
+def tiny_summary(history: list[dict], *, steps: int) -> str:
+    """What a ``--tiny`` run shows, and why its rewards and loss are zero: the random model built in code never writes
+    the official format or a GSM8K answer, so every reward, every advantage and the loss are 0; the pruning and the
+    pipeline ran (the kept completions per step)."""
+    logged = [h for h in history if "cppo/kept_completions" in h]
+    if not logged:
+        return f"trl_cppo --tiny: {steps} optimizer steps ran and none was logged"
+    last = logged[-1]
+    rewards = sorted({h.get("reward", 0.0) for h in logged})
+    return (
+        f"trl_cppo --tiny: {steps} optimizer steps ran, the last generation keeping {last['cppo/kept_completions']:g} "
+        f"completions (cppo/kept_fraction {last['cppo/kept_fraction']:g}); rewards {rewards}: the tiny model is random "
+        "and built in code, so it never writes the official <think>/<answer> format nor a GSM8K answer, and with every "
+        "reward 0 every advantage and the loss are 0. A smoke run of the pipeline, not of learning: drop --tiny to "
+        "train Qwen2.5-1.5B-Instruct on a GPU."
+    )
 
 
 if __name__ == "__main__":

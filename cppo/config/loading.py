@@ -10,6 +10,7 @@ import re
 
 import yaml
 
+from ..fileio import shown_path
 from .settings import TrainConfig, field_types
 from .values import coerce, did_you_mean
 
@@ -65,7 +66,7 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
     path = pathlib.Path(preset_or_yaml)
     if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
-            raise ValueError(f"config file {preset_or_yaml!r} does not exist")
+            raise ValueError(f"config file {shown_path(preset_or_yaml)} does not exist")
         preset = None
     else:
         if preset_or_yaml not in available_presets():

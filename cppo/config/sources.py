@@ -8,6 +8,7 @@ import os
 from cppo_kernels.config import check_choice
 
 from ..distributed import check_device
+from ..fileio import shown_path
 from .choices import DATASETS, DTYPES, HUB_ID_RE, TINY_MODELS
 from .values import did_you_mean
 
@@ -27,20 +28,22 @@ def check_model_and_data(
     check_choice("dtype", dtype, DTYPES)
     check_device(device)
     if dataset_path is not None and not os.path.exists(dataset_path):
-        raise ValueError(f"dataset_path {dataset_path!r} does not exist")
+        raise ValueError(f"dataset_path {shown_path(dataset_path)} does not exist")
     if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
-        raise ValueError(f"dataset file {dataset!r} does not exist")
+        raise ValueError(f"dataset file {shown_path(dataset)} does not exist")
     if not (dataset in DATASETS or dataset.endswith(".jsonl") or ("/" in dataset and HUB_ID_RE.match(dataset))):
         raise ValueError(
             f"dataset {dataset!r} is unknown{did_you_mean(dataset, DATASETS)}: use one of {DATASETS}, a .jsonl file "
             "or a hub dataset owner/name"
         )
     if model.endswith(".gguf") and not os.path.isfile(model):
-        raise ValueError(f"model file {model!r} does not exist")
+        raise ValueError(f"model file {shown_path(model)} does not exist")
     if model.startswith("tiny-") and model not in TINY_MODELS:
         raise ValueError(f"model {model!r}: the tiny models are {TINY_MODELS}")
     if not (model.startswith("tiny-") or os.path.exists(model) or HUB_ID_RE.match(model)):
-        raise ValueError(f"model {model!r} does not exist (not a local folder or file, nor a hub name owner/name)")
+        raise ValueError(
+            f"model {shown_path(model)} does not exist (not a local folder or file, nor a hub name owner/name)"
+        )
     if model_config is not None and not model.startswith("tiny-"):
         raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
     if model_config is not None:

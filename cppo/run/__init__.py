@@ -2,7 +2,7 @@
 atomically and read without running code (checkpoint.py, shard_io.py, errors.py), the report_to sinks (sinks.py),
 the step metrics, their log and plot (metrics.py), and stopping at a safe point on a signal (interrupt.py)."""
 
-from .checkpoint import TRAINER_KEYS, CheckpointWriteError, latest, model_folder  # noqa: I001  (grouped, as __all__)
+from .checkpoint import STATE_FILE, TRAINER_KEYS, CheckpointWriteError, latest, model_folder, read_state  # noqa: I001
 from .checkpoint import load as load_checkpoint, save as save_checkpoint
 from .errors import CorruptCheckpoint, UnsafeCheckpoint
 from .folder import RUN_FILES, Run, existing_run, open_run, refuse_existing_run, resume, resume_candidates
@@ -14,9 +14,9 @@ from .sinks import (
 )  # fmt: skip
 
 __all__ = [
-    "TRAINER_KEYS", "CheckpointWriteError", "latest", "model_folder", "load_checkpoint", "save_checkpoint",
-    "CorruptCheckpoint", "UnsafeCheckpoint", "RUN_FILES", "Run", "existing_run", "open_run", "refuse_existing_run",
-    "resume", "resume_candidates", "Interrupted", "StopSignals", "RunLock", "RunLocked", "check_free", "PHASES",
-    "PhaseTimer", "metric_reduction", "plot", "plot_run", "read_jsonl", "JsonlSink", "MetricSink", "TensorBoardSink",
-    "WandbSink", "available_sinks", "check_report_to", "make_sinks", "register_sink",
+    "STATE_FILE", "TRAINER_KEYS", "CheckpointWriteError", "latest", "model_folder", "read_state", "load_checkpoint",
+    "save_checkpoint", "CorruptCheckpoint", "UnsafeCheckpoint", "RUN_FILES", "Run", "existing_run", "open_run",
+    "refuse_existing_run", "resume", "resume_candidates", "Interrupted", "StopSignals", "RunLock", "RunLocked",
+    "check_free", "PHASES", "PhaseTimer", "metric_reduction", "plot", "plot_run", "read_jsonl", "JsonlSink",
+    "MetricSink", "TensorBoardSink", "WandbSink", "available_sinks", "check_report_to", "make_sinks", "register_sink",
 ]  # fmt: skip

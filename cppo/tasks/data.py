@@ -15,6 +15,8 @@ import random
 
 import torch
 
+from ..fileio import shown_path
+
 HUB_NAMES = {
     "gsm8k": ("openai/gsm8k", "main"),
     "math": ("DigitalLearningGmbH/MATH-lighteval", None),  # the MATH training set (7,500 problems)
@@ -142,7 +144,7 @@ def read_jsonl(path: str) -> list[dict]:
     file and line of a line that is not UTF-8, not a JSON object (or nested past :data:`MAX_NESTING`), not a
     problem, or holding text the tokenizer cannot encode (a lone surrogate such as ``"\\ud800"``)."""
     if not os.path.isfile(path):
-        raise ValueError(f"dataset file {path!r} does not exist")
+        raise ValueError(f"dataset file {shown_path(path)} does not exist")
     problems = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):

@@ -32,6 +32,36 @@ def test_train_tiny_cpu_preset_end_to_end(tmp_path):
     assert (tmp_path / "metrics.png").is_file()
     assert (tmp_path / "checkpoint-000008" / "model" / "config.json").is_file()
     assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 8
+    last = out.stderr.strip().splitlines()[-1]  # the run ends naming its checkpoint and how to evaluate it
+    want = tmp_path / "checkpoint-000008"
+    assert last.startswith(f"cppo train: saved {want}; evaluate it with: "), last
+    assert last.endswith(f"-m cppo eval --model {want}"), last
+
+
+FIXTURE = ROOT / "tests" / "support" / "fixtures" / "checkpoints-1b42f7a" / "full" / "checkpoint-000001"
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        ((), (4, 48, "Answer.", 8)),  # as the checkpoint trained (full.yaml), small batches on the CPU
+        (("--official",), (1024, 512, None, 8)),  # the official protocol, and for any model that is no checkpoint
+        (("--max-completion-length", "2", "--batch-size", "3"), (2, 48, "Answer.", 3)),  # a flag given wins
+    ],
+)
+def test_eval_of_a_checkpoint_follows_its_training_config(flags, want, monkeypatch, capsys):
+    seen = []
+
+    def evaluate_model(rollout, tokenizer, problems, *, system_prompt, batch_size, **kwargs):
+        s = rollout.settings
+        seen.append((s.max_completion_length, s.max_prompt_length, system_prompt, batch_size))
+        return {"accuracy": 0.0, "correct": 0, "total": len(problems), "problems": len(problems), "format_rate": 0.0}
+
+    monkeypatch.setattr("cppo.evaluate.evaluate_model", evaluate_model)
+    assert main(["eval", "--model", str(FIXTURE), "--limit", "2", *flags]) == 0
+    assert seen == [want]
+    said = "is evaluated as it trained (dataset 'arith', dataset_path None, max_prompt_length 48"
+    assert (said in capsys.readouterr().err) == (not flags or flags[0] != "--official")
 
 
 def test_resume_and_eval(tmp_path, capsys, monkeypatch):

@@ -164,3 +164,13 @@ def test_hostile_yaml_is_one_line_naming_the_file(tmp_path, text, message):
 def test_trl_names_point_to_ours(override, message):
     with pytest.raises(ValueError, match=message):
         load_config("tiny-cpu", [override])
+
+
+def test_a_relative_path_error_says_where_it_was_resolved_from(tmp_path, monkeypatch):
+    """A preset's ../shared path depends on where cppo runs: the error names the current directory it resolved from."""
+    (tmp_path / "run.yaml").write_text("model: ../nowhere/model.gguf\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        load_config("run.yaml")
+    want = f"run.yaml, line 1: model file '../nowhere/model.gguf' (resolved from the current directory '{tmp_path}' to"
+    assert str(error.value).startswith(want) and str(error.value).endswith(" does not exist")

@@ -40,9 +40,13 @@ def test_the_default_settings_are_the_papers(example, tmp_path, monkeypatch):
     assert args.pruning().questions_drawn == 8  # one question per step in GRPO; 1 / (1 - 0.875) with allocation
 
 
-def test_a_tiny_run(example, tmp_path):
+def test_a_tiny_run(example, tmp_path, capsys):
     trainer = example.main(["--tiny", "--max-steps", "2", "--output-dir", str(tmp_path), "--limit", "16"])
     logged = trainer.state.log_history[0]
     # 8 questions x 4 completions drawn (allocation), 32 - int(32 * 0.875) = 4 kept: as many as GRPO trains
     assert logged["cppo/kept_completions"] == 4 and logged["cppo/kept_fraction"] == 0.125
     assert "rewards/gsm8k_format/mean" in logged and "rewards/gsm8k_accuracy/mean" in logged
+    # its zeros are explained, not left to look like a bug
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said.startswith("trl_cppo --tiny: 2 optimizer steps ran, the last generation keeping 4 completions")
+    assert "rewards [0.0]" in said and "every advantage and the loss are 0" in said
