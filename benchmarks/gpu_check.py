@@ -14,7 +14,7 @@ so that a crash or a hang costs one part and not the others:
 1. ``tests``: the suite's tests marked ``cuda`` (``pytest -m cuda``: tests/kernels/test_cuda_kernels.py, the
    kernels' properties on the GPU, among them the loss at this kit's shapes against a float64 oracle; the CUDA
    tests of tests/kernels/test_loss_triton.py and tests/kernels/test_loss_grad_in_forward.py; the packed forward
-   and prefix sharing (flex_attention) of tests/trainer/test_cuda_models.py) with ``TRITON_INTERPRET=0``
+   and prefix sharing (flex_attention) of tests/cppo/step/test_cuda_models.py) with ``TRITON_INTERPRET=0``
    (:mod:`gpukit.part_tests`);
 2. ``loss``: every method of ``bench_loss.build_methods`` (forward + backward) at T=16,384, H=1,536, V=151,936 bf16
    and at the CPU benchmark's shape, against the plain ``[T,H] x [H,V]`` GEMM timed in the same run: milliseconds,

@@ -3,7 +3,7 @@
 completion (errors, tokens, forward+backward time and memory each way; :mod:`gpukit.part_prefix`), its equality
 checked; then ``benchmarks/speedup.py`` tiny on the plan's device with HF rollouts, and vLLM ones when importable.
 The pass/fail checks of the packed forward and of prefix sharing on CUDA are tests,
-``tests/trainer/test_cuda_models.py``, run by the ``tests`` part."""
+``tests/cppo/step/test_cuda_models.py``, run by the ``tests`` part."""
 
 from __future__ import annotations
 

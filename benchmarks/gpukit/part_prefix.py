@@ -36,7 +36,7 @@ SIZES = {
 #: ||shared - unshared|| / ||unshared|| of the completion rows' final hidden states allowed per dtype. Measured on
 #: CPU (sdpa both ways): fp32 4.6e-7 at the GPU sizes and model, 2.3e-8 on the dry run; bf16 5.0e-3 at the GPU
 #: sizes. fp32 1e-4, 200x that, leaves room for different attention kernels either side on CUDA (flex_attention
-#: against flash-attention 2 / sdpa), as the packed forward's check (tests/trainer/test_cuda_models.py); bf16 2e-2,
+#: against flash-attention 2 / sdpa), as the packed forward's check (tests/cppo/step/test_cuda_models.py); bf16 2e-2,
 #: 4x the CPU's. The negative control (a leak between completions) gave 0.97 and 0.22.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 

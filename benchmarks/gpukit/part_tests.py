@@ -1,6 +1,6 @@
 """Part ``tests``: the suite's CUDA tests, those marked ``cuda`` (``pytest -m cuda``:
 tests/kernels/test_cuda_kernels.py, the CUDA tests of tests/kernels/test_loss_triton.py and
-tests/kernels/test_loss_grad_in_forward.py, tests/trainer/test_cuda_models.py) with ``TRITON_INTERPRET=0``; in the
+tests/kernels/test_loss_grad_in_forward.py, tests/cppo/step/test_cuda_models.py) with ``TRITON_INTERPRET=0``; in the
 dry run, that the marker selects them (collection only)."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ TINY_QWEN2 = {
     "num_key_value_heads": 1,
 }  # fmt: skip
 #: The packed-forward measurement's model on a GPU: head dim 64 (within flash-attention's), 2 layers, grouped KV
-#: heads (the pass/fail check of the property is tests/trainer/test_cuda_models.py, run by the tests part).
+#: heads (the pass/fail check of the property is tests/cppo/step/test_cuda_models.py, run by the tests part).
 PACKED_QWEN2 = {
     "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2,

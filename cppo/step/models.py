@@ -223,9 +223,9 @@ def packed_hidden(
 
     Without ``prefix``, ``position_ids [1, L]`` restart at 0 for each sequence; with no attention mask and no cache,
     transformers (>= 4.53) derives a block-diagonal causal mask from them (sdpa/eager) or cu_seqlens
-    (flash_attention_2), so packed sequences do not attend to each other (tests/trainer/test_packing.py checks this
+    (flash_attention_2), so packed sequences do not attend to each other (tests/cppo/step/test_packing.py checks this
     against separate forwards). With a ``prefix`` (prompt-shared rows) the mask of :func:`prefix_attention_mask` is
-    passed instead, and transformers uses it as given (tests/trainer/test_prefix_sharing.py).
+    passed instead, and transformers uses it as given (tests/cppo/step/test_prefix_sharing.py).
     """
     mask = None if prefix is None else prefix_attention_mask(model, prefix, device=input_ids.device)
     out = decoder(model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)

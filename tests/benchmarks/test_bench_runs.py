@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from bench_out import RUNS, new_run_folder, run_folder_name
+from tiny_model import TINY_ONE_LAYER
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -25,8 +26,7 @@ STAMP = r"\d{8}T\d{6}Z(-\d+)?"
 #: A speedup.py run of a few seconds: a one-layer model, 2 questions, 4 completions of at most 4 tokens.
 TINY_SPEEDUP = [
     "--model-config",
-    '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
-    '"num_attention_heads": 2, "num_key_value_heads": 1}',
+    TINY_ONE_LAYER,
     *("--group-size", "4", "--pruning-rates", "0", "0.5", "--questions", "2", "--set", "max_completion_length=4"),
     *("--backend", "torch", "--device", "cpu", "--no-progress", "--no-warmup"),
 ]

@@ -65,7 +65,7 @@ def _assert_dry_results(parts: dict[str, dict], out: pathlib.Path) -> None:
         "tests/kernels/test_cuda_kernels.py",
         "tests/kernels/test_loss_triton.py",
         "tests/kernels/test_loss_grad_in_forward.py",
-        "tests/trainer/test_cuda_models.py",
+        "tests/cppo/step/test_cuda_models.py",
     }
     shapes = {k: v for k, v in parts["loss"]["results"].items() if isinstance(v, dict) and "methods" in v}
     assert list(shapes) == ["T=512 H=32 V=1000 float32", "T=512 H=48 V=700 bfloat16"]

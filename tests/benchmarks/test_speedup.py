@@ -12,6 +12,7 @@ import sys
 import pytest
 import speedup_args
 import torch
+from tiny_model import TINY_ONE_LAYER
 
 from cppo import TrainConfig, fileio, load_config
 
@@ -59,10 +60,7 @@ def test_presets_are_trainer_presets(speedup):
     assert speedup.plan_schedule(gsm8k, speedup_args.DEFAULT_RATES)[0].max_questions == 16
 
 
-TINY = (
-    '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
-    '"num_attention_heads": 2, "num_key_value_heads": 1}'
-)
+TINY = TINY_ONE_LAYER
 
 #: flag, value on the command line, setting, value in the TrainConfig
 FLAGS = [

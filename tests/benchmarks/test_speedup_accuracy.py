@@ -11,15 +11,13 @@ import math
 import pathlib
 
 import pytest
+from tiny_model import TINY_ONE_LAYER
 
 from cppo import TrainConfig, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "speedup.py"
-TINY = (
-    '{"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
-    '"num_attention_heads": 2, "num_key_value_heads": 1}'
-)
+TINY = TINY_ONE_LAYER
 
 
 def _config(*overrides):

@@ -140,7 +140,7 @@ def count_forward_tokens(trainer):
 
 
 def test_pruned_completions_never_reach_the_model(tmp_path):
-    # each completion with its own prompt; the prompt-shared count: tests/trainer/test_prefix_sharing.py
+    # each completion with its own prompt; the prompt-shared count: tests/cppo/step/test_prefix_sharing.py
     cfg = tiny_config(tmp_path, pruning_rate=0.5, allocation=True, questions_per_step=2, prefix_sharing=False)
     trainer = Trainer(cfg)
     assert cfg.pruning.questions_drawn == 4 and cfg.pruning.keep == 2

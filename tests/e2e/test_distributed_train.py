@@ -23,13 +23,14 @@ import sys
 import pytest
 import torch
 from per_question import PerQuestionRollout
+from tiny_model import TINY
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 WORLD = 2
 SCOPES = ("group", "batch", "global")
 CONFIG = {
     "model": "tiny-qwen2",
-    "model_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
+    "model_config": TINY,
     "device": "cpu",
     "dataset": "arith",
     "max_questions": 64,

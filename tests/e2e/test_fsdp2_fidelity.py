@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
+from tiny_model import TINY
 from torchrun_harness import torchrun
 
 CONFIG = {
     "model": "tiny-qwen2",
-    "model_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
+    "model_config": TINY,
     "device": "cpu",
     "dtype": "bfloat16",
     "parallelism": "fsdp2",

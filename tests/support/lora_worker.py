@@ -1,4 +1,4 @@
-"""The torchrun worker of tests/trainer/test_lora.py: LoRA under DDP and FSDP2 on gloo, 2 processes.
+"""The torchrun worker of tests/cppo/step/test_lora.py: LoRA under DDP and FSDP2 on gloo, 2 processes.
 
 Each rank records in ``OUT/rank<r>.json``: the ranks hold equal adapters after 2 steps (DDP, FSDP2), no reference
 copy exists, a 2-process run equals a 1-process run over the same global batch (selection ``global``; each question's
@@ -14,11 +14,12 @@ import sys
 
 import torch
 from per_question import PerQuestionRollout
+from tiny_model import TINY
 from torchrun_harness import RankRecorder
 
 CONFIG = {
     "model": "tiny-qwen2",
-    "model_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128},
+    "model_config": TINY,
     "device": "cpu",
     "dataset": "arith",
     "max_questions": 64,

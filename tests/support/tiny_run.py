@@ -9,12 +9,13 @@ import pathlib
 import pickle
 import shutil
 
+from tiny_model import TINY
+
 from cppo import TrainConfig, run
 from cppo.cli import main
 from cppo.config import FIXED
 from cppo.distributed import DistInfo
 
-TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 #: ``cppo train --config tiny-cpu --set ...`` of a run of a few seconds (before output_dir and num_steps).
 CLI_SETTINGS = ["group_size=4", "max_questions=32", "max_completion_length=8", "eval_limit=null", "save_every=1"]
 

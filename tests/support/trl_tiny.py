@@ -10,11 +10,8 @@ import pathlib
 from dataclasses import dataclass, field
 
 import torch
+from tiny_model import TINY
 
-TINY = dict(
-    vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-    num_hidden_layers=2,
-)  # fmt: skip
 #: What every test config sets: CPU, fp32, no checkpointing, no logging integrations, no checkpoints.
 CPU = dict(
     bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,

@@ -10,7 +10,7 @@ from cppo import load_config
 from cppo.config import PRESET_DIR, available_presets
 from cppo.tasks.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 #: What the official runs use, in TrainConfig's terms (source in the comment); the values both presets share.
 OFFICIAL = {

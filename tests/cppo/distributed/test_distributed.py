@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_model import TINY
 
 from cppo import distributed as D
 from cppo.run import checkpoint as C
@@ -178,7 +179,6 @@ def test_grad_scale_and_wrap_model_single_process():
     assert model.weight.grad is not None
 
 
-TINY = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
 
 
 def _tiny_run():

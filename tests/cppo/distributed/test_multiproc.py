@@ -321,10 +321,11 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _tiny_lm():
     """A tiny causal LM (transformers, seeded) and its tokenizer: what the trainer checkpoints."""
+    from tiny_model import TINY
+
     from cppo.step.models import load_model_and_tokenizer
 
-    config = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
-    return load_model_and_tokenizer("tiny-qwen2", model_config=config, seed=0)
+    return load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=0)
 
 
 def _hidden(model, ids: torch.Tensor) -> torch.Tensor:

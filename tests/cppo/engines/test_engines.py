@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from tiny_run import TINY, tiny_config
+from tiny_model import TINY
+from tiny_run import tiny_config
 from toy_engine import TEXTS, FixedEngine
 
 from cppo import Trainer

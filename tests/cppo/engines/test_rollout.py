@@ -4,12 +4,11 @@ import importlib.util
 
 import pytest
 import torch
+from tiny_model import TINY
 from toy_engine import FixedEngine
 
 from cppo.engines import EngineSettings, HFEngine, cut_after_eos, make_engine
 from cppo.step.models import load_model_and_tokenizer
-
-TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
 def settings(prompt: int, completion: int, **options) -> EngineSettings:

@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_run import CLI_SETTINGS, TINY, Exploit, copy_run, ran, raw_exploit, resume_candidates, train_cli
+from tiny_model import TINY
+from tiny_run import CLI_SETTINGS, Exploit, copy_run, ran, raw_exploit, resume_candidates, train_cli
 
 from cppo import load_config
 from cppo.distributed import DistInfo

@@ -15,7 +15,7 @@ from tiny_run import CLI_SETTINGS
 
 from cppo.run import checkpoint, metrics
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _start(out: pathlib.Path, *extra: str) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from cppo import Trainer, load_config
 from cppo.cli import main
 
-FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "support" / "fixtures" / "checkpoints-1b42f7a"
+FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "support" / "fixtures" / "checkpoints-1b42f7a"
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

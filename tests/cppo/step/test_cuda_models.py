@@ -4,12 +4,12 @@ Sequences packed in one row with position_ids restarting at 0 must give each seq
 forward of that sequence alone does, with the attention CUDA runs (flash-attention 2 when importable, sdpa
 otherwise). A negative control runs the same row with position_ids running on (one long causal sequence), whose
 later sequences do see the earlier ones: its error must be far above the tolerance, or the check could not fail.
-tests/trainer/test_packing.py checks the same on the CPU (sdpa, float32).
+tests/cppo/step/test_packing.py checks the same on the CPU (sdpa, float32).
 
 Prefix sharing (a question's completions after one copy of its prompt, a block mask) runs through flex_attention on
 CUDA (:func:`cppo.step.models.attn_implementation`): its log-probs and hidden states must equal those of a prompt copy
 per completion (the attention picked without sharing), with a negative control (the shared row without its mask, where
-sibling completions see each other). tests/trainer/test_prefix_sharing.py checks the same on the CPU (sdpa, eager).
+sibling completions see each other). tests/cppo/step/test_prefix_sharing.py checks the same on the CPU (sdpa, eager).
 """
 
 from __future__ import annotations

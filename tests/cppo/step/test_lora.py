@@ -7,7 +7,8 @@ import os
 import lora_worker
 import pytest
 import torch
-from tiny_run import CLI_SETTINGS, TINY, resume_candidates, tiny_config, train_cli
+from tiny_model import TINY
+from tiny_run import CLI_SETTINGS, resume_candidates, tiny_config, train_cli
 from torchrun_harness import assert_ranks_ok, torchrun
 
 from cppo import TrainConfig, load_config

@@ -6,14 +6,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_model import TINY
 
 from cppo.distributed import DistInfo
 from cppo.run import checkpoint
 from cppo.step.models import lm_head, load_model_and_tokenizer, packed_hidden
 from cppo.step.packing import Sample, allocate, loss_weight, pack, pack_all
 from cppo_kernels import reference
-
-TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
 @given(st.lists(st.integers(1, 50), max_size=30), st.integers(50, 120))
@@ -113,7 +112,7 @@ def test_packed_forward_matches_each_sequence_alone():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = pathlib.Path(__file__).resolve().parents[4] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         pytest.skip(f"{path} is absent: the SmolLM2 tests need ../shared")
     return load_model_and_tokenizer(str(path))

@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_run import TINY, tiny_config
+from tiny_model import TINY
+from tiny_run import tiny_config
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
 from cppo import Trainer

@@ -17,7 +17,7 @@ from cppo.step.selection import SCOPES, Pruning, kept_count
 from cppo_kernels import reference
 from cppo_kernels.config import SCOPES as KERNEL_SCOPES
 
-CPPO = pathlib.Path(__file__).resolve().parents[2] / "cppo"
+CPPO = pathlib.Path(__file__).resolve().parents[3] / "cppo"
 
 
 def test_one_vocabulary_with_the_kernels():
