@@ -28,6 +28,10 @@ ALLOWED_GLOBALS = frozenset(
 )
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """A global the metadata may not name (its other unpickling errors are a torn or corrupt file)."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only DCP's metadata classes, ``torch`` dtypes and :data:`ALLOWED_GLOBALS`."""
 
@@ -36,7 +40,7 @@ class MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in ALLOWED_GLOBALS or module == "torch.distributed.checkpoint.metadata":
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint shard metadata")
+        raise RefusedGlobal(f"global {module}.{name} is not allowed in checkpoint shard metadata")
 
 
 def read_metadata(folder: str):
@@ -46,9 +50,9 @@ def read_metadata(folder: str):
     try:
         with open(file, "rb") as f:
             return MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+    except RefusedGlobal as e:
         raise UnsafeCheckpoint(f"{file!r}: {e}; refused to load it, as that could run code") from None
-    except (EOFError, OSError, AttributeError, TypeError, ValueError) as e:
+    except (pickle.UnpicklingError, EOFError, OSError, AttributeError, TypeError, ValueError) as e:  # torn, corrupt
         raise CorruptCheckpoint(f"{file!r} cannot be read ({type(e).__name__}: {first_line(e)})") from None
 
 
