@@ -179,8 +179,6 @@ def test_grad_scale_and_wrap_model_single_process():
     assert model.weight.grad is not None
 
 
-
-
 def _tiny_run():
     """A tiny causal LM, its tokenizer, AdamW and a step-decay schedule after one update."""
     model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=0)
