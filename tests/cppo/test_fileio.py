@@ -64,3 +64,11 @@ def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
         assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o640  # a replaced file keeps its mode
     finally:
         os.umask(old)
+
+
+def test_a_path_in_an_error_says_where_a_relative_one_was_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert fileio.shown_path("/abs/x.gguf") == "'/abs/x.gguf'"
+    resolved = str(tmp_path.parent / "m" / "x.gguf")
+    want = f"'../m/x.gguf' (resolved from the current directory {str(tmp_path)!r} to {resolved!r})"
+    assert fileio.shown_path("../m/x.gguf") == want

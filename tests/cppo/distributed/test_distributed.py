@@ -13,7 +13,6 @@ from tiny_model import TINY
 
 from cppo import distributed as D
 from cppo.run import checkpoint as C
-from cppo.step import balance as B
 from cppo.step.models import load_model_and_tokenizer
 
 SINGLE = D.DistInfo()
@@ -70,26 +69,6 @@ def test_question_slice_rejects_bad_count():
         D.question_slice(-1, info=SINGLE)
 
 
-@given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 5))
-def test_lpt_assign_is_a_balanced_partition(costs, num_bins):
-    owner = B.lpt_assign(costs, num_bins)
-    assert len(owner) == len(costs) and all(0 <= b < num_bins for b in owner)
-    loads = [sum(c for c, b in zip(costs, owner) if b == k) for k in range(num_bins)]
-    assert sum(loads) == sum(costs)
-    assert max(loads) <= sum(costs) / num_bins + max(costs, default=0)
-    assert B.lpt_assign(costs, num_bins) == owner
-
-
-def test_lpt_assign_example_and_ties():
-    # longest first, to the emptiest bin, ties to the lower index and the lower bin
-    assert B.lpt_assign([3, 5, 5, 2, 1], 2) == [0, 0, 1, 1, 1]  # 5->0, 5->1, 3->0, 2->1, 1->1
-    assert B.lpt_assign([4, 4, 4, 4], 2) == [0, 1, 0, 1]
-    with pytest.raises(ValueError, match="num_bins"):
-        B.lpt_assign([1], 0)
-    with pytest.raises(ValueError, match="costs"):
-        B.lpt_assign([1, -1], 2)
-
-
 def test_sequence_shard_select_and_validation():
     shard = D.SequenceShard(
         lengths=torch.tensor([2, 0, 3]),
@@ -127,18 +106,10 @@ def test_sequence_shard_select_matches_slicing(lengths, data):
     assert torch.equal(sub.token_fields["pair"], shard.token_fields["pair"][torch.tensor(rows, dtype=torch.long)])
 
 
-def test_balance_sequences_rejects_costs_of_the_wrong_shape():
-    shard = D.SequenceShard(lengths=torch.tensor([1, 2]), token_fields={"t": torch.tensor([7, 8, 9])})
-    with pytest.raises(ValueError, match="costs"):
-        B.balance_sequences(shard, info=SINGLE, costs=torch.tensor([1, 2, 3]))
-
-
 def test_single_process_collectives_are_local():
     x = torch.arange(6.0).reshape(3, 2)
     gathered, sizes = D.all_gather_varlen(x, info=SINGLE)
     assert torch.equal(gathered, x) and sizes == [3]
-    shard = D.SequenceShard(lengths=torch.tensor([1, 2]), token_fields={"t": torch.tensor([7, 8, 9])})
-    assert B.balance_sequences(shard, info=SINGLE) is shard
     assert D.global_counts(num_tokens=7, num_seqs=2, info=SINGLE) == D.GlobalCounts(tokens=7, seqs=2)
     assert D.max_across_ranks(3, info=SINGLE) == 3
     D.barrier(SINGLE)
