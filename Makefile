@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make bench   -> python benchmarks/speedup.py (CPU-sized default; results in a new benchmarks/runs/ folder)
+#   make bench   -> .venv/bin/python benchmarks/speedup.py (CPU-sized default; results in a new benchmarks/runs/ folder)
 #   make test    -> ruff + the whole test suite
 # On a GPU machine, with its own python3 (no venv, nothing installed):
 #   make gpu-check -> python3 benchmarks/gpu_check.py (the GPU validation kit; a dry run without CUDA)
@@ -28,7 +28,7 @@ test: setup lint
 bench: setup
 	$(PY) benchmarks/speedup.py
 
-# GPU_CHECK_ARGS: e.g. --out DIR --deadline 450 --commit SHA (see README, "GPU validation kit").
+# GPU_CHECK_ARGS: e.g. --out DIR --deadline 450 --commit SHA (see docs/gpu-kit.md).
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 

@@ -6,7 +6,7 @@ phases alone. Per run (each in a fresh process, so peak memory is its own): wall
 steps after a warm-up step (*generation* = TRL's ``_generate``; *scoring* = rewards, advantages, pruning; *old+ref*
 = the old-policy and reference log-prob passes; *policy* = the policy forward + backward; *optimizer*), the
 positions (rows x padded width) the old / reference and policy passes process, and the process's peak memory
-(max RSS on CPU, ``max_memory_allocated`` on CUDA). *Train* = old+ref + policy + optimizer. The README table
+(max RSS on CPU, ``max_memory_allocated`` on CUDA). *Train* = old+ref + policy + optimizer. The results table
 shows CPU time (this process's, one torch thread: what the work costs even while other processes share the cores);
 on CUDA read the wall time.
 
@@ -265,8 +265,8 @@ def summarise(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    """The README table of the rows (markdown): phases in CPU seconds of the run's process (robust to other work on
-    a shared machine), the train speedup in CPU and in wall time."""
+    """The results table of the rows (markdown, docs/results.md): phases in CPU seconds of the run's process (robust to
+    other work on a shared machine), the train speedup in CPU and in wall time."""
     head = "| run | generation s | scoring s | old+ref s | policy fwd+bwd s | optimizer s | train s | total s | "
     head += "train-pass tokens (x stock) | speedup train | speedup train (wall) | ideal 1/(1-P) | speedup total | "
     head += "peak MB |\n|---|" + "---:|" * 13 + "\n"

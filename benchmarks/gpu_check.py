@@ -49,7 +49,7 @@ from gpukit.plan import BENCH, DEADLINE_S, DEFAULT_OUT, DEFAULT_WHEELS, DRY_PLAN
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The kit's flags; a bad one exits with status 2 and a line naming it."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="See README.md, 'GPU validation kit'.")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="See docs/gpu-kit.md.")
     ap.add_argument("--out", type=pathlib.Path, help="results folder (default benchmarks/results/gpu; dry run: a new "
                     "temporary folder)")  # fmt: skip
     ap.add_argument(

@@ -63,7 +63,8 @@ def tiny_tokenizer(vocab_size: int):
 def attn_implementation(device: torch.device, *, prefix_sharing: bool = False) -> str:
     """The attention of the packed forward: on CUDA flex_attention with ``prefix_sharing`` (a block mask that skips
     the masked tiles), else flash_attention_2 (varlen over packed position_ids) when flash-attn is installed; sdpa
-    otherwise (on CPU, with prefix sharing, a dense bool mask: the fastest path measured, README "Prefix sharing")."""
+    otherwise (on CPU, with prefix sharing, a dense bool mask: the fastest path measured, docs/results.md "Prefix
+    sharing")."""
     if device.type == "cuda" and prefix_sharing:
         return "flex_attention"
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
