@@ -233,7 +233,7 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
     bx.set_yticks(range(len(diffs)))
     bx.set_yticklabels([f"{name}\n{d['n']} seeds, {_signs(d)}" for name, d in reversed(diffs)], fontsize=7)
     bx.axvline(0.0, color="k", lw=0.8)
-    bx.set_xlabel("accuracy difference, points (grey dots: seeds; diamond: mean, 95% t interval)")
+    bx.set_xlabel("accuracy difference, points (dots: seeds; diamond: mean, 95% t interval)")
     bx.set_title("paired differences over the seeds each pair shares", fontsize=9)
     bx.grid(alpha=0.3, axis="x")
     _save(plt, fig, path)
