@@ -492,8 +492,9 @@ def sweep_dry_run(args: argparse.Namespace) -> dict[str, Any]:
         ids = p["train_question_ids"]
         print(f"| {name} | {p['steps']} | {p['questions_per_step']} | {p['kept_per_step']} | {p['warmup_steps']} | "
               f"{p['summed_lr']:.3g} | {len(ids)} ({len(set(ids))} distinct), the seed's |")  # fmt: skip
-    print(f"queue: {', '.join(u.name for u in units)}")
-    return {"dry_run": "ok", "units": [u.name for u in units], "plans": plans}
+    result = {"dry_run": "ok", "units": [u.name for u in units], "plans": plans}
+    print(json.dumps({k: result[k] for k in ("dry_run", "units")}))  # the queue, in order
+    return result
 
 
 def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
