@@ -1,9 +1,12 @@
 """The summary of a multi-seed accuracy run (``benchmarks/accuracy_seeds.py``): each seed's speedup.py rows paired
-by seed, the mean paired accuracy differences with 95% Student-t intervals over the seeds, the wall-time ratios,
-the issue's target checked, a text table and the plot. Nothing here runs a model.
+by seed, the mean paired accuracy differences with 95% Student-t intervals over the seeds each pair shares and how
+many seeds each difference is positive / negative / zero on, the wall-time ratios to GRPO, the issue's target
+checked, a text table and the plot. Nothing here runs a model.
 
-A run is named by its method (:func:`method`): ``GRPO`` (P = 0), ``CPPO P=0.75`` (the smallest |A| pruned: CPPO
-itself), ``random P=0.75``, ``max-variance P=0.75`` and so on. Every seed must hold the same methods.
+A run is named by its method (:func:`method`): ``GRPO`` (P = 0), ``CPPO P=0.75`` (the smallest |A| pruned over the
+step's pooled completions with allocation: CPPO itself), ``CPPO group P=0.75`` (per question), ``CPPO P=0.75 no
+allocation`` (the step-budget control), ``random P=0.75``, ``max-variance P=0.75`` and so on. Seeds may hold
+different methods (a sweep adds arms to former seeds): every statistic uses the seeds that hold what it compares.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ def t95(df: int) -> float:
 
 
 def method(row: dict[str, Any]) -> str:
-    """``GRPO`` for P = 0, ``CPPO P=0.75`` for the smallest |A| at 0.75, ``METRIC P=0.75`` for an ablation."""
+    """``GRPO`` for P = 0; else the metric (``CPPO`` for the smallest |A|), the scope unless it is the pooled
+    ``batch`` one (max-variance is per question by definition), the rate, and ``no allocation`` without allocation:
+    ``CPPO P=0.75``, ``CPPO group P=0.75``, ``CPPO P=0.75 no allocation``, ``max-variance P=0.75``."""
     p, metric = row["pruning_rate"], row["selection_metric"]
     if p == 0.0:
         return "GRPO"
-    return f"{'CPPO' if metric == 'smallest' else metric} P={p:g}"
+    scope = row.get("selection_scope", "batch")
+    name = ("CPPO" if metric == "smallest" else metric) + ("" if scope == "batch" or metric == "max-variance"
+                                                           else f" {scope}")  # fmt: skip
+    return f"{name} P={p:g}" + ("" if row.get("allocation", True) else " no allocation")
 
 
 def mean_interval(values: Sequence[float]) -> dict[str, Any]:
@@ -51,57 +59,71 @@ def mean_interval(values: Sequence[float]) -> dict[str, Any]:
 
 
 def by_seed(rows: Sequence[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
-    """``{seed: {method: row}}``; ValueError when a seed repeats a method or the seeds hold different methods."""
+    """``{seed: {method: row}}`` (seeds ascending); ValueError when a seed repeats a method."""
     table: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         runs = table.setdefault(int(r["seed"]), {})
         if method(r) in runs:
             raise ValueError(f"seed {r['seed']} has two {method(r)} rows")
         runs[method(r)] = r
-    kinds = {tuple(sorted(runs)) for runs in table.values()}
-    if len(kinds) > 1:
-        raise ValueError(f"the seeds ran different methods: {sorted(kinds)}")
-    return table
+    return dict(sorted(table.items()))
+
+
+def shared(table: dict[int, dict[str, dict[str, Any]]], *methods: str) -> list[int]:
+    """The seeds that hold every one of ``methods``."""
+    return [seed for seed, runs in table.items() if all(m in runs for m in methods)]
+
+
+def signs(values: Sequence[float]) -> dict[str, int]:
+    """How many of ``values`` are above, below and exactly at zero."""
+    return {"positive": sum(v > 0 for v in values), "negative": sum(v < 0 for v in values),
+            "zero": sum(v == 0 for v in values)}  # fmt: skip
 
 
 def paired(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, key: str) -> dict[str, Any]:
-    """Per seed ``a[key] - b[key]`` and their :func:`mean_interval`."""
-    diffs = {seed: runs[a][key] - runs[b][key] for seed, runs in sorted(table.items())}
-    return {"a": a, "b": b, "per_seed": diffs, **mean_interval(list(diffs.values()))}
+    """Per shared seed ``a[key] - b[key]``, their :func:`mean_interval` and :func:`signs`."""
+    diffs = {seed: table[seed][a][key] - table[seed][b][key] for seed in shared(table, a, b)}
+    values = list(diffs.values())
+    return {"a": a, "b": b, "per_seed": diffs, **mean_interval(values), "signs": signs(values)}
 
 
 def ratio(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, key: str) -> dict[str, Any]:
-    """Per seed ``a[key] / b[key]``, their mean with its t interval, and the ratio of the summed seconds."""
-    ratios = {seed: runs[a][key] / runs[b][key] for seed, runs in sorted(table.items())}
-    pooled = sum(r[a][key] for r in table.values()) / sum(r[b][key] for r in table.values())
+    """Per shared seed ``a[key] / b[key]``, their mean with its t interval, and the ratio of the summed seconds."""
+    seeds = shared(table, a, b)
+    ratios = {seed: table[seed][a][key] / table[seed][b][key] for seed in seeds}
+    pooled = sum(table[s][a][key] for s in seeds) / sum(table[s][b][key] for s in seeds)
     return {"a": a, "b": b, "per_seed": ratios, "of_sums": pooled, **mean_interval(list(ratios.values()))}
 
 
 def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dict[str, Any]:
-    """The run's summary (``cppo``: the CPPO method to compare, by default the rows' only one): per method the
-    seeds' accuracies and seconds (means with t intervals), the paired differences of CPPO's final accuracy against
-    every other method, CPPO's wall-time and training-time ratios to GRPO, and the issue's target (CPPO - GRPO's
-    interval includes 0 or lies above it; at most half GRPO's wall time; above random pruning: CPPO - random's mean
-    above 0, "clearly" when its interval is)."""
+    """The run's summary (``cppo``: the CPPO method to compare, by default the rows' only pooled CPPO with
+    allocation, ``CPPO P=...``): per method the seeds' accuracies and seconds (means with t intervals, over the seeds
+    that ran it); the paired accuracy differences, over the seeds each pair shares, of CPPO against every other
+    method and of every other method against GRPO; every method's wall-time and training-time ratios to GRPO; and
+    the issue's target (CPPO - GRPO's interval includes 0 or lies above it; at most half GRPO's wall time; above
+    random pruning: CPPO - random's mean above 0, "clearly" when its interval is)."""
     table = by_seed(rows)
-    methods = sorted(next(iter(table.values())))
-    if cppo is None:  # the one CPPO run
-        found = [m for m in methods if m.startswith("CPPO ")]
+    methods = sorted({m for runs in table.values() for m in runs})
+    if cppo is None:  # the one pooled CPPO run with allocation
+        found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation")]
         cppo = found[0] if len(found) == 1 else f"CPPO ({len(found)} rates: name one)"
-    if cppo not in methods or "GRPO" not in methods:
-        raise ValueError(f"the rows need GRPO and {cppo} for every seed, got {methods}")
+    if cppo not in methods or "GRPO" not in methods or not shared(table, cppo, "GRPO"):
+        raise ValueError(f"the rows need GRPO and {cppo} on a seed they share, got {methods} over seeds {list(table)}")
     per_method = {
-        m: {
-            "accuracy_after": mean_interval([runs[m]["accuracy_after"] for runs in table.values()]),
-            "total_seconds": mean_interval([runs[m]["total_seconds"] for runs in table.values()]),
-            "train_seconds": mean_interval([runs[m]["train_seconds"] for runs in table.values()]),
-        }
+        m: {"seeds": shared(table, m)}
+        | {key: mean_interval([table[s][m][key] for s in shared(table, m)])
+           for key in ("accuracy_after", "total_seconds", "train_seconds")}
         for m in methods
+    }  # fmt: skip
+    pairs = [(cppo, m) for m in methods if m != cppo] + [(m, "GRPO") for m in methods if m not in (cppo, "GRPO")]
+    diffs = {f"{a} - {b}": paired(table, a, b, "accuracy_after") for a, b in pairs if shared(table, a, b)}
+    times = {
+        m: {"total": ratio(table, m, "GRPO", "total_seconds"), "train": ratio(table, m, "GRPO", "train_seconds")}
+        for m in methods
+        if m != "GRPO" and shared(table, m, "GRPO")
     }
-    diffs = {f"{cppo} - {m}": paired(table, cppo, m, "accuracy_after") for m in methods if m != cppo}
-    time = ratio(table, cppo, "GRPO", "total_seconds")
-    within = diffs[f"{cppo} - GRPO"]
-    random_key = next((k for k in diffs if k.endswith(" - random " + cppo.removeprefix("CPPO "))), None)
+    within, time = diffs[f"{cppo} - GRPO"], times[cppo]["total"]
+    random_key = next((k for k in diffs if k == f"{cppo} - random " + cppo.removeprefix("CPPO ")), None)
     target = {
         "within_grpo": within["ci95"] is not None and within["ci95"][1] >= 0.0,
         "at_most_half_the_time": time["mean"] <= TARGET_TIME_RATIO,
@@ -109,13 +131,16 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
         "clearly_above_random": None if random_key is None else bool((diffs[random_key]["ci95"] or [0])[0] > 0.0),
     }
     return {
-        "seeds": sorted(table),
+        "seeds": list(table),
         "methods": methods,
-        "interval": "95% Student t over the seeds (df = seeds - 1) of the per-seed values or paired differences",
+        "cppo": cppo,
+        "interval": "95% Student t over the seeds each statistic shares (df = seeds - 1) of the per-seed values or "
+        "paired differences; signs: seeds on which the difference is positive / negative / zero",
         "per_method": per_method,
         "accuracy_differences": diffs,
+        "time_ratios": times,
         "time_ratio_total": time,
-        "time_ratio_train": ratio(table, cppo, "GRPO", "train_seconds"),
+        "time_ratio_train": times[cppo]["train"],
         "target": target,
     }
 
@@ -124,52 +149,72 @@ def _pct(interval: Sequence[float] | None) -> str:
     return "-" if interval is None else f"[{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
 
 
+def _signs(d: dict[str, Any]) -> str:
+    return "{positive}+ / {negative}- / {zero}=".format(**d["signs"])
+
+
 def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]]) -> str:
-    """A Markdown table of accuracy and time per method and seed, then the paired differences."""
+    """A Markdown table of accuracy and time per method and seed (``-``: not run on that seed), the paired
+    differences with their seeds, intervals and signs, and the time ratios to GRPO."""
     seeds, methods = summary["seeds"], summary["methods"]
-    head = "| method | " + " | ".join(f"seed {s}: accuracy, s" for s in seeds) + " | mean accuracy | mean s |"
-    lines = [head, "|" + " --- |" * (len(seeds) + 3)]
+    head = "| method | " + " | ".join(f"seed {s}: accuracy, s" for s in seeds) + " | seeds | mean accuracy | mean s |"
+    lines = [head, "|" + " --- |" * (len(seeds) + 4)]
     for m in methods:
-        cells = [f"{100 * table[s][m]['accuracy_after']:.1f}%, {table[s][m]['total_seconds']:.0f}" for s in seeds]
+        cells = [
+            f"{100 * table[s][m]['accuracy_after']:.1f}%, {table[s][m]['total_seconds']:.0f}" if m in table[s] else "-"
+            for s in seeds
+        ]
         pm = summary["per_method"][m]
         lines.append(
-            f"| {m} | " + " | ".join(cells) + f" | {100 * pm['accuracy_after']['mean']:.1f}% | "
+            f"| {m} | " + " | ".join(cells) + f" | {len(pm['seeds'])} | {100 * pm['accuracy_after']['mean']:.1f}% | "
             f"{pm['total_seconds']['mean']:.0f} |"
         )
-    lines += ["", "| paired difference (points) | per seed | mean | 95% interval |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| paired difference (points) | seeds | per seed | mean | 95% interval | seeds +/-/= |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, d in summary["accuracy_differences"].items():
         per = ", ".join(f"{100 * v:+.1f}" for v in d["per_seed"].values())
-        lines.append(f"| {name} | {per} | {100 * d['mean']:+.1f} | {_pct(d['ci95'])} |")
-    t = summary["time_ratio_total"]
-    lines.append(
-        f"\nCPPO / GRPO wall time: {t['mean']:.3f} (per seed "
-        + ", ".join(f"{v:.3f}" for v in t["per_seed"].values())
-        + f"; of the summed seconds {t['of_sums']:.3f}); target: {summary['target']}"
-    )
+        lines.append(f"| {name} | {d['n']} | {per} | {100 * d['mean']:+.1f} | {_pct(d['ci95'])} | {_signs(d)} |")
+    lines += [
+        "",
+        "| wall time / GRPO's | seeds | mean (95% interval) | of the summed seconds | training time / GRPO's |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m, t in summary["time_ratios"].items():
+        total, train = t["total"], t["train"]
+        ci = "-" if total["ci95"] is None else f"[{total['ci95'][0]:.3f}, {total['ci95'][1]:.3f}]"
+        lines.append(
+            f"| {m} | {total['n']} | {total['mean']:.3f} {ci} | {total['of_sums']:.3f} | {train['mean']:.3f} |"
+        )
+    lines.append(f"\ntarget ({summary['cppo']}): {summary['target']}")
     return "\n".join(lines)
 
 
 def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]], meta: dict) -> None:
-    """Final accuracy against whole-run wall time: one small marker per seed and method (95% Wilson bar of its
-    own test problems), one large marker per method at the seeds' means with the t interval of the mean."""
+    """Two panels. Left: final accuracy against whole-run wall time, one small marker per seed and method (95%
+    Wilson bar of its own test problems), one large marker per method at its seeds' means with the t interval of
+    the mean. Right: every paired accuracy difference, its mean over the seeds the pair shares with the 95% t
+    interval, labelled with the seeds and their signs."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.0, 5.5), gridspec_kw={"width_ratios": [1.25, 1.0]})
     for i, m in enumerate(summary["methods"]):
         color = f"C{i}"
-        for s in summary["seeds"]:
+        pm = summary["per_method"][m]
+        for s in pm["seeds"]:
             r = table[s][m]
             n = r["eval_problems_scored"]
             lo, hi = wilson_interval(round(r["accuracy_after"] * n), n)
             y = 100 * r["accuracy_after"]
             ax.errorbar(r["total_seconds"], y, yerr=[[y - 100 * lo], [100 * hi - y]], color=color, marker="o",
                         markersize=4, capsize=2, alpha=0.45, ls="none")  # fmt: skip
-        pm = summary["per_method"][m]
-        acc, ci = pm["accuracy_after"], pm["accuracy_after"]["ci95"] or [pm["accuracy_after"]["mean"]] * 2
-        mean = 100 * acc["mean"]
+        acc = pm["accuracy_after"]
+        ci, mean = acc["ci95"] or [acc["mean"]] * 2, 100 * acc["mean"]
         label = f"{m}: {mean:.1f}% in {pm['total_seconds']['mean']:.0f} s (mean of {acc['n']} seeds)"
         ax.errorbar(pm["total_seconds"]["mean"], mean, yerr=[[mean - 100 * ci[0]], [100 * ci[1] - mean]],
                     color=color, marker="D", markersize=9, capsize=5, ls="none", label=label)  # fmt: skip
-    first = table[summary["seeds"][0]][summary["methods"][0]]
+    first = next(iter(table[summary["seeds"][0]].values()))
     model = pathlib.Path(str(meta.get("model", "?"))).name
     label_axes(
         ax,
@@ -178,4 +223,17 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
         title=f"{model} on {meta.get('dataset', '?')}: {first['questions']} training questions per seed (other "
         f"questions per seed), G={first['group_size']}\nsmall: one seed (95% Wilson); large: mean over seeds (95% t)",
     )
+    diffs = list(summary["accuracy_differences"].items())
+    for y, (_, d) in enumerate(reversed(diffs)):
+        ci = d["ci95"] or [d["mean"]] * 2
+        mean = 100 * d["mean"]
+        bx.errorbar(mean, y, xerr=[[mean - 100 * ci[0]], [100 * ci[1] - mean]], color="C0" if d["ci95"] else "C7",
+                    marker="D", capsize=4, ls="none")  # fmt: skip
+        bx.scatter([100 * v for v in d["per_seed"].values()], [y] * d["n"], color="C7", s=10, alpha=0.6, zorder=3)
+    bx.set_yticks(range(len(diffs)))
+    bx.set_yticklabels([f"{name}\n{d['n']} seeds, {_signs(d)}" for name, d in reversed(diffs)], fontsize=7)
+    bx.axvline(0.0, color="k", lw=0.8)
+    bx.set_xlabel("accuracy difference, points (dots: seeds; diamond: mean, 95% t interval)")
+    bx.set_title("paired differences over the seeds each pair shares", fontsize=9)
+    bx.grid(alpha=0.3, axis="x")
     _save(plt, fig, path)

@@ -219,12 +219,14 @@ def run_plans(
     on_step: OnStep = None,
     evaluation: EvalPlan | None = None,
     on_eval: Callable[[TrainConfig, EvalPoint], None] | None = None,
+    before: EvalPoint | None = None,
 ) -> list[RateRun]:
     """Trains every planned config from a fresh model (same seed for all) in :func:`step_order`; a RateRun each.
 
     A rate's trainer is built before its first step (``setup_seconds``, not timed as a step) and freed after its
     last. With ``evaluation`` the first trainer built is evaluated before its first step (every run starts from
-    that model: the first point of every curve) and each run after its :func:`eval_steps`. RuntimeError when a
+    that model: the first point of every curve; ``before``: that measurement, made earlier on the same model and
+    problems, is used instead) and each run after its :func:`eval_steps`. RuntimeError when a
     trainer draws other questions than its ``max_questions`` (the rates would not compare; None: not checked).
     """
     records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
@@ -249,7 +251,7 @@ def run_plans(
                 setup[i] = time.perf_counter() - t0
                 ids[i] = [question_id(p) for p in trainers[i].problems]
                 if evaluation is not None:  # the first run's model before training is every run's
-                    curves[i].append(next((c[0] for c in curves if c), None) or evaluate(i, 0))
+                    curves[i].append(next((c[0] for c in curves if c), before) or evaluate(i, 0))
             records[i].append(timed_step(trainers[i], device=device))
             if on_step is not None:
                 on_step(plans[i], records[i][-1][0])

@@ -142,7 +142,8 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
-    """Result rows, one per rate, with speedups against the first run (which must be P = 0).
+    """Result rows, one per rate, with speedups against the first run (which must be P = 0): :func:`run_row` of each
+    run with :func:`relative_fields` against the first run's row.
 
     - ``keep``, ``kept_per_step``, ``questions_per_step``, ``steps``, ``questions``: the rate's
       ``TrainConfig.pruning.keep`` (per question), ``kept_per_step`` (the step's official count), ``questions_drawn``,
@@ -168,39 +169,64 @@ def build_rows(runs: Sequence[RateRun]) -> list[dict[str, Any]]:
         raise ValueError("runs must not be empty")
     if runs[0].config.pruning_rate != 0.0:
         raise ValueError(f"runs[0] must be the P = 0 baseline, got P = {runs[0].config.pruning_rate}")
-    grpo_end = runs[0].curve[-1] if runs[0].curve else None
-    target = None if grpo_end is None else wilson_interval(grpo_end.correct, grpo_end.total)[0]
-    rows = []
-    for i, run in enumerate(runs):
-        c, sums, p = run.config, run.sums, run.config.pruning_rate
-        phases = {k: float(sums["phase_seconds"].get(k, 0.0)) for k in PHASES}
-        train, total = sum(phases[k] for k in TRAIN_PHASES), sums["total_seconds"]
-        if i == 0:
-            base_train, base_total, base_cpu = train, total, run.cpu_seconds
-        ideal, speedup_train = 1.0 / (1.0 - p), 1.0 if i == 0 else _ratio(base_train, train)
-        amdahl = 1.0 if i == 0 else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
-        rows.append({
-            "pruning_rate": p, "selection_metric": c.selection_metric, "selection_scope": c.selection_scope,
-            "allocation": c.allocation, "seed": c.seed, "question_seed": c.training_question_seed,
-            "train_question_ids": run.train_question_ids, "keep": c.pruning.keep,
-            "kept_per_step": c.pruning.kept_per_step, "group_size": c.group_size,
-            "questions": c.max_questions,
-            "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps,
-            "phase_seconds": phases, "total_seconds": total, "train_seconds": train,
-            "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
-            **{k: sums[k] for k in COUNTERS[:-1]},
-            "speedup_train": speedup_train, "speedup_total": 1.0 if i == 0 else _ratio(base_total, total),
-            "ideal_speedup_train": ideal,
-            "fraction_of_ideal": None if speedup_train is None else speedup_train / ideal,
-            "speedup_total_cpu": 1.0 if i == 0 else _ratio(base_cpu, run.cpu_seconds),
-            "amdahl_speedup_total": amdahl, "generation_share": _ratio(phases["generation"], total),
-            "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p)
-            if c.selection_metric == "smallest" and (c.allocation or p == 0.0)
-            else None,
-            "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
-            **accuracy_fields(run.curve, target=target, grpo_seconds=base_total),
-        })  # fmt: skip
-    return rows
+    rows = [run_row(run) for run in runs]
+    return [{**row, **relative_fields(row, rows[0])} for row in rows]
+
+
+#: The columns of a row measured against the P = 0 row of the same seed and questions (:func:`relative_fields`).
+RELATIVE_KEYS = (
+    "speedup_train", "speedup_total", "fraction_of_ideal", "speedup_total_cpu", "amdahl_speedup_total",
+    "time_to_grpo_accuracy", "time_to_grpo_accuracy_fraction",
+)  # fmt: skip
+
+
+def run_row(run: RateRun) -> dict[str, Any]:
+    """One run's row (the columns of :func:`build_rows`) on its own: the columns of :data:`RELATIVE_KEYS` are None
+    (:func:`relative_fields` fills them against a P = 0 row)."""
+    c, sums, p = run.config, run.sums, run.config.pruning_rate
+    phases = {k: float(sums["phase_seconds"].get(k, 0.0)) for k in PHASES}
+    total = sums["total_seconds"]
+    return {
+        "pruning_rate": p, "selection_metric": c.selection_metric, "selection_scope": c.selection_scope,
+        "allocation": c.allocation, "seed": c.seed, "question_seed": c.training_question_seed,
+        "train_question_ids": run.train_question_ids, "keep": c.pruning.keep,
+        "kept_per_step": c.pruning.kept_per_step, "group_size": c.group_size,
+        "questions": c.max_questions,
+        "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps,
+        "phase_seconds": phases, "total_seconds": total, "train_seconds": sum(phases[k] for k in TRAIN_PHASES),
+        "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
+        **{k: sums[k] for k in COUNTERS[:-1]},
+        "speedup_train": None, "speedup_total": None, "ideal_speedup_train": 1.0 / (1.0 - p),
+        "fraction_of_ideal": None, "speedup_total_cpu": None, "amdahl_speedup_total": None,
+        "generation_share": _ratio(phases["generation"], total),
+        "paper_speedup_gsm8k": PAPER_SPEEDUP_GSM8K.get(p)
+        if c.selection_metric == "smallest" and (c.allocation or p == 0.0)
+        else None,
+        "reward_mean": sums["reward_mean"], "accuracy": sums["accuracy"],
+        **accuracy_fields(run.curve, target=None, grpo_seconds=total),
+    }  # fmt: skip
+
+
+def relative_fields(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The columns of :data:`RELATIVE_KEYS` of ``row`` against ``base``, the P = 0 row of the same seed and
+    questions (``row is base``: GRPO itself, speedups 1). The time to GRPO's accuracy is the training seconds of
+    ``row``'s first curve point at or above the lower end of ``base``'s final 95% interval (None without curves)."""
+    p, same = row["pruning_rate"], row is base
+    base_train, base_total = base["train_seconds"], base["total_seconds"]
+    speedup_train = 1.0 if same else _ratio(base_train, row["train_seconds"])
+    amdahl = 1.0 if same else _ratio(base_total, base_total - base_train + base_train * (1.0 - p))
+    target = None if base.get("accuracy_after_ci95") is None else base["accuracy_after_ci95"][0]
+    curve = row.get("accuracy_curve") or []
+    reach = None if target is None else next((s for s, _, acc in curve if acc >= target), None)
+    return {
+        "speedup_train": speedup_train,
+        "speedup_total": 1.0 if same else _ratio(base_total, row["total_seconds"]),
+        "fraction_of_ideal": None if speedup_train is None else speedup_train / row["ideal_speedup_train"],
+        "speedup_total_cpu": 1.0 if same else _ratio(base["cpu_seconds"], row["cpu_seconds"]),
+        "amdahl_speedup_total": amdahl,
+        "time_to_grpo_accuracy": reach,
+        "time_to_grpo_accuracy_fraction": None if reach is None else _ratio(reach, base_total),
+    }
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -77,10 +77,14 @@ def test_t_quantiles():
         seeds_report.t95(0)
 
 
-def test_seeds_must_hold_the_same_methods():
+def test_methods_missing_on_a_seed_pair_over_the_seeds_they_share():
     rows = _rows()[:-1]  # seed 44 without its random run
-    with pytest.raises(ValueError, match="different methods"):
-        seeds_report.summarise(rows)
+    s = seeds_report.summarise(rows)
+    r = s["accuracy_differences"]["CPPO P=0.75 - random P=0.75"]
+    assert list(r["per_seed"]) == [42, 43] and r["n"] == 2
+    assert r["mean"] == pytest.approx(((0.42 - 0.30) + (0.31 - 0.33)) / 2)
+    assert r["signs"] == {"positive": 1, "negative": 1, "zero": 0}
+    assert s["per_method"]["random P=0.75"]["seeds"] == [42, 43] and s["per_method"]["GRPO"]["seeds"] == [42, 43, 44]
     with pytest.raises(ValueError, match="two GRPO rows"):
         seeds_report.summarise(_rows() + [_row(42, 0.0, "smallest", 0.1, 1.0)])
 
@@ -152,7 +156,8 @@ def test_two_tiny_seeds_end_to_end(tmp_path):
     assert ids[1] != ids[2] and all(len(v) == 2 for v in ids.values())
     assert {r["selection_scope"] for r in rows if r["selection_metric"] == "max-variance"} == {"group"}
     assert set(data["summary"]["accuracy_differences"]) == {
-        "CPPO P=0.5 - GRPO", "CPPO P=0.5 - random P=0.5", "CPPO P=0.5 - max-variance P=0.5"
+        "CPPO P=0.5 - GRPO", "CPPO P=0.5 - random P=0.5", "CPPO P=0.5 - max-variance P=0.5",
+        "random P=0.5 - GRPO", "max-variance P=0.5 - GRPO",
     }  # fmt: skip
 
 
