@@ -12,15 +12,21 @@ those three passes run packed rows holding each prompt once (:mod:`cppo.trl.pack
 
 At ``pruning_rate=0`` every completion is kept and the trainer draws exactly the random numbers stock TRL draws
 (the ``random`` metric uses a generator of its own): it trains as ``GRPOTrainer`` does.
+
+A checkpoint also holds, per process, TRL's micro-step counter and the generation it buffers for its
+``steps_per_generation`` micro-batches (:data:`GENERATION_STATE`): a run resumed from any checkpoint, inside a
+generation too, continues exactly as the uninterrupted run (stock TRL restarts the counter and generates anew).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 from datasets import IterableDataset
 from transformers import ProcessorMixin
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
@@ -32,7 +38,10 @@ from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_
 from .rows import keep_rows, pass_tokens
 from .sampling import importance_ratio, sampling_stats
 
-__all__ = ["CPPOTrainer"]
+__all__ = ["CPPOTrainer", "GENERATION_STATE"]
+
+#: The file of a checkpoint holding one process's generation state (``rank``: its process index).
+GENERATION_STATE = "cppo_generation_{rank}.pt"
 
 
 class CPPOTrainer(GRPOTrainer):
@@ -304,3 +313,37 @@ class CPPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         rows = trainer_rows(self, inputs)
         return fused_policy_loss(self, model, inputs, None if rows is None else shared_hidden(self, model, rows))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Checkpoints: the buffered generation and the micro-step counter are part of the state
+    # ---------------------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, plus this process's :data:`GENERATION_STATE`: TRL's micro-step counter ``_step`` (the
+        ``random`` metric's seed and the generation schedule count on it) and the buffered generation (the
+        micro-batches of the current generation not all trained yet)."""
+        super()._save_checkpoint(model, trial)
+        if self.args.save_only_model:  # not a checkpoint to resume from
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = {"step": self._step, "processes": self.accelerator.num_processes, "buffered": self._buffered_inputs}
+        torch.save(state, os.path.join(folder, GENERATION_STATE.format(rank=self.accelerator.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, plus the generation state of :meth:`_save_checkpoint` (a checkpoint without one, or written by
+        another number of processes, resumes as stock TRL does: the counter at 0 and a new generation, with a
+        warning)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, GENERATION_STATE.format(rank=self.accelerator.process_index))
+        state = torch.load(path, map_location=self.accelerator.device) if os.path.exists(path) else None
+        if state is None or state["processes"] != self.accelerator.num_processes:
+            warnings.warn(
+                f"CPPOTrainer: {checkpoint} holds no generation state of {self.accelerator.num_processes} processes "
+                f"({GENERATION_STATE.format(rank=self.accelerator.process_index)}): the resumed run generates anew "
+                "and draws other random numbers than the uninterrupted one would",
+                stacklevel=2,
+            )
+            return
+        self._step, self._buffered_inputs = state["step"], state["buffered"]
