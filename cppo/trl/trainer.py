@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import warnings
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from datasets import IterableDataset
 from transformers import ProcessorMixin
@@ -150,9 +152,49 @@ class CPPOTrainer(GRPOTrainer):
                 f"divisible into steps_per_generation={spg} equal micro-batches"
             )
 
+    def _check_dataset(self) -> None:
+        """One ``ValueError`` for a map-style ``train_dataset`` that TRL's sampler would turn into no step at all
+        (fewer prompts than one generation draws: ``train()`` returned after 0 steps, loss 0, no message), or that
+        holds a prompt of no token (``generate`` failed on it with an IndexError, or trained on no context)."""
+        if self.train_dataset is None or isinstance(self.train_dataset, IterableDataset):
+            return
+        drawn, held = self.pruning.questions_drawn, len(self.train_dataset)
+        if held < drawn:
+            why = (
+                f"allocation=True draws ceil({self.pruning.questions_per_step} / (1 - pruning_rate="
+                f"{self.pruning.pruning_rate})) = {drawn}; lower pruning_rate or set allocation=False"
+                if self.pruning.allocation
+                else f"generation_batch_size={self.args.generation_batch_size} / num_generations="
+                f"{self.num_generations} = {drawn}; lower per_device_train_batch_size or steps_per_generation"
+            )
+            raise ValueError(
+                f"train_dataset holds {held} prompts, fewer than one generation draws ({why}), so train() would "
+                "run no step"
+            )
+        if "prompt" not in self.train_dataset.column_names or super()._tokenize_prompts([""])[0][0]:
+            return  # no text prompts, or the tokenizer gives an empty text a token (a BOS)
+        prompts = self.train_dataset.with_format("arrow")["prompt"]  # [rows], in the dataset's order
+        if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
+            empty = pc.index(pc.equal(prompts, ""), True).as_py()  # -1: none
+            if empty >= 0:
+                raise ValueError(f"train_dataset row {empty}: 'prompt' is empty (no token to generate from)")
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's tokenization; a prompt of no token (an empty string, in a stream or an evaluation set) is a
+        ``ValueError`` naming it on every process (one flag gathered: no process is left waiting), instead of an
+        IndexError inside ``generate``."""
+        prompt_ids, *rest = super()._tokenize_prompts(prompts)
+        empty = next((i for i, ids in enumerate(prompt_ids) if len(ids) == 0), -1)
+        flags = self.accelerator.gather(torch.tensor([empty >= 0], device=self.accelerator.device))  # [processes]
+        if flags.any():
+            where = "a prompt of another process" if empty < 0 else f"prompt {empty} of this batch ({prompts[empty]!r})"
+            raise ValueError(f"{where} has no token to generate from: give every dataset row a non-empty 'prompt'")
+        return (prompt_ids, *rest)
+
     def get_train_dataloader(self):
         """TRL's, or with ``allocation`` the same sampler drawing ``Pruning.questions_drawn`` prompts a
-        generation (each process loading its share)."""
+        generation (each process loading its share); the dataset checked first (:meth:`_check_dataset`)."""
+        self._check_dataset()
         if not self.pruning.allocation:
             return super().get_train_dataloader()
         if isinstance(self.train_dataset, IterableDataset):
@@ -202,6 +244,22 @@ class CPPOTrainer(GRPOTrainer):
         self._training_passes(pruned, rows)
         self._log_pruning(batch, pruned, kept=0 if placeholder else len(kept), shared=rows)
         return pruned
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """TRL's rewards ``[N, F]`` of every process's completions, per reward function. An infinite one is a
+        ``ValueError`` naming its reward function and completion: it would make its group's advantages, and then the
+        weights, NaN (every process holds the gathered rewards, so every one raises)."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # [N, F]
+        infinite = torch.isinf(rewards).nonzero()
+        if len(infinite):
+            row, func = infinite[0].tolist()
+            process, local = divmod(row, len(prompts))
+            where = f"prompt {prompts[local]!r}" if process == self.accelerator.process_index else f"process {process}"
+            raise ValueError(
+                f"reward function {self.reward_func_names[func]!r} returned {rewards[row, func].item()} for completion "
+                f"{row} of this generation ({where}): rewards must be finite (None marks a completion it cannot score)"
+            )
+        return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's pass; while TRL scores a generation, a zero placeholder instead (nothing computed)."""
