@@ -445,9 +445,19 @@ def test_compare_runs_each_rate_with_the_setting_changed(speedup, tmp_path):
         ("prefix_sharing", "expected KEY=VALUE"),
         ("prefix_sharing=true", "already has that value"),
         ("no_such_setting=1", "--compare no_such_setting=1: "),
+        # a setting each run's plan sets: the dry run passed and the two runs of a rate were the same run
+        ("pruning_rate=0.5", r"^--compare pruning_rate=0.5: speedup.py sets pruning_rate for every run itself \(choose "
+         r"it with --pruning-rates\), so the two runs of a rate would be the same: compare another setting$"),
+        ("num_steps=3", r"sets num_steps for every run itself \(choose it with --questions\)"),
+        ("max_questions=8", r"sets max_questions for every run itself \(choose it with --questions\)"),
+        ("output_dir=/tmp/x", r"sets output_dir for every run itself \(choose it with --out\)"),
+        # a second --compare was dropped silently
+        (["prefix_sharing=false", "mu=1"], r"^--compare given 2 times \(prefix_sharing=false, mu=1\): a run compares "
+         "one setting; run speedup.py once per setting$"),
     ],
-)
+)  # fmt: skip
 def test_bad_compare(speedup, tmp_path, value, match):
     argv = ["--pruning-rates", "0", "0.5", "--device", "cpu", "--out", str(tmp_path), "--dry-run"]
+    compares = [a for v in ([value] if isinstance(value, str) else value) for a in ("--compare", v)]
     with pytest.raises(ValueError, match=match):
-        speedup.main([*argv, "--compare", value])
+        speedup.main([*argv, *compares])
