@@ -188,8 +188,8 @@ def _contract_breach(rollout, *, count: int, settings: EngineSettings, vocab: in
         for i, ids in enumerate(rows):
             if not isinstance(ids, list):
                 return f"{field}[{i}] as a {type(ids).__name__}, the interface promises a list of int token ids"
-            odd = next((j for j, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)), None)
-            if odd is not None:
+            if set(map(type, ids)) - {int}:  # one C-level pass; a bool or numpy integer is not a Python int
+                odd = next(j for j, t in enumerate(ids) if type(t) is not int)
                 return f"{field}[{i}][{odd}] as a {type(ids[odd]).__name__}, the interface promises an int token id"
             if not low <= len(ids) <= high:
                 return f"{field}[{i}] of {len(ids)} tokens, the interface promises {low} to {high}"
