@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sized
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -156,7 +157,7 @@ class CPPOTrainer(GRPOTrainer):
         """One ``ValueError`` for a map-style ``train_dataset`` that TRL's sampler would turn into no step at all
         (fewer prompts than one generation draws: ``train()`` returned after 0 steps, loss 0, no message), or that
         holds a prompt of no token (``generate`` failed on it with an IndexError, or trained on no context)."""
-        if self.train_dataset is None or isinstance(self.train_dataset, IterableDataset):
+        if not isinstance(self.train_dataset, Sized):  # an IterableDataset: its prompts are checked as they come
             return
         drawn, held = self.pruning.questions_drawn, len(self.train_dataset)
         if held < drawn:
@@ -172,7 +173,7 @@ class CPPOTrainer(GRPOTrainer):
                 "run no step"
             )
         if "prompt" not in self.train_dataset.column_names or super()._tokenize_prompts([""])[0][0]:
-            return  # no text prompts, or the tokenizer gives an empty text a token (a BOS)
+            return  # no prompt column, or the tokenizer gives an empty text a token (a BOS)
         prompts = self.train_dataset.with_format("arrow")["prompt"]  # [rows], in the dataset's order
         if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
             empty = pc.index(pc.equal(prompts, ""), True).as_py()  # -1: none
