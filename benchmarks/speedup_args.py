@@ -29,8 +29,8 @@ PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
 #: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
-#: Settings every run's plan sets itself (and the flag that chooses them): ``--compare`` of one would leave the two
-#: runs of a rate equal.
+#: Settings every run's plan sets itself (and the flag that chooses them): ``--set`` of one would be dropped, and
+#: ``--compare`` of one would leave the two runs of a rate equal.
 PLANNED = {"pruning_rate": "--pruning-rates", "num_steps": "--questions", "max_questions": "--questions",
            "output_dir": "--out"}  # fmt: skip
 
@@ -153,6 +153,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ``tiny-*`` also sets ``model_config=null`` (the preset's, if any, only applies to a tiny model).
     """
     args = _parser().parse_args(argv)
+    planned = next((o for o in args.overrides if o.partition("=")[0] in PLANNED), None)
+    if planned is not None:  # the plan would replace it without a word
+        key = planned.partition("=")[0]
+        raise ValueError(f"--set {planned}: speedup.py sets {key} for every run itself: choose it with {PLANNED[key]}")
     args.compare = _one_compare(args.compare)
     values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
     given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
