@@ -29,6 +29,11 @@ PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
 #: GSM8K's training split where the workplace keeps it (used when the config reads gsm8k without a dataset_path).
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
+#: Settings every run's plan sets itself (and the flag that chooses them): ``--set`` of one would be dropped, and
+#: ``--compare`` of one would leave the two runs of a rate equal.
+PLANNED = {"pruning_rate": "--pruning-rates", "num_steps": "--questions", "max_questions": "--questions",
+           "output_dir": "--out"}  # fmt: skip
+
 #: ``--selection-metric METRIC@P``: what an ablation run prunes instead of the smallest |A| (cppo_kernels' metrics;
 #: ``max-variance``, PODS' selector, runs with ``selection_scope=group``, the only scope it is defined for).
 ABLATION_METRICS = ("random", "largest", "max-variance")
@@ -118,10 +123,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--compare",
+        action="append",
         metavar="KEY=VALUE",
         help="one more run per --pruning-rates rate with this trainer setting changed (as --set takes it), e.g. "
         "prefix_sharing=false: the two runs of a rate run one after the other on the same seed and questions, and "
-        "meta.compare gives their train / total seconds and tokens ratios",
+        f"meta.compare gives their train / total seconds and tokens ratios (once; not {', '.join(PLANNED)}, which "
+        "each run's plan sets)",
     )
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
     add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
@@ -146,6 +153,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ``tiny-*`` also sets ``model_config=null`` (the preset's, if any, only applies to a tiny model).
     """
     args = _parser().parse_args(argv)
+    planned = next((o for o in args.overrides if o.partition("=")[0] in PLANNED), None)
+    if planned is not None:  # the plan would replace it without a word
+        key = planned.partition("=")[0]
+        raise ValueError(f"--set {planned}: speedup.py sets {key} for every run itself: choose it with {PLANNED[key]}")
+    args.compare = _one_compare(args.compare)
     values = {setting: getattr(args, setting) for _, setting, _, _ in SHORTCUTS}
     given = {s: json.dumps(v) if isinstance(v, bool) else v for s, v in values.items() if v is not None}
     if "model" in given and not json.loads(given["model"]).startswith("tiny-"):
@@ -155,6 +167,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.preset = args.preset or "cpu"
         args.config = PRESETS[args.preset]
     return args
+
+
+def _one_compare(given: list[str] | None) -> str | None:
+    """The one ``--compare KEY=VALUE`` (None without): a ValueError naming ``--compare`` when it is given twice (one
+    comparison a run; a second used to be dropped silently) or names a setting of :data:`PLANNED` (both runs of a
+    rate would be the same run)."""
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(
+            f"--compare given {len(given)} times ({', '.join(given)}): a run compares one setting; run speedup.py "
+            "once per setting"
+        )
+    key = given[0].partition("=")[0]
+    if key in PLANNED:
+        raise ValueError(
+            f"--compare {given[0]}: speedup.py sets {key} for every run itself (choose it with {PLANNED[key]}), so "
+            "the two runs of a rate would be the same: compare another setting"
+        )
+    return given[0]
 
 
 def base_config(args: argparse.Namespace, *, need_cuda: bool = True) -> TrainConfig:

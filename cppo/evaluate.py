@@ -40,7 +40,7 @@ def evaluate_model(
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         prompts = [build_prompt(tokenizer, p, system_prompt=system_prompt) for p in chunk]
-        texts = rollout.generate(prompts, num_samples, greedy=greedy).texts  # problem after problem
+        texts = rollout(prompts, num_samples, greedy=greedy).texts  # problem after problem (contract checked)
         rows = [p for p in chunk for _ in range(num_samples)]
         correct += sum(
             eval_correct(

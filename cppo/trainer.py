@@ -227,7 +227,7 @@ class Trainer:
         problems = [self.problems[i] for i in self.sampler.draw(self.pruning.questions_drawn)]  # this rank's share
         prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
         with distributed.root_unsharded(self.policy):
-            rollout = self.rollout.generate(prompts, cfg.group_size)
+            rollout = self.rollout(prompts, cfg.group_size)  # generate, checked against the engine contract
         return problems, prompts, rollout
 
     def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):

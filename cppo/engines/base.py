@@ -30,7 +30,9 @@ __all__ = [
 
 @dataclass
 class Rollout:
-    """N = num_prompts * G completions, prompt after prompt (completion i belongs to prompt i // G)."""
+    """N = num_prompts * G completions, prompt after prompt (completion i belongs to prompt i // G): per completion
+    its prompt's token ids (1 to ``max_prompt_length``), its own (1 to ``max_completion_length``, cut after the first
+    EOS), as lists of Python ints in the model's vocabulary, and its text (:meth:`RolloutEngine.__call__` checks)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -64,8 +66,28 @@ class RolloutEngine(ABC):
     #: Can generate from a policy whose parameters FSDP2 shards over the ranks (``parallelism: fsdp2``).
     supports_sharded: ClassVar[bool] = False
 
+    #: The name it was built by (``rollout_backend``; set by :func:`make_engine`), for messages.
+    name: str = ""
+
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+
+    def __call__(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
+        """:meth:`generate`, its result checked against the :class:`Rollout` contract: what training and evaluation
+        call. A broken contract is one ``ValueError`` naming the engine, what it returned and what was promised
+        (instead of a zip() error, an IndexError, or training on completions longer than ``max_completion_length``)."""
+        rollout = self.generate(prompts, num_per_prompt, greedy=greedy)
+        problem = _contract_breach(
+            rollout, count=len(prompts) * num_per_prompt, settings=self.settings,
+            vocab=self.model.get_input_embeddings().num_embeddings,
+        )  # fmt: skip
+        if problem:
+            name = self.name or type(self).__name__
+            raise ValueError(
+                f"rollout engine {name!r} broke its contract: generate({len(prompts)} prompts, {num_per_prompt} per "
+                f"prompt) returned {problem}"
+            )
+        return rollout
 
     @abstractmethod
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
@@ -135,7 +157,46 @@ def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> Rollou
             f"parallelism='fsdp2' generates from the sharded policy, which rollout_backend={name!r} cannot: set "
             f"rollout_backend to one of {capable}"
         )
-    return factory(model, tokenizer, settings)
+    engine = factory(model, tokenizer, settings)
+    if not isinstance(engine, RolloutEngine):
+        raise ValueError(
+            f"rollout_backend={name!r}: its factory returned {type(engine).__name__}, not a RolloutEngine (an engine "
+            "is a RolloutEngine subclass, registered with register_engine)"
+        )
+    engine.name = name
+    return engine
+
+
+def _contract_breach(rollout, *, count: int, settings: EngineSettings, vocab: int) -> str | None:
+    """What of ``rollout`` breaks the :class:`Rollout` contract for ``count`` completions (the first finding, as
+    "X, the interface promises Y"), or None."""
+    if not isinstance(rollout, Rollout):
+        return f"a {type(rollout).__name__}, the interface promises a Rollout"
+    lengths = {"prompt_ids": (1, settings.max_prompt_length), "completion_ids": (1, settings.max_completion_length)}
+    for field in ("prompt_ids", "completion_ids", "texts"):
+        rows = getattr(rollout, field)
+        if not isinstance(rows, list):
+            return f"{field} as a {type(rows).__name__}, the interface promises a list"
+        if len(rows) != count:
+            return f"{len(rows)} {field}, the interface promises {count} (num_prompts x num_per_prompt)"
+        if field == "texts":
+            bad = next((i for i, t in enumerate(rows) if not isinstance(t, str)), None)
+            if bad is not None:
+                return f"texts[{bad}] as a {type(rows[bad]).__name__}, the interface promises a str"
+            continue
+        low, high = lengths[field]
+        for i, ids in enumerate(rows):
+            if not isinstance(ids, list):
+                return f"{field}[{i}] as a {type(ids).__name__}, the interface promises a list of int token ids"
+            if set(map(type, ids)) - {int}:  # one C-level pass; a bool or numpy integer is not a Python int
+                odd = next(j for j, t in enumerate(ids) if type(t) is not int)
+                return f"{field}[{i}][{odd}] as a {type(ids[odd]).__name__}, the interface promises an int token id"
+            if not low <= len(ids) <= high:
+                return f"{field}[{i}] of {len(ids)} tokens, the interface promises {low} to {high}"
+            if min(ids) < 0 or max(ids) >= vocab:
+                token = min(ids) if min(ids) < 0 else max(ids)
+                return f"{field}[{i}] holding token id {token}, outside the model's vocabulary [0, {vocab})"
+    return None
 
 
 def cut_after_eos(ids: list[int], eos: set[int], max_length: int) -> list[int]:

@@ -65,6 +65,11 @@ class CPPOConfig(GRPOConfig):
         if not isinstance(self.prefix_sharing, bool):
             raise ValueError(f"prefix_sharing must be true or false, got {self.prefix_sharing!r}")
         check_choice("pruning_metric", self.pruning_metric, METRICS)
+        if self.pruning_metric == "max-variance" and self.selection_scope != "group":
+            raise ValueError(
+                "pruning_metric='max-variance' keeps each question's subset of largest variance, which needs "
+                f"selection_scope='group', got {self.selection_scope!r}: set selection_scope='group'"
+            )
         self.pruning()  # a bad pruning_rate / selection_scope / allocation is one ValueError naming it
 
     def pruning(self) -> Pruning:

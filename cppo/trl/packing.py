@@ -14,11 +14,16 @@ rotary positions are those of the padded row shifted by the row's left padding (
 differences). The budget of a packed row is the padded layout's tokens per forward, so a pass never holds more
 token activations than TRL's, and at most :data:`MAX_ROW_TOKENS` (or one padded row), so that a dense mask's L^2
 attention scores stay bounded.
+
+Processes pack their own rows, so one may need more packed forwards than another (longer prompts). A DDP forward is a
+collective (it broadcasts the buffers), so every process runs as many: :func:`trainer_rows` agrees on the count and
+adds weight-0 filler passes (repeats of the process's smallest packed row, as the cppo trainer's fillers), or, when
+some process cannot pack its rows, every process runs TRL's padded rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -38,11 +43,13 @@ __all__ = ["SharedRows", "prefix_sharing_possible", "trainer_rows", "shared_rows
 @dataclass
 class SharedRows:
     """TRL's ``[B, C]`` completion layout as prefix-shared packed rows: ``dest[k] [T_k]`` are the flat indices into
-    ``[B * C]`` of ``batches[k]``'s completion tokens (their targets, in order)."""
+    ``[B * C]`` of ``batches[k]``'s completion tokens (their targets, in order). ``fillers``: passes run after them
+    whose results are discarded (weight 0), so that every process runs as many forwards (:func:`trainer_rows`)."""
 
     batches: list[PackedBatch]
     dest: list[Tensor]
     shape: tuple[int, int]
+    fillers: list[PackedBatch] = field(default_factory=list)
 
     @property
     def num_input_tokens(self) -> int:
@@ -69,10 +76,21 @@ def prefix_sharing_possible(trainer) -> bool:
 def trainer_rows(trainer, batch: dict) -> SharedRows | None:
     """``batch``'s rows packed with each prompt once for ``trainer``'s passes (at most the tokens of one padded
     forward of ``per_device_train_batch_size`` rows each), or None for TRL's padded rows: no sharing, TRL's own loss
-    (set after the trainer is built too), or rows no packing reproduces."""
+    (set after the trainer is built too), or rows no packing reproduces (on any process: then every process runs
+    its padded rows, one forward per ``per_device_train_batch_size`` rows, as many on each). With several processes
+    the packed rows get :attr:`SharedRows.fillers` up to the largest count of any process (one gather)."""
     if not trainer.prefix_sharing or trainer.fused_loss_refused is not None:
         return None
-    return shared_rows(batch, rows_per_forward=trainer.args.per_device_train_batch_size)
+    rows = shared_rows(batch, rows_per_forward=trainer.args.per_device_train_batch_size)
+    if trainer.accelerator.num_processes == 1:
+        return rows
+    count = torch.tensor([-1 if rows is None else len(rows.batches)], device=trainer.accelerator.device)
+    counts = trainer.accelerator.gather(count)  # [processes]
+    if int(counts.min()) < 0:
+        return None
+    smallest = min(rows.batches, key=lambda b: b.num_input_tokens)
+    rows.fillers = [smallest] * (int(counts.max()) - len(rows.batches))
+    return rows
 
 
 def _lengths(mask: Tensor, *, left: bool) -> Tensor | None:
@@ -130,11 +148,15 @@ def _completion_hidden(model, b: PackedBatch, unwrapped) -> Tensor:
 
 def shared_hidden(trainer, model, rows: SharedRows) -> Tensor:
     """``[B, C, H]`` hidden states of the positions that predict each completion token (the padded layout's
-    ``hidden[:, P - 1 : P + C - 1]``), zeros at masked positions; differentiable (the policy pass)."""
+    ``hidden[:, P - 1 : P + C - 1]``), zeros at masked positions; differentiable (the policy pass). The fillers'
+    forwards join the graph with weight 0 (a DDP backward then sees every forward of this pass used)."""
     unwrapped = trainer.accelerator.unwrap_model(model)
     with trainer.accelerator.autocast():
         parts = [_completion_hidden(model, b, unwrapped) for b in rows.batches]  # [T_k, H] each
+        fillers = [_completion_hidden(model, b, unwrapped).sum() * 0.0 for b in rows.fillers]
     hidden, dest = torch.cat(parts), torch.cat(rows.dest)  # [T, H], [T]
+    if fillers:
+        hidden = hidden + torch.stack(fillers).sum()  # + 0: the values unchanged
     out = hidden.new_zeros(rows.shape[0] * rows.shape[1], hidden.size(-1)).index_copy(0, dest, hidden)
     return out.view(*rows.shape, hidden.size(-1))
 
@@ -151,4 +173,7 @@ def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             logp = fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=trainer.temperature)  # [T]
         out.index_copy_(0, dest, logp.float())
+    with trainer.accelerator.autocast():
+        for b in rows.fillers:  # only keep the processes in step
+            _completion_hidden(model, b, unwrapped)
     return out.view(rows.shape)

@@ -12,15 +12,24 @@ those three passes run packed rows holding each prompt once (:mod:`cppo.trl.pack
 
 At ``pruning_rate=0`` every completion is kept and the trainer draws exactly the random numbers stock TRL draws
 (the ``random`` metric uses a generator of its own): it trains as ``GRPOTrainer`` does.
+
+A checkpoint also holds, per process, TRL's micro-step counter and the generation it buffers for its
+``steps_per_generation`` micro-batches (:data:`GENERATION_STATE`): a run resumed from any checkpoint, inside a
+generation too, continues exactly as the uninterrupted run (stock TRL restarts the counter and generates anew).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Sized
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from datasets import IterableDataset
 from transformers import ProcessorMixin
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
@@ -32,7 +41,10 @@ from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_
 from .rows import keep_rows, pass_tokens
 from .sampling import importance_ratio, sampling_stats
 
-__all__ = ["CPPOTrainer"]
+__all__ = ["CPPOTrainer", "GENERATION_STATE"]
+
+#: The file of a checkpoint holding one process's generation state (``rank``: its process index).
+GENERATION_STATE = "cppo_generation_{rank}.pt"
 
 
 class CPPOTrainer(GRPOTrainer):
@@ -141,9 +153,49 @@ class CPPOTrainer(GRPOTrainer):
                 f"divisible into steps_per_generation={spg} equal micro-batches"
             )
 
+    def _check_dataset(self) -> None:
+        """One ``ValueError`` for a map-style ``train_dataset`` that TRL's sampler would turn into no step at all
+        (fewer prompts than one generation draws: ``train()`` returned after 0 steps, loss 0, no message), or that
+        holds a prompt of no token (``generate`` failed on it with an IndexError, or trained on no context)."""
+        if not isinstance(self.train_dataset, Sized):  # an IterableDataset: its prompts are checked as they come
+            return
+        drawn, held = self.pruning.questions_drawn, len(self.train_dataset)
+        if held < drawn:
+            why = (
+                f"allocation=True draws ceil({self.pruning.questions_per_step} / (1 - pruning_rate="
+                f"{self.pruning.pruning_rate})) = {drawn}; lower pruning_rate or set allocation=False"
+                if self.pruning.allocation
+                else f"generation_batch_size={self.args.generation_batch_size} / num_generations="
+                f"{self.num_generations} = {drawn}; lower per_device_train_batch_size or steps_per_generation"
+            )
+            raise ValueError(
+                f"train_dataset holds {held} prompts, fewer than one generation draws ({why}), so train() would "
+                "run no step"
+            )
+        if "prompt" not in self.train_dataset.column_names or super()._tokenize_prompts([""])[0][0]:
+            return  # no prompt column, or the tokenizer gives an empty text a token (a BOS)
+        prompts = self.train_dataset.with_format("arrow")["prompt"]  # [rows], in the dataset's order
+        if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
+            empty = pc.index(pc.equal(prompts, ""), True).as_py()  # -1: none
+            if empty >= 0:
+                raise ValueError(f"train_dataset row {empty}: 'prompt' is empty (no token to generate from)")
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's tokenization; a prompt of no token (an empty string, in a stream or an evaluation set) is a
+        ``ValueError`` naming it on every process (one flag gathered: no process is left waiting), instead of an
+        IndexError inside ``generate``."""
+        prompt_ids, *rest = super()._tokenize_prompts(prompts)
+        empty = next((i for i, ids in enumerate(prompt_ids) if len(ids) == 0), -1)
+        flags = self.accelerator.gather(torch.tensor([empty >= 0], device=self.accelerator.device))  # [processes]
+        if flags.any():
+            where = "a prompt of another process" if empty < 0 else f"prompt {empty} of this batch ({prompts[empty]!r})"
+            raise ValueError(f"{where} has no token to generate from: give every dataset row a non-empty 'prompt'")
+        return (prompt_ids, *rest)
+
     def get_train_dataloader(self):
         """TRL's, or with ``allocation`` the same sampler drawing ``Pruning.questions_drawn`` prompts a
-        generation (each process loading its share)."""
+        generation (each process loading its share); the dataset checked first (:meth:`_check_dataset`)."""
+        self._check_dataset()
         if not self.pruning.allocation:
             return super().get_train_dataloader()
         if isinstance(self.train_dataset, IterableDataset):
@@ -193,6 +245,22 @@ class CPPOTrainer(GRPOTrainer):
         self._training_passes(pruned, rows)
         self._log_pruning(batch, pruned, kept=0 if placeholder else len(kept), shared=rows)
         return pruned
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """TRL's rewards ``[N, F]`` of every process's completions, per reward function. An infinite one is a
+        ``ValueError`` naming its reward function and completion: it would make its group's advantages, and then the
+        weights, NaN (every process holds the gathered rewards, so every one raises)."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # [N, F]
+        infinite = torch.isinf(rewards).nonzero()
+        if len(infinite):
+            row, func = infinite[0].tolist()
+            process, local = divmod(row, len(prompts))
+            where = f"prompt {prompts[local]!r}" if process == self.accelerator.process_index else f"process {process}"
+            raise ValueError(
+                f"reward function {self.reward_func_names[func]!r} returned {rewards[row, func].item()} for completion "
+                f"{row} of this generation ({where}): rewards must be finite (None marks a completion it cannot score)"
+            )
+        return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's pass; while TRL scores a generation, a zero placeholder instead (nothing computed)."""
@@ -304,3 +372,37 @@ class CPPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         rows = trainer_rows(self, inputs)
         return fused_policy_loss(self, model, inputs, None if rows is None else shared_hidden(self, model, rows))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Checkpoints: the buffered generation and the micro-step counter are part of the state
+    # ---------------------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, plus this process's :data:`GENERATION_STATE`: TRL's micro-step counter ``_step`` (the
+        ``random`` metric's seed and the generation schedule count on it) and the buffered generation (the
+        micro-batches of the current generation not all trained yet)."""
+        super()._save_checkpoint(model, trial)
+        if self.args.save_only_model:  # not a checkpoint to resume from
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = {"step": self._step, "processes": self.accelerator.num_processes, "buffered": self._buffered_inputs}
+        torch.save(state, os.path.join(folder, GENERATION_STATE.format(rank=self.accelerator.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, plus the generation state of :meth:`_save_checkpoint` (a checkpoint without one, or written by
+        another number of processes, resumes as stock TRL does: the counter at 0 and a new generation, with a
+        warning)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, GENERATION_STATE.format(rank=self.accelerator.process_index))
+        state = torch.load(path, map_location=self.accelerator.device) if os.path.exists(path) else None
+        if state is None or state["processes"] != self.accelerator.num_processes:
+            warnings.warn(
+                f"CPPOTrainer: {checkpoint} holds no generation state of {self.accelerator.num_processes} processes "
+                f"({GENERATION_STATE.format(rank=self.accelerator.process_index)}): the resumed run generates anew "
+                "and draws other random numbers than the uninterrupted one would",
+                stacklevel=2,
+            )
+            return
+        self._step, self._buffered_inputs = state["step"], state["buffered"]

@@ -113,6 +113,12 @@ def test_a_non_tiny_model_drops_the_presets_model_config(speedup):
         (["--backend", "cuda"], "kernel_backend"),
         (["--set", "bogus=1"], "unknown setting 'bogus'"),
         (["--set", "group_size"], "must look like key=value"),
+        # settings each run's plan sets: the plan replaced them silently
+        (["--set", "num_steps=3"], r"^--set num_steps=3: speedup.py sets num_steps for every run itself: choose it "
+         "with --questions$"),
+        (["--set", "mu=1", "pruning_rate=0.5"], "--set pruning_rate=0.5: .* choose it with --pruning-rates$"),
+        (["--set", "max_questions=8"], "--set max_questions=8: .* with --questions$"),
+        (["--set", "output_dir=x"], "--set output_dir=x: .* with --out$"),
         (["--config", "no-such-preset"], "unknown preset 'no-such-preset'"),
         (["--questions", "24"], r"--questions must be a multiple of 16 .* use 32"),
         (["--questions", "0"], "--questions must be >= 1"),
@@ -443,9 +449,19 @@ def test_compare_runs_each_rate_with_the_setting_changed(speedup, tmp_path):
         ("prefix_sharing", "expected KEY=VALUE"),
         ("prefix_sharing=true", "already has that value"),
         ("no_such_setting=1", "--compare no_such_setting=1: "),
+        # a setting each run's plan sets: the dry run passed and the two runs of a rate were the same run
+        ("pruning_rate=0.5", r"^--compare pruning_rate=0.5: speedup.py sets pruning_rate for every run itself \(choose "
+         r"it with --pruning-rates\), so the two runs of a rate would be the same: compare another setting$"),
+        ("num_steps=3", r"sets num_steps for every run itself \(choose it with --questions\)"),
+        ("max_questions=8", r"sets max_questions for every run itself \(choose it with --questions\)"),
+        ("output_dir=/tmp/x", r"sets output_dir for every run itself \(choose it with --out\)"),
+        # a second --compare was dropped silently
+        (["prefix_sharing=false", "mu=1"], r"^--compare given 2 times \(prefix_sharing=false, mu=1\): a run compares "
+         "one setting; run speedup.py once per setting$"),
     ],
-)
+)  # fmt: skip
 def test_bad_compare(speedup, tmp_path, value, match):
     argv = ["--pruning-rates", "0", "0.5", "--device", "cpu", "--out", str(tmp_path), "--dry-run"]
+    compares = [a for v in ([value] if isinstance(value, str) else value) for a in ("--compare", v)]
     with pytest.raises(ValueError, match=match):
-        speedup.main([*argv, "--compare", value])
+        speedup.main([*argv, *compares])

@@ -6,9 +6,10 @@ import itertools
 
 import official_cppo as off
 import pytest
+import torch
 
 from cppo.cli import _parser, main
-from cppo.engines import Rollout
+from cppo.engines import EngineSettings, Rollout, RolloutEngine
 from cppo.evaluate import evaluate_model
 from cppo.step.models import tiny_tokenizer
 
@@ -24,16 +25,23 @@ GSM8K_OUTPUTS = [
 ]
 
 
-class CannedRollout:
-    """Returns the next canned texts instead of decoding (the evaluation only reads ``texts``)."""
+class CannedRollout(RolloutEngine):
+    """Returns the next canned texts instead of decoding (the evaluation only reads ``texts``; the token ids are a
+    placeholder within the contract the evaluation checks)."""
 
     def __init__(self, texts):
+        settings = EngineSettings(model_name="canned", max_prompt_length=1, max_completion_length=1)
+        super().__init__(torch.nn.Module(), tiny_tokenizer(300), settings)
+        self.model.get_input_embeddings = lambda: torch.nn.Embedding(300, 1)
         self.texts, self.calls = itertools.cycle(texts), []
 
     def generate(self, prompts, num_per_prompt, *, greedy=False):
         self.calls.append((len(prompts), num_per_prompt, greedy))
         texts = [next(self.texts) for _ in range(len(prompts) * num_per_prompt)]
         return Rollout([[1]] * len(texts), [[1]] * len(texts), texts)
+
+    def sync_weights(self) -> None:
+        """Nothing to take."""
 
 
 def test_gsm8k_tagged_untagged_and_mixed_outputs_score_as_the_official_loop():

@@ -7,16 +7,17 @@ import zlib
 
 import torch
 
+from cppo.engines import Rollout, RolloutEngine
 
-class PerQuestionRollout:
+
+class PerQuestionRollout(RolloutEngine):
     """Samples each prompt's completions with a seed of (step, prompt) alone, through the trainer's own rollout."""
 
     def __init__(self, trainer) -> None:
+        super().__init__(trainer.rollout.model, trainer.rollout.tokenizer, trainer.rollout.settings)
         self.trainer, self.inner = trainer, trainer.rollout
 
-    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False):
-        from cppo.engines import Rollout
-
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
         parts = []
         for p in prompts:
             torch.manual_seed(zlib.crc32(f"{self.trainer.step}|{p}".encode()))

@@ -6,6 +6,7 @@ The worker side is :class:`RankRecorder`; the pytest side is :func:`torchrun` an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -27,10 +28,30 @@ def torchrun_env(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
+def run_with_deadline(cmd: list[str], *, timeout: int, env: dict) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` from the repository; past ``timeout`` seconds the launcher and every process under it are killed
+    (torch's launcher starts each worker in a session of its own, so a process group would miss them) and an
+    ``AssertionError`` says so, with the output's tail: a hang fails the test in bounded time, leaving no worker."""
+    import psutil  # accelerate's dependency (the test extra installs it)
+
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher = psutil.Process(proc.pid)
+        for p in [*launcher.children(recursive=True), launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        out, err = proc.communicate()  # the pipes close once every writer is gone
+        raise AssertionError(f"{cmd[2]} did not finish within {timeout} s (a hang?): killed\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(args: list[str], *, timeout: int, world: int = WORLD, **env: str) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --standalone --nproc-per-node WORLD ARGS`` from the repository."""
+    """``python -m torch.distributed.run --standalone --nproc-per-node WORLD ARGS`` from the repository, killed with
+    its workers past ``timeout`` seconds (:func:`run_with_deadline`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
-    return subprocess.run(cmd, env=torchrun_env(**env), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_with_deadline(cmd, timeout=timeout, env=torchrun_env(**env))
 
 
 class RankRecorder:

@@ -1,6 +1,6 @@
 """The two-process worker of tests/trl/test_trl_distributed.py, run by ``accelerate launch --multi_gpu
 --num_processes 2`` on CPU (gloo: ``use_cpu=True``). Each check is recorded in ``OUT/rank<r>.json``
-(:class:`torchrun_harness.RankRecorder`). Usage: ``trl_worker.py OUT``."""
+(:class:`torchrun_harness.RankRecorder`). Usage: ``trl_worker.py OUT CHECK...`` (names of :data:`CHECKS`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from torchrun_harness import RankRecorder
 from trl import GRPOConfig, GRPOTrainer
 from trl_tiny import digit_reward, losses, make_config, save_tiny_model, tiny_dataset, weights
 
+import cppo.trl.packing
+import cppo.trl.trainer
 from cppo.trl import CPPOConfig, CPPOTrainer
 
 #: One group of 4 per process: per_device_train_batch_size 4 and num_generations 4.
@@ -103,7 +105,52 @@ def one_rank_keeps_nothing(model: str, out: pathlib.Path) -> None:
         same_on_every_rank(value)
 
 
-def main(out: pathlib.Path) -> None:
+def uneven_packing(model: str, out: pathlib.Path) -> None:
+    """Rank 0 holds long prompts, rank 1 short ones, so rank 0 packs its kept rows into more forwards (rows capped at
+    64 tokens here: a 60-token prompt's group takes one forward per completion, the short groups fit in one). Rank 1
+    runs weight-0 filler forwards up to rank 0's count in the old-policy and the policy passes, so the ranks stay in
+    step (before, rank 0 waited in its second DDP forward and rank 1 in the metrics all-reduce: a hang), and the run
+    trains as TRL's padded rows do (prefix_sharing=False)."""
+    long = "9" * 60
+    # shuffle_dataset=False: each generation's 4 prompts in order, the first two on rank 0, the last two on rank 1
+    dataset = Dataset.from_dict({"prompt": [f"{long}{i} =" if i % 4 < 2 else f"{i} =" for i in range(16)]})
+    counts, original, cap = [], cppo.trl.trainer.trainer_rows, cppo.trl.packing.MAX_ROW_TOKENS
+
+    def trainer_rows(trainer, batch):
+        rows = original(trainer, batch)
+        counts.append(None if rows is None else (len(rows.batches), len(rows.fillers)))
+        return rows
+
+    settings = dict(dataset=dataset, per_device_train_batch_size=8, shuffle_dataset=False)
+    cppo.trl.trainer.trainer_rows, cppo.trl.packing.MAX_ROW_TOKENS = trainer_rows, 64
+    try:
+        shared = train(CPPOTrainer, CPPOConfig, model, out / "uneven", **settings)
+    finally:
+        cppo.trl.trainer.trainer_rows, cppo.trl.packing.MAX_ROW_TOKENS = original, cap
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, counts)
+    # one generation's rows (its old-policy pass) and the two policy passes, packed on both ranks
+    assert [len(r) for r in ranks] == [3, 3] and None not in ranks[0] + ranks[1], ranks
+    for (long_rows, no_fillers), (short_rows, fillers) in zip(*ranks):
+        assert long_rows > short_rows and no_fillers == 0 and fillers == long_rows - short_rows, ranks
+    for value in weights(shared).values():
+        same_on_every_rank(value)
+    padded = train(CPPOTrainer, CPPOConfig, model, out / "uneven-padded", prefix_sharing=False, **settings)
+    for name, value in weights(padded).items():  # the fillers changed nothing (fp32 rounding of the two layouts)
+        torch.testing.assert_close(weights(shared)[name], value, atol=1e-5, rtol=1e-4)
+
+
+CHECKS = {
+    "p0_equals_stock": p0_equals_stock,
+    "batch": lambda model, out: prunes(model, out, "batch", 0.5, 4),
+    "global": lambda model, out: prunes(model, out, "global", 0.75, 2),
+    "straddle": straddling_groups_need_global,
+    "placeholder": one_rank_keeps_nothing,
+    "uneven_packing": uneven_packing,
+}
+
+
+def main(out: pathlib.Path, checks: list[str]) -> None:
     state = PartialState(cpu=True)
     rank = state.process_index
     recorder = RankRecorder(out, rank)
@@ -111,12 +158,9 @@ def main(out: pathlib.Path) -> None:
     if state.is_main_process:  # transformers saves from the main process only
         save_tiny_model(out / "model")
     state.wait_for_everyone()
-    recorder.record("p0_equals_stock", lambda: p0_equals_stock(model, out / f"rank{rank}"))
-    recorder.record("batch", lambda: prunes(model, out / f"rank{rank}", "batch", 0.5, 4))
-    recorder.record("global", lambda: prunes(model, out / f"rank{rank}", "global", 0.75, 2))
-    recorder.record("straddle", lambda: straddling_groups_need_global(model, out / f"rank{rank}"))
-    recorder.record("placeholder", lambda: one_rank_keeps_nothing(model, out / f"rank{rank}"))
+    for name in checks:
+        recorder.record(name, lambda check=CHECKS[name]: check(model, out / f"rank{rank}"))
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    main(pathlib.Path(sys.argv[1]), sys.argv[2:])

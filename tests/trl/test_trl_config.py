@@ -36,11 +36,20 @@ def test_defaults_are_grpo(tmp_path):
         ({"pruning_metric": "median"}, "pruning_metric must be one of"),
         ({"selection_scope": "world"}, "selection_scope must be one of"),
         ({"allocation": "yes"}, "allocation must be true or false"),
+        (  # named as CPPOConfig names it (the cppo trainer's selection_metric is not a CPPOConfig setting)
+            {"pruning_metric": "max-variance", "pruning_rate": 0.5},
+            r"^pruning_metric='max-variance' keeps each question's subset of largest variance, which needs "
+            r"selection_scope='group', got 'batch': set selection_scope='group'$",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_it(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, **options)
+
+
+def test_max_variance_prunes_per_question(tmp_path):
+    assert config(tmp_path, pruning_metric="max-variance", selection_scope="group").pruning().metric == "max-variance"
 
 
 def test_allocation_draws_one_over_one_minus_p_more_prompts(tmp_path):

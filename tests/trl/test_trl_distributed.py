@@ -1,16 +1,16 @@
 """``accelerate launch --num_processes 2`` on CPU (gloo): the drop-in under two processes (tests/support/trl_worker.py):
 equal to stock TRL at P = 0, the 'batch' and 'global' scopes' counts, DDP keeping the ranks in step, half a group per
-process, and a process left with no kept completion."""
+process, a process left with no kept completion, and processes packing their rows into different numbers of
+forwards."""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
-from torchrun_harness import REPO, assert_ranks_ok, torchrun_env
+from torchrun_harness import assert_ranks_ok, run_with_deadline, torchrun_env
 
 pytest.importorskip("trl")
 
@@ -18,12 +18,24 @@ WORKER = pathlib.Path(__file__).resolve().parents[1] / "support" / "trl_worker.p
 CHECKS = ("p0_equals_stock", "batch", "global", "straddle", "placeholder")
 
 
-@pytest.mark.distributed
-def test_two_processes_under_accelerate_launch(tmp_path):
+def launch(out: pathlib.Path, checks: tuple[str, ...], *, timeout: int):
+    """``accelerate launch`` of the worker's ``checks`` on 2 CPU processes, killed with its workers past
+    ``timeout`` seconds."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
     env = torchrun_env(TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
-    proc = subprocess.run(
-        [*launch, str(WORKER), str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    return run_with_deadline([*launch, str(WORKER), str(out), *checks], timeout=timeout, env=env)
+
+
+@pytest.mark.distributed
+def test_two_processes_under_accelerate_launch(tmp_path):
+    proc = launch(tmp_path, CHECKS, timeout=300)
     assert_ranks_ok(tmp_path, [(name, rank) for name in CHECKS for rank in (0, 1)], proc)
+
+
+@pytest.mark.distributed
+def test_ranks_packing_their_rows_into_different_pass_counts_stay_in_step(tmp_path):
+    """Long prompts on one process, short on the other (prefix sharing on, the default): they once deadlocked; now
+    the shorter side runs weight-0 filler forwards. A hang fails this test within the deadline."""
+    proc = launch(tmp_path, ("uneven_packing",), timeout=180)
+    assert_ranks_ok(tmp_path, [("uneven_packing", rank) for rank in (0, 1)], proc)

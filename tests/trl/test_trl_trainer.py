@@ -4,9 +4,11 @@ reach every logger: the log history, callbacks, TensorBoard) and the README's sn
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl_tiny import digit_reward, make_config, tiny_dataset
@@ -22,9 +24,10 @@ CPPO_METRICS = (
 )
 
 
-def build(model, out, cls=CPPOTrainer, config_cls=CPPOConfig, **options):
+def build(model, out, cls=CPPOTrainer, config_cls=CPPOConfig, train_dataset=None, **options):
     args = make_config(config_cls, out, **options)
-    return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
+    dataset = tiny_dataset() if train_dataset is None else train_dataset
+    return cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=dataset)
 
 
 def test_the_constructor_is_grpotrainers():
@@ -72,6 +75,55 @@ def test_a_loss_the_fused_kernel_cannot_express_warns_once_naming_it(tiny_model,
     assert trainer.fused_loss_refused == "delta=2.0"
     with pytest.warns(UserWarning, match="use_bias_correction_kl=True"):  # TRL's default, with beta > 0
         build(tiny_model, tmp_path, beta=0.04, use_bias_correction_kl=True)
+
+
+@pytest.mark.parametrize(
+    "prompts, options, message",
+    [  # train() used to return after 0 steps, train_loss 0, no message
+        (5, dict(pruning_rate=0.75, allocation=True), r"holds 5 prompts, fewer than one generation draws \(allocation="
+         r"True draws ceil\(2 / \(1 - pruning_rate=0.75\)\) = 8; lower pruning_rate or set allocation=False\)"),
+        (64, dict(pruning_rate=0.999, allocation=True), r"holds 64 prompts, .* = 2000; lower pruning_rate"),
+        (1, {}, r"holds 1 prompts, fewer than one generation draws \(generation_batch_size=8 / num_generations=4 = "
+         r"2; lower per_device_train_batch_size or steps_per_generation\), so train\(\) would run no step"),
+    ],
+)  # fmt: skip
+def test_a_dataset_smaller_than_a_generation_is_refused(tiny_model, tmp_path, prompts, options, message):
+    args = make_config(CPPOConfig, tmp_path, **options)
+    trainer = CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset(prompts))
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_an_empty_prompt_is_refused_naming_its_row(tiny_model, tmp_path):
+    """A map-style dataset: the row, before any step (alone in a generation it was an IndexError in generate; with
+    other prompts it trained on a completion of no context). A stream: the prompt, when its generation comes."""
+    dataset = Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 =", "", "3 + 3 ="]})
+    trainer = build(tiny_model, tmp_path, train_dataset=dataset)
+    with pytest.raises(ValueError, match=r"^train_dataset row 2: 'prompt' is empty \(no token to generate from\)$"):
+        trainer.train()
+    stream = dataset.select([0, 2]).to_iterable_dataset()
+    trainer = build(tiny_model, tmp_path, train_dataset=stream, per_device_train_batch_size=4, max_steps=2)
+    with pytest.raises(ValueError, match=r"^prompt 0 of this batch \(''\) has no token to generate from: give every"):
+        trainer.train()
+    assert trainer.state.global_step == 1  # the first prompt trained
+
+
+def test_an_infinite_reward_is_refused_naming_its_function_and_completion(tiny_model, tmp_path):
+    """scale_rewards='none' turned the group's advantages, then the weights, into NaN (stock TRL too)."""
+
+    def unbounded(completions, **kwargs) -> list[float]:
+        return [math.inf if i == 5 else 0.1 * i for i in range(len(completions))]
+
+    args = make_config(CPPOConfig, tmp_path, scale_rewards="none", shuffle_dataset=False)
+    rewards = [digit_reward, unbounded]
+    trainer = CPPOTrainer(model=tiny_model, reward_funcs=rewards, args=args, train_dataset=tiny_dataset())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    message = r"^reward function 'unbounded' returned inf for completion 5 of this generation \(prompt '1 \+ 7 ='\): "
+    message += r"rewards must be finite \(None marks a completion it cannot score\)$"
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())  # nothing trained on it
 
 
 class Recorder(TrainerCallback):

@@ -1,7 +1,10 @@
 """The rollout-engine registry: a toy engine registered by name trains a step through ``Trainer`` and decodes
-``cppo eval``; unknown names, FSDP2 without a sharding-capable engine and bad registrations are one-line errors."""
+``cppo eval``; unknown names, FSDP2 without a sharding-capable engine, bad registrations and an engine breaking the
+Rollout contract (its output checked where it enters training and evaluation) are one-line errors."""
 
 import json
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -81,3 +84,83 @@ def test_bad_registrations_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="register_engine: factory of 'x' must be callable, got str"):
         register_engine("x", "FixedEngine")
     assert available_engines() == ("hf", "vllm")
+
+
+class BentEngine(FixedEngine):
+    """:class:`FixedEngine` whose Rollout ``bend`` changes after it is made (a class attribute, set per test)."""
+
+    bend = staticmethod(lambda rollout: rollout)
+
+    def generate(self, prompts, num_per_prompt, *, greedy=False):
+        return self.bend(super().generate(prompts, num_per_prompt, greedy=greedy))
+
+
+#: Ways an engine breaks the Rollout contract (2 prompts x 3, completions of at most 8 tokens, vocabulary 300), and
+#: what the one-line error says after "generate(2 prompts, 3 per prompt) returned ".
+BENDS = {
+    "longer than max_completion_length": (
+        lambda r: replace(r, completion_ids=[c + [5] * 200 for c in r.completion_ids]),
+        r"completion_ids\[0\] of 20\d tokens, the interface promises 1 to 8",
+    ),
+    "too few": (lambda r: replace(r, completion_ids=r.completion_ids[:-1]), "5 completion_ids, the interface promises"),
+    "too many": (lambda r: replace(r, texts=[*r.texts, "x"]), r"7 texts, the interface promises 6 \(num_prompts x"),
+    "outside the vocabulary": (
+        lambda r: replace(r, completion_ids=[[300, *c[1:]] for c in r.completion_ids]),
+        r"completion_ids\[0\] holding token id 300, outside the model's vocabulary \[0, 300\)",
+    ),
+    "tensors": (
+        lambda r: replace(r, prompt_ids=[torch.tensor(p) for p in r.prompt_ids]),
+        r"prompt_ids\[0\] as a Tensor, the interface promises a list of int token ids",
+    ),
+    "a tensor of ids": (
+        lambda r: replace(r, completion_ids=torch.tensor([c[:1] for c in r.completion_ids])),
+        "completion_ids as a Tensor, the interface promises a list",
+    ),
+    "an empty completion": (
+        lambda r: replace(r, completion_ids=[[], *r.completion_ids[1:]]),
+        r"completion_ids\[0\] of 0 tokens, the interface promises 1 to 8",
+    ),
+    "not a Rollout": (lambda r: r.__dict__, "a dict, the interface promises a Rollout"),
+}
+
+
+@pytest.mark.parametrize("case", BENDS)
+def test_an_engine_breaking_its_contract_is_one_error_naming_it(fixed, monkeypatch, case):
+    bend, promised = BENDS[case]
+    monkeypatch.setattr(BentEngine, "bend", staticmethod(bend))
+    register_engine("bent", BentEngine)
+    model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
+    settings = EngineSettings(model_name="x", max_prompt_length=48, max_completion_length=8)
+    engine = make_engine("bent", model, tok, settings)
+    message = r"^rollout engine 'bent' broke its contract: generate\(2 prompts, 3 per prompt\) returned " + promised
+    with pytest.raises(ValueError, match=message):
+        engine(["1 + 1 =", "2 + 2 ="], 3)
+    monkeypatch.setattr(BentEngine, "bend", staticmethod(lambda r: r))
+    assert len(engine(["1 + 1 =", "2 + 2 ="], 3).texts) == 6  # the unbent engine keeps its contract
+
+
+def test_training_and_evaluation_refuse_a_broken_engine_in_one_line(fixed, monkeypatch, tmp_path, capsys):
+    """Completions of 200+ tokens for max_completion_length=16 were trained on silently."""
+    monkeypatch.setattr(BentEngine, "bend", staticmethod(BENDS["longer than max_completion_length"][0]))
+    register_engine("bent", BentEngine)
+    argv = ["train", "--config", "tiny-cpu", "--set", f"output_dir={tmp_path}", "rollout_backend=bent", "num_steps=1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert re.fullmatch(
+        r"cppo train: error: rollout engine 'bent' broke its contract: generate\(4 prompts, 8 per prompt\) returned "
+        r"completion_ids\[0\] of 20\d tokens, the interface promises 1 to 16",
+        err,
+    ), err
+    assert not list(tmp_path.glob("checkpoint*"))  # nothing trained on them
+    argv = ["eval", "--model", "tiny-qwen2", "--dataset", "arith", "--limit", "2", "--max-completion-length", "8"]
+    assert main([*argv, "--rollout-backend", "bent", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cppo eval: error: rollout engine 'bent' broke its contract: generate(2 prompts, 1 per ")
+
+
+def test_a_factory_that_does_not_build_an_engine_is_refused(fixed):
+    register_engine("nothing", lambda model, tokenizer, settings: None)
+    model, tok = load_model_and_tokenizer("tiny-qwen2", model_config=TINY)
+    settings = EngineSettings(model_name="x", max_prompt_length=4, max_completion_length=4)
+    with pytest.raises(ValueError, match=r"^rollout_backend='nothing': its factory returned NoneType, not a Rollout"):
+        make_engine("nothing", model, tok, settings)
