@@ -21,6 +21,11 @@ class EchoRollout:
         texts = [next(a for q, a in self.answers.items() if q in p) for p in prompts for _ in range(num_per_prompt)]
         return Rollout([[1]] * len(texts), [[1]] * len(texts), texts)
 
+    def __call__(self, prompts, num_per_prompt, *, greedy=False):
+        """Evaluation calls the engine (RolloutEngine.__call__ checks the contract against a model's vocabulary;
+        this stand-in has no model: the engine contract is tested in tests/cppo/engines/)."""
+        return self.generate(prompts, num_per_prompt, greedy=greedy)
+
 
 def problems(n: int) -> list[dict]:
     return [{"question": f"What is {i} + 0?", "answer": str(i), "kind": "arith"} for i in range(n)]
