@@ -431,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\n" + format_accuracy_table(rows))
     for pair in meta.get("compare", {}).get("pairs", []):
         print(
-            f"\nP={pair['pruning_rate']:g}, {args.compare} / base: train {pair['ratio_train_seconds']:.3f}x, "
+            f"\nP={pair['pruning_rate']:g}, {args.compare} / base: generation {pair['ratio_generation_seconds']:.3f}x, "
+            f"train {pair['ratio_train_seconds']:.3f}x, "
             f"total {pair['ratio_total_seconds']:.3f}x, tokens through the model {pair['ratio_tokens_forward']:.3f}x"
         )
     print("\nwrote " + ", ".join(files.values()))

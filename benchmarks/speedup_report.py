@@ -241,14 +241,15 @@ def _rate_cell(row: dict[str, Any]) -> str:
 
 
 def compare_rows(rows: Sequence[dict[str, Any]], setting: str) -> dict[str, Any]:
-    """``meta.compare`` of a ``--compare SETTING`` run: per rate, the changed run's train seconds, total seconds,
-    tokens through the model and tokens trained over the base run's (a ratio above 1: the change costs that much
-    more; for ``prefix_sharing=false`` it is the speedup sharing brings)."""
+    """``meta.compare`` of a ``--compare SETTING`` run: per rate, the changed run's generation seconds, train
+    seconds, total seconds, tokens through the model and tokens trained over the base run's (a ratio above 1: the
+    change costs that much more; for ``prefix_sharing=false`` it is the speedup sharing brings)."""
     base = {r["pruning_rate"]: r for r in rows if r.get("variant") is None}
     pairs = []
     for r in (r for r in rows if r.get("variant") == setting):
         b = base[r["pruning_rate"]]
-        keys = ("train_seconds", "total_seconds", "tokens_forward", "tokens_trained")
+        keys = ("generation_seconds", "train_seconds", "total_seconds", "tokens_forward", "tokens_trained")
+        b, r = ({**x, "generation_seconds": x["phase_seconds"]["generation"]} for x in (b, r))
         pairs.append({
             "pruning_rate": r["pruning_rate"],
             **{k: [b[k], r[k]] for k in keys},

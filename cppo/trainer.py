@@ -158,6 +158,7 @@ class Trainer:
             top_p=cfg.top_p,
             compute_dtype=self._autocast_dtype,
             sharded=self._sharded,
+            prefill_once=cfg.prefill_once,
         )
         # vLLM cannot take LoRA weights from this trainer yet: with use_peft, auto means transformers' generate
         backend = "hf" if cfg.use_peft and cfg.rollout_backend == "auto" else cfg.rollout_backend

@@ -129,6 +129,9 @@ class TrainConfig:
     rollout_backend: str = setting(
         "auto", "auto (vllm on CUDA when installed, else hf), hf (transformers generate), vllm, or a registered engine"
     )
+    prefill_once: bool = setting(
+        True, "hf engine: run each prompt's forward once and share its KV cache with its G completions (same tokens)"
+    )
     report_to: list[str] = setting(
         None, "metric sinks: jsonl (metrics.jsonl), tensorboard, wandb, or none", factory=lambda: ["jsonl"]
     )

@@ -21,6 +21,7 @@ from .base import (
     resolve_engine_name,
 )
 from .hf import HFEngine  # importing an engine's module registers it
+from .prefill import generate_prefilled_once, prefill_once_applies
 from .vllm import VLLMEngine  # vLLM itself is imported only when this engine is built
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "cut_after_eos",
     "encode_prompts",
     "eos_ids",
+    "generate_prefilled_once",
     "make_engine",
+    "prefill_once_applies",
     "register_engine",
     "resolve_engine_name",
 ]

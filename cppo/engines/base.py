@@ -47,7 +47,9 @@ class Rollout:
 class EngineSettings:
     """What every engine is built from: the model's name or folder (an engine that loads its own copy reads it),
     the prompt / completion lengths, the sampling parameters, the compute dtype (``None``: the weights' own) and
-    whether FSDP2 shards the policy over the ranks (``sharded``: every rank's generate must step in lockstep)."""
+    whether FSDP2 shards the policy over the ranks (``sharded``: every rank's generate must step in lockstep);
+    ``prefill_once``: an engine that decodes from a KV cache runs each prompt's forward once for its G completions
+    (``hf``: :mod:`cppo.engines.prefill`; vLLM caches prefixes itself)."""
 
     model_name: str
     max_prompt_length: int
@@ -56,6 +58,7 @@ class EngineSettings:
     top_p: float = 1.0
     compute_dtype: torch.dtype | None = None
     sharded: bool = False
+    prefill_once: bool = True
 
 
 class RolloutEngine(ABC):

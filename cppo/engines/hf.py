@@ -1,12 +1,16 @@
 """The ``hf`` engine: transformers ``generate`` on the policy itself (CPU and GPU, batched, left-padded), in the
-compute dtype under ``torch.autocast``; under FSDP2 every rank keeps stepping until all are done (``synced_gpus``)."""
+compute dtype under ``torch.autocast``; under FSDP2 every rank keeps stepping until all are done (``synced_gpus``).
+With ``prefill_once`` (the default) a prompt's G completions share one prefill of it (:mod:`.prefill`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..distributed import autocast
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
+from .prefill import generate_prefilled_once, prefill_once_applies
 
 
 class HFEngine(RolloutEngine):
@@ -36,11 +40,15 @@ class HFEngine(RolloutEngine):
             attention_mask[i, width - len(p) :] = 1
         was_training = self.model.training
         self.model.eval()
+        config = self._generation_config(greedy=greedy)
+        # one prefill per prompt when it has several completions (every rank decides alike: FSDP2 stays in step)
+        shared = s.prefill_once and num_per_prompt > 1 and prefill_once_applies(self.model, config)
+        generate = functools.partial(generate_prefilled_once, self.model) if shared else self.model.generate
         with autocast(device, s.compute_dtype):
-            out = self.model.generate(
+            out = generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
-                generation_config=self._generation_config(greedy=greedy),
+                generation_config=config,
                 synced_gpus=s.sharded,
             )  # [N, Lp + Lc]
         self.model.train(was_training)

@@ -60,10 +60,21 @@ class CPPOConfig(GRPOConfig):
         },
     )
 
+    prefill_once: bool = field(
+        default=True,
+        metadata={
+            "help": "When TRL generates with transformers (no vLLM, no continuous batching), run each distinct "
+            "prompt's forward once and copy its KV cache to its num_generations rows before decoding: the same "
+            "tokens and random draws as TRL's G prefills. Off by itself when the generation settings cannot share "
+            "a cache (cache_implementation, beams) or a dropout fires in the training-mode forward (e.g. LoRA's)."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.prefix_sharing, bool):
-            raise ValueError(f"prefix_sharing must be true or false, got {self.prefix_sharing!r}")
+        for name in ("prefix_sharing", "prefill_once"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("pruning_metric", self.pruning_metric, METRICS)
         if self.pruning_metric == "max-variance" and self.selection_scope != "group":
             raise ValueError(

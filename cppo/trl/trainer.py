@@ -20,6 +20,8 @@ generation too, continues exactly as the uninterrupted run (stock TRL restarts t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Sized
@@ -35,6 +37,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 
 from ..distributed import DistInfo
+from ..engines import generate_prefilled_once, prefill_once_applies
 from .config import CPPOConfig
 from .loss import fused_policy_loss, install_hidden_forward, unsupported_setting
 from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
@@ -45,6 +48,17 @@ __all__ = ["CPPOTrainer", "GENERATION_STATE"]
 
 #: The file of a checkpoint holding one process's generation state (``rank``: its process index).
 GENERATION_STATE = "cppo_generation_{rank}.pt"
+
+
+@contextlib.contextmanager
+def _prefilled_once(model):
+    """``model.generate`` prefills each distinct prompt once inside the block (an instance attribute over the
+    class's method, removed at the end; TRL's code calls ``generate`` on this very object)."""
+    model.generate = functools.partial(generate_prefilled_once, model, generate=model.generate)
+    try:
+        yield
+    finally:
+        del model.generate
 
 
 class CPPOTrainer(GRPOTrainer):
@@ -219,6 +233,18 @@ class CPPOTrainer(GRPOTrainer):
             shuffle=self.shuffle_dataset,
             seed=self.args.seed,
         )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's; with ``prefill_once``, its transformers ``generate`` (the prompts repeated by the sampler) prefills
+        each distinct prompt once (:func:`cppo.engines.prefill.generate_prefilled_once`)."""
+        args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        shared = self.args.prefill_once and num_generations > 1
+        shared = shared and not (self.use_vllm or self.use_transformers_continuous_batching)
+        if not (shared and prefill_once_applies(model, self.generation_config)):
+            return super()._generate_single_turn(*args)
+        with _prefilled_once(model):
+            return super()._generate_single_turn(*args)
 
     # ---------------------------------------------------------------------------------------------------------
     # The step: TRL's scoring, pruning, then the old and reference passes on the kept rows

@@ -441,6 +441,8 @@ def test_compare_runs_each_rate_with_the_setting_changed(speedup, tmp_path):
         assert p["ratio_tokens_forward"] == off["tokens_forward"] / base["tokens_forward"] > 1.0  # prompts once
         assert p["reward_mean"][0] == p["reward_mean"][1]  # the same rollouts
         assert p["ratio_train_seconds"] == off["train_seconds"] / base["train_seconds"]
+        generation = [base["phase_seconds"]["generation"], off["phase_seconds"]["generation"]]
+        assert p["generation_seconds"] == generation and p["ratio_generation_seconds"] == generation[1] / generation[0]
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ def test_defaults_are_grpo(tmp_path):
             r"^pruning_metric='max-variance' keeps each question's subset of largest variance, which needs "
             r"selection_scope='group', got 'batch': set selection_scope='group'$",
         ),
+        ({"prefill_once": 1}, "prefill_once must be true or false, got 1"),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_it(tmp_path, options, message):

@@ -387,6 +387,29 @@ def fsdp2_checkpoint_round_trip(info, root):
     _checkpoint_round_trip(info, "fsdp2", root)
 
 
+@check
+def fsdp2_prefill_once_generates_the_plain_tokens(info):
+    """The hf engine on an FSDP2-sharded policy (``synced_gpus``, the blocks gathering in every forward), each
+    prompt prefilled once: the tokens and random draws of G prefills of it, with the ranks holding different numbers
+    of questions of different lengths (so different prefill and decode batches)."""
+    from cppo.engines import EngineSettings, HFEngine
+
+    model, tok = _tiny_lm()
+    wrapped = D.wrap_model(model, parallelism="fsdp2", info=info, forward=_hidden)
+    prompts = [["1+1", "What is 12 + 7?"], ["3", "Hi there, friend", "3", "x"]][info.rank]
+    runs = []
+    for prefill_once in (True, False):
+        settings = EngineSettings(
+            model_name="x", max_prompt_length=32, max_completion_length=6, sharded=True, prefill_once=prefill_once
+        )
+        torch.manual_seed(5 + info.rank)
+        with D.root_unsharded(wrapped):
+            rollout = HFEngine(model, tok, settings).generate(prompts, 3)
+        runs.append((rollout.completion_ids, torch.get_rng_state()))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+    assert len(runs[0][0]) == 3 * len(prompts)
+
+
 def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     info = D.init_distributed(device="cpu", timeout_s=30)
