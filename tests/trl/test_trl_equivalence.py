@@ -22,8 +22,29 @@ CASES = {
     "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, beta=0.04, num_iterations=2),
     # the random metric draws from a generator of its own, never the global RNG
     "random-metric": dict(pruning_metric="random", selection_scope="global", beta=0.04),
-    # TRL's own loss (sapo is not expressed by the fused loss)
-    "fallback": dict(loss_type="sapo", beta=0.04, num_iterations=2),
+    # the loss types beyond the PPO clip, TRL's default bias-corrected KL, and the per-token options
+    "sapo": dict(loss_type="sapo", beta=0.04, num_iterations=2, use_bias_correction_kl=True),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.2, beta=0.04, num_iterations=2, use_bias_correction_kl=True),
+    "vespo": dict(loss_type="vespo", beta=0.04, num_iterations=2, use_bias_correction_kl=True),
+    "luspo": dict(
+        loss_type="luspo",
+        importance_sampling_level="sequence",
+        beta=0.04,
+        num_iterations=2,
+        delta=1.5,
+        use_bias_correction_kl=True,
+    ),
+    "entropy-options": dict(
+        loss_type="dapo",
+        beta=0.04,
+        num_iterations=2,
+        use_bias_correction_kl=True,
+        off_policy_mask_threshold=0.01,
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+    ),
+    # TRL's own loss (the adaptive entropy controller is not expressed by the fused loss)
+    "fallback": dict(loss_type="dapo", beta=0.04, use_adaptive_entropy=True),
 }
 
 
@@ -53,9 +74,9 @@ def assert_same_training(tiny_model, tmp_path, vllm: bool = False, **options) ->
 @pytest.mark.parametrize("case", CASES)
 def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case):
     if case == "fallback":
-        with pytest.warns(UserWarning, match="loss_type='sapo' is not expressed"):
+        with pytest.warns(UserWarning, match="use_adaptive_entropy=True .* is not expressed"):
             cppo, _ = assert_same_training(tiny_model, tmp_path, **CASES[case])
-        assert cppo.fused_loss_refused == "loss_type='sapo'"
+        assert cppo.fused_loss_refused.startswith("use_adaptive_entropy=True")
     else:
         assert assert_same_training(tiny_model, tmp_path, **CASES[case])[0].fused_loss_refused is None
 
