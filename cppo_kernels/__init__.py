@@ -14,11 +14,11 @@ or with its gradients computed in the forward (``mode=``; ``cppo_kernels.loss.MO
 per-shape-class default).
 """
 
+from . import _ops  # noqa: E402, F401  (registers the torch.library ops: torch.ops.cppo_kernels.*)
 from ._dispatch import use_backend
 from .advantages import cppo_select, group_advantages, select_completions
 from .config import LossConfig
 from .loss import FusedCPPOLoss, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
-from . import _ops  # noqa: E402, F401  (registers the torch.library ops: torch.ops.cppo_kernels.*)
 
 __version__ = "0.1.0"
 

@@ -189,7 +189,9 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
 
 
 @torch.library.custom_op(f"{_NS}::fused_logprobs", mutates_args=())
-def _logprobs_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, head: str) -> tuple[Tensor, Tensor]:
+def _logprobs_op(
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, head: str
+) -> tuple[Tensor, Tensor]:
     """``(logp, entropy)`` of the eager function (``entropy`` empty without ``compute_entropy``)."""
     options = decode(head)
     with torch.no_grad():
@@ -237,4 +239,3 @@ def compiled_select(rewards, group_size, keep, num_kept, draws, **options) -> tu
     """:func:`cppo_kernels.cppo_select` as one ``cppo_kernels::cppo_select`` node (options validated already)."""
     return _select_op(rewards, draws, group_size, -1 if keep is None else keep,
                       -1 if num_kept is None else num_kept, encode(**options))  # fmt: skip
-

@@ -205,8 +205,9 @@ def fused_cppo_loss(
 
 
 def eager_loss(
-    hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig, mode: str
-) -> tuple[Tensor, dict[str, Tensor]]:
+    hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
+    mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``): validation, packing,
     the mode's autograd Function. Also the real implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
     p, checks = pack(
