@@ -155,3 +155,23 @@ def test_compiled_logprobs_and_selection():
     )
     with pytest.raises(ValueError, match="rewards must be finite"):
         step(torch.full((20,), float("nan")), 3, hidden, weight, targets)
+
+
+def test_the_loss_op_called_directly_scales_its_gradients_and_refuses_double_backward():
+    """The op's backward scales the gradients of its forward by the incoming gradient (also on a second backward
+    through a retained graph); create_graph=True is a clear error, as on the eager path."""
+    args = _loss_args("two-pass", False, "111")
+    params = args[0], args[1], args[8]
+    loss = OPS.fused_cppo_loss(*args)[0]
+    first = torch.autograd.grad(loss * 2.0, params, retain_graph=True)
+    second = torch.autograd.grad(loss * -0.5, params, retain_graph=True)
+    for a, b in zip(first, second):
+        assert_close("grad", a * -0.25, b, 1e-6)
+    cfg = LossConfig(**{k: v for k, v in decode(args[-1]).items() if k not in ("mode", "needs")})
+    want, _ = fused_cppo_loss(*args[:4], cu_seqlens=args[4], old_logprobs=args[6], ref_logprobs=args[7],
+                              bias=args[8], config=cfg)  # fmt: skip
+    assert_close("loss", loss, want, 1e-6)
+    for a, b in zip(first, torch.autograd.grad(want * 2.0, params)):
+        assert_close("grad", a, b, 1e-5)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(loss, params, create_graph=True)
