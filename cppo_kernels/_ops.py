@@ -125,11 +125,16 @@ def _loss_op(
             ref_logprobs=ref_logprobs, bias=leaves[2], cfg=cfg, mode=mode,
         )  # fmt: skip
         wanted = [x for x, n in zip(leaves, needs) if n and x is not None]
-        grads = iter(torch.autograd.grad(loss, wanted) if wanted and loss.requires_grad else [None] * len(wanted))
-    out = []
+        grads = [None] * len(wanted)
+        if wanted and loss.requires_grad:
+            grads = torch.autograd.grad(loss, wanted, allow_unused=True, materialize_grads=True)
+    grads, out = iter(grads), []
     for x, n in zip(leaves, needs):
-        g = next(grads) if n and x is not None else None
-        out.append(hidden.new_empty(0) if g is None else g.detach())
+        if not n or x is None:
+            out.append(hidden.new_empty(0))  # not wanted: the fake's empty tensor
+            continue
+        g = next(grads)
+        out.append(torch.zeros_like(x, memory_format=torch.contiguous_format) if g is None else g.detach())
     return (loss.detach(), torch.stack(list(metrics.values())), *out)
 
 
@@ -180,6 +185,7 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
         hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, options
     )
     names = metric_names(config).split(",")
+    metrics = metrics.detach()  # as the eager metrics: no gradient
     return loss, {name: metrics[i] for i, name in enumerate(names)}
 
 
