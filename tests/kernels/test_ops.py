@@ -175,3 +175,23 @@ def test_the_loss_op_called_directly_scales_its_gradients_and_refuses_double_bac
         assert_close("grad", a, b, 1e-5)
     with pytest.raises(RuntimeError, match="does not support double backward"):
         torch.autograd.grad(loss, params, create_graph=True)
+
+
+def test_the_backend_is_read_when_the_op_runs(monkeypatch):
+    """One compiled graph runs the backend of the call (use_backend around it), not the one of the trace: the
+    Triton kernels (here under the interpreter) and the torch path give the eager results of each."""
+    from cppo_kernels import _loss_triton, use_backend
+
+    calls = []
+    real = _loss_triton.logprobs_fwd
+    monkeypatch.setattr(_loss_triton, "logprobs_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = _loss_args("two-pass", False, "000")
+    options = dict(cu_seqlens=args[4], old_logprobs=args[6], ref_logprobs=args[7], bias=args[8], beta=0.04)
+    compiled = torch.compile(lambda *a: fused_cppo_loss(*a, **options)[0], backend="aot_eager", fullgraph=True)
+    for backend, ran in (("torch", []), ("triton", [1]), ("torch", [])):
+        with use_backend(backend):
+            got = compiled(*args[:4])
+            assert calls == ran
+            want, _ = fused_cppo_loss(*args[:4], **options)
+        assert_close("loss", got, want, 1e-6)
+        calls.clear()
