@@ -62,11 +62,13 @@ def decode(text: str) -> dict[str, object]:
 # --------------------------------------------------------------------------------------------
 
 
-def _split(options: dict) -> tuple[LossConfig, str, tuple[bool, bool, bool]]:
-    """(LossConfig, mode, which of hidden / weight / bias want gradients) of a decoded loss options string."""
+def _split(options: dict) -> tuple[LossConfig, str, tuple[bool, bool, bool], dict[str, object]]:
+    """(LossConfig, mode, which of hidden / weight / bias want gradients, the keywords of the head's transform) of a
+    decoded loss options string (:func:`compiled_loss`)."""
     cfg = LossConfig(**{k: v for k, v in options.items() if k in LOSS_OPTIONS})
     needs = tuple(c == "1" for c in options["needs"])
-    return cfg, options["mode"], needs
+    head = {k.removeprefix("head."): v for k, v in options.items() if k.startswith("head.")}
+    return cfg, options["mode"], needs, head
 
 
 @functools.lru_cache(maxsize=64)
@@ -117,12 +119,12 @@ def _loss_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, metrics [M], dhidden, dweight, dbias)``: the eager loss and its gradients (an empty tensor for a
     gradient not wanted), computed here; the metrics in the order of :func:`metric_names`."""
-    cfg, mode, needs = _split(decode(options))
+    cfg, mode, needs, head = _split(decode(options))
     with _autograd_dispatch(), torch.enable_grad():
         leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip((hidden, weight, bias), needs)]
         loss, metrics = eager_loss(
             leaves[0], leaves[1], targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=leaves[2], cfg=cfg, mode=mode,
+            ref_logprobs=ref_logprobs, bias=leaves[2], cfg=cfg, mode=mode, **head,
         )  # fmt: skip
         wanted = [x for x, n in zip(leaves, needs) if n and x is not None]
         grads = [None] * len(wanted)
@@ -141,7 +143,7 @@ def _loss_op(
 @_loss_op.register_fake
 def _loss_fake(hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, options):
     decoded = decode(options)
-    cfg, _, needs = _split(decoded)
+    cfg, _, needs, _ = _split(decoded)
     num_metrics = len(_metric_names(encode(**{k: getattr(cfg, k) for k in LOSS_OPTIONS})))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     grads = [
@@ -152,7 +154,8 @@ def _loss_fake(hidden, weight, targets, advantages, cu_seqlens, mask, old_logpro
 
 
 def _loss_setup(ctx, inputs, output) -> None:
-    ctx.needs = [n and x is not None for x, n in zip((inputs[0], inputs[1], inputs[8]), _split(decode(inputs[9]))[2])]
+    needs = _split(decode(inputs[9]))[2]
+    ctx.needs = [n and x is not None for x, n in zip((inputs[0], inputs[1], inputs[8]), needs)]
     ctx.save_for_backward(*output[2:])
 
 
@@ -175,12 +178,17 @@ _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup)
 
 
 def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias,
-                  cfg: LossConfig, mode: str) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
-    """:func:`cppo_kernels.fused_cppo_loss` as one ``cppo_kernels::fused_cppo_loss`` node (its compiled path)."""
+                  cfg: LossConfig, mode: str, **head) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """:func:`cppo_kernels.fused_cppo_loss` as one ``cppo_kernels::fused_cppo_loss`` node (its compiled path).
+
+    ``head``: scalar keywords of the LM head's logit transform, handed to :func:`cppo_kernels.loss.eager_loss` as
+    they are (they travel in the options string as ``head.NAME``: a new one changes no schema)."""
     grad = torch.is_grad_enabled()
     needs = "".join("1" if grad and x is not None and x.requires_grad else "0" for x in (hidden, weight, bias))
     config = encode(**{k: getattr(cfg, k) for k in LOSS_OPTIONS})
     options = f"{config};mode={mode!r};needs={needs!r}"
+    if head:
+        options += ";" + encode(**{f"head.{k}": v for k, v in head.items()})
     loss, metrics, *_ = _loss_op(
         hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, options
     )
