@@ -234,17 +234,19 @@ def fused_cppo_loss(
 
         return compiled_loss(
             hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+            ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
+            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode,
         )  # fmt: skip
     return eager_loss(
         hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+        ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
+        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode,
     )  # fmt: skip
 
 
 def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
-    mode: str,
+    mode: str, importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``): validation, packing,
     the mode's autograd Function. Also the real implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
