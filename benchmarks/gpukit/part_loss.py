@@ -60,7 +60,7 @@ def oracle_errors(inputs: dict, *, chunk: int = 1024) -> dict:
             loss64, _ = reference.policy_loss(
                 logp64, inputs["adv"].double(), inputs["cu"], old_logprobs=inputs["old"].double(),
                 ref_logprobs=inputs["ref"].double(),
-                config=LossConfig(**bench_loss.OPTIONS, **bench_loss.LOSS_TYPES[loss_type]),
+                config=LossConfig(**{**bench_loss.OPTIONS, **bench_loss.LOSS_TYPES[loss_type]}),
             )  # fmt: skip
             out["loss64" if loss_type == "dapo" else f"loss64_{loss_type}"] = loss64.item()
     return out
