@@ -42,9 +42,9 @@ class StepRollouts:
         return rewards, scores, correct
 
     def _draw_step(self, timer: PhaseTimer):
-        """The step's generation calls (:func:`cppo.step.fill_step`: one without ``filter_groups``), each drawing
+        """The step's generation calls (:func:`cppo.step.fill_step` with ``filter_groups``, else one), each drawing
         questions (GRESO's skips passed over), generating and rewarding; what ``train_step`` reads, concatenated,
-        the selection (``filled``) and the metrics of both features."""
+        dynamic sampling's selection (``filled``; ``None``: the plain rule's to make) and both features' metrics."""
         cfg, parts, skipped = self.config, [], []
 
         def draw(n: int) -> torch.Tensor:
@@ -55,15 +55,19 @@ class StepRollouts:
                 parts.append((self.drawn, problems, prompts, rollout, *self._reward(problems, prompts, rollout)))
             return parts[-1][4]
 
-        calls = cfg.max_num_gen_batches if cfg.filter_groups else 1
-        filled = step.fill_step(self.pruning, draw, max_calls=calls, seed=self._step_seed(rank=0), info=self.info)
+        if cfg.filter_groups:
+            seed, calls = self._step_seed(rank=0), cfg.max_num_gen_batches
+            filled = step.fill_step(self.pruning, draw, max_calls=calls, seed=seed, info=self.info)
+            zero, extra = filled.zero_variance, filled.metrics()
+        else:  # GRESO alone: one call, selected by the plain rule (train_step's select stage)
+            filled, extra = None, {}
+            zero = step.zero_variance_groups(draw(self.pruning.questions_drawn), cfg.group_size)
         drawn, problems, prompts, rollouts, rewards, scores, correct = (list(x) for x in zip(*parts))
         fields = ("prompt_ids", "completion_ids", "texts")
         rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
         scores = {name: sum((s[name] for s in scores), []) for name in scores[0]}
-        extra = filled.metrics() if cfg.filter_groups else {}
         if self.greso is not None:  # every rank's groups, in rank order: the same history on every rank
-            pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), filled.zero_variance.tolist())])
+            pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), zero.tolist())])
             gathered, _ = distributed.all_gather_varlen(pairs.reshape(-1, 2).to(self.device), info=self.info)
             if len(gathered):
                 self.greso.observe(*zip(*gathered.tolist()))

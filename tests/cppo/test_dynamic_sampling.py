@@ -153,3 +153,14 @@ def test_both_together_count_what_was_generated(tmp_path):
         m = trainer.train_step()
         assert m["completions"] == 4 * sum(map(len, calls)) and m["completions_kept"] == 8
         assert m["generation_calls"] == len(calls)
+
+
+def test_greso_alone_selects_by_the_plain_rule(tmp_path):
+    """With no history yet nothing is skipped: GRESO's first step is the plain step, bit for bit."""
+    plain = Trainer(config(tmp_path / "plain", pruning_rate=0.5, selection_metric="random"))
+    greso = Trainer(config(tmp_path / "greso", pruning_rate=0.5, selection_metric="random", greso=True))
+    a, b = plain.train_step(), greso.train_step()
+    assert b["greso/questions_skipped"] == 0
+    assert comparable(a) == {k: v for k, v in comparable(b).items() if not k.startswith("greso/")}
+    for (name, p), q in zip(plain.model.named_parameters(), greso.model.parameters()):
+        assert torch.equal(p, q), name
