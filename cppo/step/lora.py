@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from .. import fileio
+from .models import load_model_and_tokenizer, model_source
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's
@@ -92,9 +93,8 @@ def apply_lora(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)  # lora_A's random init: the same in every run (and rank) of this seed
         peft_model = get_peft_model(model, lora)
-    local = os.path.exists(base_model)
     base = {
-        "model": os.path.abspath(base_model) if local else base_model,
+        "model": model_source(base_model),  # what loaded: a built-in by name, a local folder by its absolute path
         "model_config": base_config,
         "seed": seed,
     }
@@ -166,8 +166,6 @@ def load_adapter_model(folder: str, *, dtype: str = "float32", device: torch.dev
     """``(PEFT model, tokenizer)``: the base of adapter ``folder`` (:func:`base_recipe`) with the adapter loaded,
     for inference."""
     from peft import PeftModel
-
-    from .models import load_model_and_tokenizer
 
     base = base_recipe(folder)
     model, tokenizer = load_model_and_tokenizer(

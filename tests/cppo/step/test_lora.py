@@ -200,6 +200,39 @@ def test_a_lora_checkpoint_holds_the_adapter_in_pefts_format(tmp_path):
     assert sum(t.numel() for t in weights.values()) == sum(p.numel() for p in adapter_state(trainer).values())
 
 
+def test_the_base_recorded_is_the_model_that_loaded_not_a_folder_of_its_name(tmp_path, monkeypatch, capsys):
+    """Issue 27: a built-in tiny-qwen2 run started where a ./tiny-qwen2 model folder lies recorded that folder as
+    its base, and eval / merge used it (other weights)."""
+    other, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=1)
+    monkeypatch.chdir(tmp_path)
+    other.save_pretrained("tiny-qwen2")
+    tokenizer.save_pretrained("tiny-qwen2")
+    trainer = lora_trainer(tmp_path / "run")
+    path = trainer.save_checkpoint(str(tmp_path / "run" / "checkpoint-000000"))  # lora_B is 0: merged = the base
+    assert lora.base_recipe(os.path.join(path, "model"))["model"] == "tiny-qwen2"
+    capsys.readouterr()
+    assert main(["merge", "--checkpoint", path, "--output", str(tmp_path / "merged")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    built_in = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=0)[0].state_dict()
+    assert merged.keys() == built_in.keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], built_in[k], rtol=0, atol=0)
+    assert not torch.equal(other.state_dict()["model.embed_tokens.weight"], built_in["model.embed_tokens.weight"])
+
+
+def test_a_local_base_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=1)
+    monkeypatch.chdir(tmp_path)
+    model.save_pretrained("base")
+    tokenizer.save_pretrained("base")
+    base, tokenizer = load_model_and_tokenizer("base")
+    adapted = lora.apply_lora(base, r=2, alpha=4, dropout=0.0, target_modules=["q_proj"], seed=0, base_model="base")
+    lora.save_adapter(adapted, str(tmp_path / "adapter"), tokenizer=tokenizer)
+    assert lora.base_recipe(str(tmp_path / "adapter"))["model"] == str(tmp_path / "base")
+
+
 def test_resume_continues_a_lora_run_exactly(tmp_path):
     straight = lora_trainer(tmp_path / "straight", num_steps=3, lora_dropout=0.05)
     for _ in range(3):
