@@ -223,7 +223,7 @@ def _check_eval_args(args) -> None:
     from cppo_kernels.config import check_float, check_int
 
     from .config import check_model_and_data
-    from .engines import check_engine_name
+    from .engines import check_engine_installed
     from .fileio import check_writable
     from .run import model_folder
     from .step import is_adapter_folder
@@ -257,9 +257,10 @@ def _check_eval_args(args) -> None:
     if args.rollout_backend == "vllm" and is_adapter_folder(model_folder(args.model)):
         raise ValueError(f"--model {args.model!r} is a LoRA adapter, which vllm cannot load: cppo merge it first")
     try:
-        check_engine_name(args.rollout_backend)
+        check_engine_installed(args.rollout_backend)
     except ValueError as e:
-        raise ValueError(f"--{e}".replace("rollout_backend", "rollout-backend", 1)) from None
+        message = str(e).replace("rollout_backend=", "--rollout-backend ")
+        raise ValueError(re.sub(r"\brollout_backend\b", "--rollout-backend", message)) from None
 
 
 #: ``cppo eval``'s flags for the settings its checks name.
