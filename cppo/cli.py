@@ -11,6 +11,7 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -318,8 +319,9 @@ def _eval(args) -> int:
         model, tokenizer = _load_eval_model(model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed)
     except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
-    except SafetensorError as e:  # a truncated or corrupt weights file
-        weights = os.path.join(model_folder(args.model), "model.safetensors")
+    except SafetensorError as e:  # a truncated or corrupt weights file (an adapter's are checked by name before)
+        files = sorted(glob.glob(os.path.join(glob.escape(model_folder(args.model)), "*.safetensors")))
+        weights = files[0] if len(files) == 1 else f"a *.safetensors file of {model_folder(args.model)}"
         raise ValueError(
             f"--model {args.model!r}: {weights} cannot be read ({e}): a truncated or corrupt file"
         ) from None
