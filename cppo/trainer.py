@@ -121,6 +121,7 @@ class Trainer:
             seed=cfg.seed,
             prefix_sharing=cfg.prefix_sharing,
         )
+        self.logit_transform = step.check_logit_transform(self.model)  # the model's own scale and cap, or refused
         if cfg.gradient_checkpointing:
             step.enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
@@ -269,7 +270,8 @@ class Trainer:
         out = []
         for b in batches:
             hidden, weight, bias = self._hidden_and_head(policy, b)
-            out.append(fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=self.loss_config.temperature))
+            head = dict(bias=bias, temperature=self.loss_config.temperature, **self.logit_transform.kwargs())
+            out.append(fused_logprobs(hidden, weight, b.targets, **head))
         return out
 
     def _hidden_and_head(self, policy, b: PackedBatch):
@@ -340,6 +342,7 @@ class Trainer:
             ref_logprobs=ref,
             bias=bias,
             config=self.loss_config,
+            **self.logit_transform.kwargs(),
         )
 
     def _optimizer_step(self) -> tuple[float, bool]:

@@ -10,6 +10,8 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
   grpo / bnpo / dr_grpo divided by the gradient-accumulation steps, as TRL does;
 - ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
 - ``epsilon`` / ``epsilon_high``, ``beta`` (k3 against ``ref_per_token_logps``), ``temperature``;
+- the model's own logit scale and final cap (Gemma, Cohere, Granite, ...: :mod:`cppo.step.head`), as TRL's fused
+  head applies them, the temperature dividing the result;
 - TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (token means over all
   processes); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 
@@ -27,9 +29,12 @@ from torch import Tensor
 
 from cppo_kernels import fused_cppo_loss
 
-from ..step import lm_head
+from ..step import LogitTransform, check_logit_transform, lm_head
 
-__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "padded_hidden", "fused_policy_loss"]
+__all__ = [
+    "LOSS_AGG", "unsupported_setting", "install_hidden_forward", "model_logit_transform", "padded_hidden",
+    "fused_policy_loss",
+]  # fmt: skip
 
 #: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
 LOSS_AGG = {
@@ -88,6 +93,18 @@ def install_hidden_forward(model) -> None:
     inner.forward = forward
 
 
+def model_logit_transform(trainer) -> LogitTransform:
+    """The logit scale and cap of ``trainer``'s model, read from its config as TRL's ``add_fused_lm_head`` reads it
+    and checked once against the model's own logits through the hidden-state forward the fused passes use
+    (:func:`install_hidden_forward`); a model whose head does anything else is refused in one line."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def hidden(ids: Tensor) -> Tensor:
+        return model(input_ids=ids, cppo_hidden_states=True)
+
+    return check_logit_transform(model, hidden_forward=hidden)
+
+
 def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(hidden, weight, bias)`` in one dtype: the head's (fp32) with ``cast_lm_head_to_fp32``, else the hidden
     states' (what autocast gives a linear layer)."""
@@ -137,7 +154,7 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
             temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
             beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
-            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True,
+            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True, **trainer.logit_transform.kwargs(),
             max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
         )  # fmt: skip
     _log_metrics(trainer, metrics)

@@ -163,7 +163,8 @@ def shared_hidden(trainer, model, rows: SharedRows) -> Tensor:
 
 def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
     """``[B, C]`` fp32 per-token log-probs of the completions under ``model`` (TRL's ``_get_per_token_logps``: the
-    logits divided by the temperature, the head in fp32 with ``cast_lm_head_to_fp32``), 0 at masked positions."""
+    model's logits divided by the temperature, the head in fp32 with ``cast_lm_head_to_fp32``), 0 at masked
+    positions."""
     unwrapped = trainer.accelerator.unwrap_model(model)
     out = torch.zeros(rows.shape[0] * rows.shape[1], dtype=torch.float32, device=rows.dest[0].device)  # [B * C]
     for b, dest in zip(rows.batches, rows.dest, strict=True):
@@ -171,7 +172,8 @@ def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
             hidden = _completion_hidden(model, b, unwrapped)  # [T, H]
         hidden, weight, bias = _head_inputs(trainer, hidden, model)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp = fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=trainer.temperature)  # [T]
+            head = dict(bias=bias, temperature=trainer.temperature, **trainer.logit_transform.kwargs())
+            logp = fused_logprobs(hidden, weight, b.targets, **head)  # [T]
         out.index_copy_(0, dest, logp.float())
     with trainer.accelerator.autocast():
         for b in rows.fillers:  # only keep the processes in step

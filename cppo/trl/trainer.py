@@ -39,7 +39,7 @@ from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 from ..distributed import DistInfo
 from ..engines import generate_prefilled_once, prefill_once_applies
 from .config import CPPOConfig
-from .loss import fused_policy_loss, install_hidden_forward, unsupported_setting
+from .loss import fused_policy_loss, install_hidden_forward, model_logit_transform, unsupported_setting
 from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
 from .rows import keep_rows, pass_tokens
 from .sampling import importance_ratio, sampling_stats
@@ -114,8 +114,10 @@ class CPPOTrainer(GRPOTrainer):
         self._deferring = False
         self._check_layout()
         self.fused_loss_refused = unsupported_setting(self)
+        self.logit_transform = None  # the model's own logit scale and cap (cppo.step.head), for the fused head
         if self.fused_loss_refused is None:
             install_hidden_forward(self.model)
+            self.logit_transform = model_logit_transform(self)  # or refused, naming the model's class
         else:
             warnings.warn(
                 f"CPPOTrainer: {self.fused_loss_refused} is not expressed by cppo_kernels.fused_cppo_loss; "
