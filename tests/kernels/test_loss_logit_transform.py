@@ -291,3 +291,43 @@ def test_cuda_new_scale_or_cap_value_compiles_nothing():
         step(logit_scale=0.25, logit_softcap=5.0)
         step(logit_scale=3.0)
         assert binaries() == first
+
+
+def test_the_transform_travels_through_the_custom_ops():
+    """Under ``torch.compile(fullgraph=True)`` the loss and the log-probs are single custom-op nodes
+    (:mod:`cppo_kernels._ops`) carrying the scale and the cap: the eager results and gradients; ``opcheck`` passes
+    for the loss op with a capped head."""
+    from cppo_kernels._ops import encode
+
+    hidden, weight, bias, targets, adv, _ = _head(torch.float32, seed=4, lengths=[5, 4], H=16, V=40, bias=True)
+    cu, old = cu_seqlens([5, 4]), torch.full((9,), -3.0)
+    options = dict(cu_seqlens=cu, old_logprobs=old, bias=bias, logit_scale=0.5, logit_softcap=3.0, beta=0.0)
+
+    def loss_fn(h, w):
+        return fused_cppo_loss(h, w, targets, adv, **options)[0]
+
+    def logprobs_fn(h, w):
+        return fused_logprobs(h, w, targets, bias=bias, logit_scale=0.5, logit_softcap=3.0, temperature=0.8)
+
+    compiled_loss = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    compiled_logprobs = torch.compile(logprobs_fn, backend="aot_eager", fullgraph=True)
+    params = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    got = compiled_loss(*params)
+    got_grads = torch.autograd.grad(got, params)
+    want = loss_fn(*(x.detach().requires_grad_() for x in params))
+    assert_close("loss", got, want, 1e-6)
+    eager_params = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    want_grads = torch.autograd.grad(loss_fn(*eager_params), eager_params)
+    for name, a, b in zip(("dhidden", "dweight"), got_grads, want_grads, strict=True):
+        assert_close(name, a, b, 1e-6)
+    assert_close("logp", compiled_logprobs(hidden, weight), logprobs_fn(hidden, weight), 1e-6)
+    uncapped = fused_logprobs(hidden, weight, targets, bias=bias, temperature=0.8)
+    assert not torch.allclose(uncapped, logprobs_fn(hidden, weight))
+
+    cfg = LossConfig()
+    op_options = f"{encode(**vars(cfg))};mode='two-pass';needs='110';" + encode(
+        **{"head.logit_scale": 0.5, "head.logit_softcap": 3.0}
+    )
+    args = (params[0].detach().requires_grad_(), params[1].detach().requires_grad_(), targets, adv, cu, None, old,
+            None, bias, op_options)  # fmt: skip
+    torch.library.opcheck(torch.ops.cppo_kernels.fused_cppo_loss.default, args)
