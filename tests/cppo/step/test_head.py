@@ -195,3 +195,34 @@ def test_a_head_that_does_something_else_is_refused():
     assert "\n" not in str(err.value)
     model.config.logit_scale = 3.0  # now the config states what the forward does
     assert check_logit_transform(model) == LogitTransform(3.0, None)
+
+
+def test_the_trainer_passes_the_models_transform_to_the_fused_ops(tmp_path, monkeypatch):
+    """``Trainer`` on a tiny Cohere saved to disk (logit scale 0.25; Gemma 2 does not take the trainer's sdpa
+    attention): the transform is read when the model loads and every ``fused_logprobs`` (old-policy and reference
+    passes) and ``fused_cppo_loss`` call of a step gets it."""
+    from tiny_run import tiny_config
+    from transformers import CohereConfig, CohereForCausalLM
+
+    import cppo.trainer
+    from cppo import Trainer
+    from cppo.step import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(300)
+    config = CohereConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, logit_scale=0.25, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    CohereForCausalLM(config).save_pretrained(tmp_path / "cohere")
+    tokenizer.save_pretrained(tmp_path / "cohere")
+    trainer = Trainer(tiny_config(tmp_path / "run", model=str(tmp_path / "cohere"), model_config=None, num_steps=1))
+    assert trainer.logit_transform == LogitTransform(0.25, None)
+    seen = []
+    for name in ("fused_logprobs", "fused_cppo_loss"):
+        real = getattr(cppo.trainer, name)
+        spy = lambda *a, _real=real, _name=name, **k: seen.append((_name, k.get("logit_scale"))) or _real(*a, **k)  # noqa: E731
+        monkeypatch.setattr(cppo.trainer, name, spy)
+    trainer.train_step()
+    assert {name for name, _ in seen} == {"fused_logprobs", "fused_cppo_loss"}
+    assert all(scale == 0.25 for _, scale in seen), seen
