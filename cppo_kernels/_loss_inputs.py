@@ -235,7 +235,8 @@ def check_logits(lse: Tensor, logp: Tensor, hidden: Tensor, weight: Tensor, bias
     first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
     raise ValueError(
         f"the log-sum-exp of the logits is not finite for {count} of {lse.numel()} tokens (first: token {first}): "
-        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) / temperature overflows float32"
+        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) * logit_scale / temperature overflows "
+        "float32"
     )
 
 
