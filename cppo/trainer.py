@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import time
 
@@ -394,13 +395,14 @@ class Trainer(StepRollouts):
         to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.run.sinks`, rank 0); checkpoints every ``save_every``
         steps and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm  # a warning mid-run: a line of its own, above the bar
 
         cfg = self.config
         history, logged, bar = [], [], None
         try:
             self.run.start(cfg.to_dict(), step=self.step)  # the lock; a new run never mixes with one already there
             bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
-            with StopSignals() as stop:
+            with StopSignals() as stop, logging_redirect_tqdm(loggers=[logging.getLogger("cppo")]):
                 while self.step < self.num_steps:
                     record = self._step_and_log(logged)
                     history.append(record)
@@ -418,7 +420,7 @@ class Trainer(StepRollouts):
                 bar.close()
             self.run.finish()
         if self.rank == 0:  # metrics.png over the whole run
-            plot_run(cfg.output_dir, log_kept="jsonl" in cfg.report_to, logged=logged)
+            plot_run(cfg.output_dir, log_kept="jsonl" in self.run.sink_names, logged=logged)  # unless it failed
         return history
 
     def _step_and_log(self, logged: list[dict]) -> dict:
