@@ -331,17 +331,9 @@ class Trainer(StepRollouts):
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
         return fused_cppo_loss(
-            hidden,
-            weight,
-            b.targets,
-            b.advantages,
-            cu_seqlens=b.cu_seqlens,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            bias=bias,
-            config=self.loss_config,
-            **self.logit_transform.kwargs(),
-        )
+            hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
+            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(),
+        )  # fmt: skip
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied
