@@ -10,6 +10,10 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
   grpo / bnpo / dr_grpo divided by the gradient-accumulation steps, as TRL does;
 - ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
 - ``epsilon`` / ``epsilon_high``, ``beta`` (k3 against ``ref_per_token_logps``), ``temperature``;
+- vLLM's importance-sampling correction: the ratio of :mod:`cppo.trl.sampling` (computed on the kept rows, in any
+  of TRL's four modes) goes in as ``importance_weights``, multiplied into the policy term only, as TRL does;
+- a sharded LM head (FSDP2, DeepSpeed ZeRO-3): the weight is read where the engine has it gathered
+  (:mod:`cppo.trl.sharding`), and its gradient is reduced by the engine as every other parameter's;
 - TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (token means over all
   processes); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 
@@ -20,6 +24,7 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from accelerate.utils import is_peft_model
@@ -27,9 +32,12 @@ from torch import Tensor
 
 from cppo_kernels import fused_cppo_loss
 
-from ..step import lm_head
+from .sharding import gathered_head
 
-__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "padded_hidden", "fused_policy_loss"]
+__all__ = [
+    "LOSS_AGG", "unsupported_setting", "takes_importance_weights", "install_hidden_forward", "padded_hidden",
+    "fused_policy_loss",
+]  # fmt: skip
 
 #: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
 LOSS_AGG = {
@@ -53,21 +61,25 @@ def unsupported_setting(trainer) -> str | None:
         (trainer._entropy_bonus_enabled, f"entropy_coef={args.entropy_coef} / use_adaptive_entropy"),
         (trainer.aux_loss_enabled, "router_aux_loss_coef (a mixture-of-experts auxiliary loss)"),
         (
-            trainer.use_vllm and trainer.vllm_importance_sampling_correction,
-            "vllm_importance_sampling_correction=True (per-token importance weights)",
+            _vllm_correction(trainer) and not takes_importance_weights(),
+            "vllm_importance_sampling_correction=True (this cppo_kernels.fused_cppo_loss takes no importance_weights)",
         ),
-        (_sharded_head(trainer), "FSDP / DeepSpeed ZeRO-3 (a sharded LM-head weight)"),
     )
     return next((name for bad, name in checks if bad), None)
 
 
-def _sharded_head(trainer) -> bool:
-    """Whether the LM-head weight is sharded over the processes (FSDP, DeepSpeed ZeRO-3): TRL gathers it inside its
-    own head; the fused loss would need it whole."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return True
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return bool(getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3)
+def takes_importance_weights() -> bool:
+    """Whether the installed ``fused_cppo_loss`` takes ``importance_weights`` (a detached per-token or per-sequence
+    factor on the policy term): vLLM's importance-sampling correction runs fused only then."""
+    try:
+        return "importance_weights" in inspect.signature(fused_cppo_loss).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+
+
+def _vllm_correction(trainer) -> bool:
+    """Whether TRL multiplies its policy term by vLLM's importance-sampling ratio (``inputs`` then hold it)."""
+    return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
 def install_hidden_forward(model) -> None:
@@ -90,8 +102,9 @@ def install_hidden_forward(model) -> None:
 
 def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(hidden, weight, bias)`` in one dtype: the head's (fp32) with ``cast_lm_head_to_fp32``, else the hidden
-    states' (what autocast gives a linear layer)."""
-    weight, bias = lm_head(trainer.accelerator.unwrap_model(model))
+    states' (what autocast gives a linear layer). Read after ``model``'s forward, where FSDP2 keeps it gathered
+    (:func:`cppo.trl.sharding.gathered_head`: a whole tensor, or a ValueError)."""
+    weight, bias = gathered_head(trainer, trainer.accelerator.unwrap_model(model))
     dtype = weight.dtype if trainer.args.cast_lm_head_to_fp32 else hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
@@ -130,6 +143,10 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     if hidden is None:
         hidden = padded_hidden(trainer, model, inputs)
     hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
+    weights = {}
+    if _vllm_correction(trainer):  # TRL's [B, C] (token modes) or [B, 1] (sequence modes) ratio, a constant
+        ratio = inputs["importance_sampling_ratio"]
+        weights["importance_weights"] = ratio.squeeze(1) if ratio.size(1) == 1 else ratio  # [B, C] or [B]
     with torch.autocast(hidden.device.type, enabled=False):
         loss, metrics = fused_cppo_loss(
             hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,
@@ -139,6 +156,7 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
             loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True,
             max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
+            **weights,
         )  # fmt: skip
     _log_metrics(trainer, metrics)
     return loss * _scale(trainer, metrics["num_tokens"], inputs["num_items_in_batch"])
