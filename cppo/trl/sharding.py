@@ -53,6 +53,8 @@ class ZeroHead:
     def gather(self, params: list[Tensor | None]) -> None:
         """Gathers the partitioned ones of ``params`` (``deepspeed.zero.GatheredParameters``) until the step ends."""
         todo = [p for p in params if p is not None and hasattr(p, "ds_id") and id(p) not in self._held]
+        # already gathered (a tied embedding holds it): left to its holder, as TRL's maybe_gather_lm_head_ctx does
+        todo = [p for p in todo if getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE"]
         todo = list({id(p): p for p in todo}.values())  # tied weights: once
         if not todo:
             return
@@ -80,9 +82,10 @@ def gathered_head(trainer, model: nn.Module) -> tuple[Tensor, Tensor | None]:
     """``(weight [V, H], bias [V] or None)`` of ``model``'s (unwrapped) LM head as whole tensors: FSDP2's unsharded
     parameters (after the forward :func:`prepare_head` ran before), or ZeRO-3's gathered ones. A ``ValueError`` when
     the weight is still an FSDP2 shard (a forward that did not go through the head's unit)."""
+    if zero3_enabled(trainer):  # before lm_head's checks: a partitioned weight is an empty 1-D tensor
+        head = _head_module(model)
+        trainer.zero_head.gather([getattr(head, "weight", None), getattr(head, "bias", None)])
     weight, bias = lm_head(model)
-    if zero3_enabled(trainer):
-        trainer.zero_head.gather([weight, bias])
     if is_sharded(weight):
         raise ValueError(
             f"the LM-head weight of {type(model).__name__} is an FSDP2 shard {tuple(weight.shape)} after the forward: "
