@@ -64,8 +64,18 @@ def unsupported_setting(trainer) -> str | None:
             _vllm_correction(trainer) and not takes_importance_weights(),
             "vllm_importance_sampling_correction=True (this cppo_kernels.fused_cppo_loss takes no importance_weights)",
         ),
+        (
+            _fsdp_version(trainer) == 1,
+            "FSDP version 1 (its LM head is a flat-parameter shard outside the forward: use FSDP2)",
+        ),
     )
     return next((name for bad, name in checks if bad), None)
+
+
+def _fsdp_version(trainer) -> int | None:
+    """accelerate's FSDP plugin version (1 or 2), None without FSDP."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", None) if getattr(trainer, "is_fsdp_enabled", False) else None
 
 
 def takes_importance_weights() -> bool:
