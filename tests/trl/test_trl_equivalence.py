@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl_tiny import digit_reward, fake_vllm, losses, make_config, tiny_dataset, weights
+from trl_tiny import digit_reward, fake_vllm, losses, make_config, save_tiny_moe, tiny_dataset, weights
 
+import cppo.trl.loss as trl_loss
 from cppo.trl import CPPOConfig, CPPOTrainer
 from cppo.trl.loss import takes_importance_weights
 
@@ -80,3 +81,18 @@ def test_p0_with_vllm_importance_sampling_trains_as_stock_trl(tiny_model, tmp_pa
     for ours, theirs in zip(cppo.state.log_history, stock.state.log_history, strict=True):
         torch.testing.assert_close([ours.get(k) for k in sampling], [theirs.get(k) for k in sampling])
     assert logged["loss"] != 0.0 and logged["sampling/importance_sampling_ratio/mean"] > 0, logged
+
+
+def test_p0_mixture_of_experts_aux_loss_trains_as_stock_trl(tmp_path, monkeypatch):
+    """A mixture-of-experts policy with ``router_aux_loss_coef``: the fused loss plus the model's own load-balancing
+    loss of the padded rows (prefix sharing is off for it, one warning), as TRL adds it."""
+    calls = []
+    fused = trl_loss.fused_cppo_loss
+    monkeypatch.setattr(trl_loss, "fused_cppo_loss", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
+    model = save_tiny_moe(tmp_path / "moe")
+    with pytest.warns(UserWarning, match="prefix_sharing=True is not used with router_aux_loss_coef"):
+        cppo, stock = assert_same_training(model, tmp_path, beta=0.04, num_iterations=2)
+    assert cppo.aux_loss_enabled and cppo.fused_loss_refused is None and len(calls) == 3
+    aux = [h["aux_loss"] for h in cppo.state.log_history if "aux_loss" in h]
+    assert len(aux) == 3 and aux[0] > 0
+    torch.testing.assert_close(aux, [h["aux_loss"] for h in stock.state.log_history if "aux_loss" in h])
