@@ -95,3 +95,31 @@ def test_pruned_run_with_the_correction_trains_through_the_fused_loss(tiny_model
     cppo.train()
     assert calls and all(w is not None and not w.requires_grad for w in calls)
     assert all(torch.isfinite(torch.tensor(loss)) for loss in losses(cppo)) and len(losses(cppo)) == 2
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_the_kept_rows_ratio_is_what_the_fused_loss_gets_as_importance_weights(tiny_model, tmp_path, monkeypatch, mode):
+    """The wiring alone (it runs whether or not the installed ``fused_cppo_loss`` takes the keyword): the micro-batch's
+    ratio reaches ``fused_cppo_loss`` as ``importance_weights``, ``[B, C]`` per token or ``[B]`` per sequence, without
+    gradient. The loss itself is the kernel's (its equality with TRL: the P = 0 tests above and in
+    test_trl_equivalence.py, run once the keyword exists)."""
+    monkeypatch.setattr(trl_loss, "takes_importance_weights", lambda: True)
+    _, cppo = trainers(tiny_model, tmp_path, beta=0.04, vllm_importance_sampling_mode=mode)
+    assert cppo.fused_loss_refused is None
+    seen = []
+    fused = trl_loss.fused_cppo_loss
+
+    def spy(*args, importance_weights=None, **kwargs):
+        seen.append(importance_weights)
+        return fused(*args, **kwargs)  # the installed kernel, without the keyword it may lack
+
+    monkeypatch.setattr(trl_loss, "fused_cppo_loss", spy)
+    torch.manual_seed(0)
+    batch = cppo._generate_and_score_completions([{"prompt": f"{i} + {i * 7} ="} for i in (3, 14) for _ in range(4)])
+    cppo.current_gradient_accumulation_steps = 1
+    cppo._compute_loss(cppo.model, batch)
+    (weights,) = seen
+    ratio = batch["importance_sampling_ratio"]
+    expected = ratio if mode.startswith("token") else ratio.squeeze(1)
+    assert weights is not None and weights.shape == expected.shape and not weights.requires_grad
+    assert torch.equal(weights, expected) and weights.shape[0] == batch["completion_ids"].size(0) < 8
