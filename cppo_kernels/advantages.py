@@ -34,6 +34,13 @@ def _backend(x: Tensor, group_size: int):
 
 def _check_grouped_vector(name: str, x, group_size: int) -> None:
     """A 1-D finite floating tensor laid out group after group (the finiteness check is the one host sync)."""
+    _check_grouped_shape(name, x, group_size)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must be finite (found NaN or inf)")
+
+
+def _check_grouped_shape(name: str, x, group_size: int) -> None:
+    """:func:`_check_grouped_vector` without the value check (no host sync: what a compiled call checks)."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1:
@@ -43,8 +50,6 @@ def _check_grouped_vector(name: str, x, group_size: int) -> None:
     check_int("group_size", group_size, low=1)
     if x.numel() % group_size != 0:
         raise ValueError(f"{name} has {x.numel()} elements, not divisible by group_size={group_size}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} must be finite (found NaN or inf)")
 
 
 def _check_advantage_options(scale: str, unbiased: bool, eps: float) -> None:
@@ -197,18 +202,46 @@ def cppo_select(
         ``(advantages, kept)``: fp32 ``[N]`` advantages of all completions (index them with ``kept``) and the
         ascending int64 ``[K]`` indices of the kept completions (``K = keep * num_groups``, or ``num_kept``).
     """
+    if torch.compiler.is_compiling():  # one cppo_kernels::cppo_select node; the value check runs inside it
+        from ._ops import compiled_select
+
+        _check_grouped_shape("rewards", rewards, group_size)
+        _check_advantage_options(scale, unbiased, eps)
+        _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
+        draws = _draws(rewards, metric, generator)
+        options = dict(scale=scale, unbiased=unbiased, eps=eps, scope=scope, metric=metric)
+        return compiled_select(rewards, group_size, keep, num_kept, draws, **options)
     _check_grouped_vector("rewards", rewards, group_size)
     _check_advantage_options(scale, unbiased, eps)
-    count = _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
+    _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
+    draws = _draws(rewards, metric, generator)
+    return select_impl(
+        rewards, group_size, keep, num_kept, draws=draws, scale=scale, unbiased=unbiased, eps=eps, scope=scope,
+        metric=metric, checked=True,
+    )  # fmt: skip
+
+
+def select_impl(
+    rewards: Tensor,
+    group_size: int,
+    keep: int | None,
+    num_kept: int | None,
+    *,
+    draws: Tensor | None,
+    scale: str,
+    unbiased: bool,
+    eps: float,
+    scope: str,
+    metric: str,
+    checked: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """:func:`cppo_select` with the ``metric="random"`` draws given (``[N]`` fp32, or None): validates (unless
+    ``checked``), then runs the backend. The real implementation of the ``cppo_kernels::cppo_select`` op."""
+    if not checked:
+        _check_grouped_vector("rewards", rewards, group_size)
+        _check_advantage_options(scale, unbiased, eps)
+    count = _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, None)
     backend = _backend(rewards, group_size)
     return backend.cppo_select(
-        rewards,
-        group_size,
-        count,
-        scale=scale,
-        unbiased=unbiased,
-        eps=eps,
-        scope=scope,
-        metric=metric,
-        draws=_draws(rewards, metric, generator),
+        rewards, group_size, count, scale=scale, unbiased=unbiased, eps=eps, scope=scope, metric=metric, draws=draws
     )

@@ -191,6 +191,25 @@ def fused_cppo_loss(
         max_completion_length=max_completion_length, compute_entropy=compute_entropy,
     )  # fmt: skip
     _check_mode(mode, cfg)
+    if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
+        from ._ops import compiled_loss
+
+        return compiled_loss(
+            hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+        )  # fmt: skip
+    return eager_loss(
+        hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+    )  # fmt: skip
+
+
+def eager_loss(
+    hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
+    mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``): validation, packing,
+    the mode's autograd Function. Also the real implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
     p, checks = pack(
         "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True,
@@ -235,6 +254,19 @@ def fused_logprobs(
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
+    if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
+        from ._ops import compiled_logprobs
+
+        return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                 compute_entropy=compute_entropy)  # fmt: skip
+    return eager_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy)
+
+
+def eager_logprobs(
+    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The body of :func:`fused_logprobs` (call it under ``torch.no_grad``); also the real implementation of the
+    ``cppo_kernels::fused_logprobs`` op."""
     hidden = check_tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
