@@ -82,16 +82,16 @@ def test_kept_rows_ratio_equals_stock_trl(tiny_model, tmp_path, mode, clip_min, 
 def test_pruned_run_with_the_correction_trains_through_the_fused_loss(tiny_model, tmp_path, monkeypatch):
     if not trl_loss.takes_importance_weights():
         pytest.skip("cppo_kernels.fused_cppo_loss has no importance_weights keyword yet (issue 26): TRL's loss runs")
+    _, cppo = trainers(tiny_model, tmp_path, beta=0.04, vllm_importance_sampling_mode="token_mask", max_steps=2)
+    assert cppo.fused_loss_refused is None
     calls = []
     fused = trl_loss.fused_cppo_loss
 
-    def spy(*args, **kwargs):
+    def spy(*args, **kwargs):  # installed after the trainer decided its loss path (from fused_cppo_loss's signature)
         calls.append(kwargs.get("importance_weights"))
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(trl_loss, "fused_cppo_loss", spy)
-    _, cppo = trainers(tiny_model, tmp_path, beta=0.04, vllm_importance_sampling_mode="token_mask", max_steps=2)
-    assert cppo.fused_loss_refused is None
     cppo.train()
     assert calls and all(w is not None and not w.requires_grad for w in calls)
     assert all(torch.isfinite(torch.tensor(loss)) for loss in losses(cppo)) and len(losses(cppo)) == 2
