@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import time
 
@@ -31,6 +32,7 @@ from .config import TrainConfig
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
+from .rollouts import StepRollouts
 from .run import (
     TRAINER_KEYS,
     Interrupted,
@@ -44,7 +46,7 @@ from .run import (
     save_checkpoint,
 )  # fmt: skip
 from .step import PackedBatch, lm_head
-from .tasks import QuestionSampler, build_prompt, get_rewards, load_problems, score_all, training_correct, verifier
+from .tasks import QuestionSampler, SelectiveRollout, get_rewards, load_problems, verifier
 
 
 def _on_kernel_backend(method):
@@ -60,7 +62,7 @@ def _on_kernel_backend(method):
     return wrapper
 
 
-class Trainer:
+class Trainer(StepRollouts):
     """CPPO training of ``config.model``, in one process or one rank of a torchrun job.
 
     ``info`` places this process (:class:`cppo.distributed.DistInfo`); by default it is read from torchrun's
@@ -90,6 +92,10 @@ class Trainer:
         self.reward_fns = get_rewards(config.rewards)
         verifier(timeout=config.reward_timeout)
         self.sampler = QuestionSampler(len(self.problems), seed=config.seed, rank=self.rank, world_size=self.world_size)
+        self.greso = None if not config.greso else SelectiveRollout(
+            len(self.problems), seed=config.seed, target_skip_rate=config.greso_target_skip_rate,
+            min_explore=config.greso_min_explore, adjust_step=config.greso_adjust_step,
+        )  # fmt: skip
         self.num_steps = config.steps_for(len(self.problems))
         self._build_models()
         # after wrapping: FSDP2 replaces the parameters with sharded ones
@@ -185,12 +191,16 @@ class Trainer:
         timer, start = PhaseTimer(self.device), time.perf_counter()
         torch.manual_seed(self._step_seed())  # sampling in generate draws from the global RNG: reproducible per step
 
-        with timer("generate"):
-            problems, prompts, rollout = self._generate()
-        with timer("reward"):
-            rewards, scores, correct = self._reward(problems, prompts, rollout)  # rewards [Q * G]
+        if cfg.filter_groups or cfg.greso:  # generate and reward, call after call (cppo.step.dynamic, GRESO)
+            problems, prompts, rollout, rewards, scores, correct, filled, extra = self._draw_step(timer)
+        else:
+            with timer("generate"):
+                problems, prompts, rollout = self._generate()
+            with timer("reward"):
+                rewards, scores, correct = self._reward(problems, prompts, rollout)  # rewards [Q * G]
+            filled, extra = None, {}
         with timer("select"):
-            batches, num_kept = self._select_and_pack(rewards, rollout)
+            batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
         with timer("logprobs"):
             old = self._logprobs(self.policy, passes) if cfg.mu > 1 else [None] * len(passes)
@@ -208,6 +218,7 @@ class Trainer:
 
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
+        record.update(extra)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
         record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -222,33 +233,20 @@ class Trainer:
         """This step's seed for ``rank`` (default: this rank's)."""
         return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
 
-    def _generate(self) -> tuple[list[dict], list[str], Rollout]:
-        """This rank's share of the step's questions, their prompts, and G sampled completions of each."""
-        cfg = self.config
-        problems = [self.problems[i] for i in self.sampler.draw(self.pruning.questions_drawn)]  # this rank's share
-        prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
-        with distributed.root_unsharded(self.policy):
-            rollout = self.rollout(prompts, cfg.group_size)  # generate, checked against the engine contract
-        return problems, prompts, rollout
-
-    def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):
-        """``(rewards [Q * G] fp32: the sum of the reward functions, their scores by name, correct per completion)``."""
-        G = self.config.group_size
-        rows = {key: [p.get(key) for p in problems for _ in range(G)] for key in ("answer", "kind", "solution")}
-        scores = score_all(self.reward_fns, [p for p in prompts for _ in range(G)], rollout.texts, **rows)
-        rewards = torch.tensor([sum(s) for s in zip(*scores.values())], dtype=torch.float32)  # [Q * G]
-        correct = training_correct(rollout.texts, **rows)  # MATH: the reward's math-verify verdicts, memoised
-        return rewards, scores, correct
-
-    def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout) -> tuple[list[PackedBatch], int]:
+    def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout, filled=None) -> tuple[list[PackedBatch], int]:
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
-        this rank's selection kept."""
+        this rank's selection kept; ``filled``: dynamic sampling's selection, already made."""
         # advantages over each full group, then this rank's survivors of the scope's official count
-        selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
-        advantages, kept = selected.advantages, selected.kept  # [Q * G], [K]
+        if filled is None:
+            selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
+            kept, kept_advantages = selected.kept, selected.kept_advantages  # [K] of [Q * G]
+        else:
+            kept, order = filled.rows(self.config.group_size).sort()  # ascending: a question's rows together
+            kept_advantages = filled.selection.kept_advantages[order]
+        self.kept_zero = int((kept_advantages == 0).sum())
         samples = [
             step.Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
-            for i, a in zip(kept.tolist(), advantages[kept].tolist())
+            for i, a in zip(kept.tolist(), kept_advantages.tolist())
         ]
         # prefix sharing: a question's completions after its prompt once, balanced and packed as one unit
         shared = step.use_prefix_sharing(self.model, self.config.prefix_sharing)
@@ -382,6 +380,7 @@ class Trainer:
             "tokens_trained": sum(b.num_tokens for b in batches) * cfg.mu,
             "tokens_forward": sum(b.num_input_tokens for b in batches) * forward_passes,
             "micro_batches": len(batches),
+            "kept_zero_advantage": self.kept_zero,
         }
 
     # ------------------------------------------------------------------------------------------------------
@@ -393,13 +392,14 @@ class Trainer:
         to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.run.sinks`, rank 0); checkpoints every ``save_every``
         steps and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm  # a warning mid-run: a line of its own, above the bar
 
         cfg = self.config
         history, logged, bar = [], [], None
         try:
             self.run.start(cfg.to_dict(), step=self.step)  # the lock; a new run never mixes with one already there
             bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
-            with StopSignals() as stop:
+            with StopSignals() as stop, logging_redirect_tqdm(loggers=[logging.getLogger("cppo")]):
                 while self.step < self.num_steps:
                     record = self._step_and_log(logged)
                     history.append(record)
@@ -417,7 +417,7 @@ class Trainer:
                 bar.close()
             self.run.finish()
         if self.rank == 0:  # metrics.png over the whole run
-            plot_run(cfg.output_dir, log_kept="jsonl" in cfg.report_to, logged=logged)
+            plot_run(cfg.output_dir, log_kept="jsonl" in self.run.sink_names, logged=logged)  # unless it failed
         return history
 
     def _step_and_log(self, logged: list[dict]) -> dict:
@@ -466,6 +466,8 @@ class Trainer:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
+        if self.greso is not None:  # the skip history: a resumed run skips what the uninterrupted one would
+            state["greso"] = self.greso.state_dict()
         self.last_checkpoint = save_checkpoint(
             path,
             module=self.policy,
@@ -491,5 +493,7 @@ class Trainer:
         # lr, weight decay, schedule: this run's
         step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
+        if self.greso is not None and "greso" in state:
+            self.greso.load_state_dict(state["greso"])
         self.step = int(state["step"])
         self.rollout.sync_weights()

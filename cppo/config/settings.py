@@ -12,10 +12,10 @@ from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
 from ..distributed import PARALLELISMS, check_device
-from ..engines import check_engine_name
+from ..engines import check_engine_installed, check_engine_name
 from ..run import check_report_to
 from ..step import Pruning
-from ..tasks import check_arith_eval_limit, check_timeout
+from ..tasks import check_arith_eval_limit, check_greso, check_timeout
 from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
 from .values import check_type
@@ -81,6 +81,24 @@ class TrainConfig:
         True, "draw 1/(1-P) times more questions per step, so a step trains as many completions as GRPO"
     )
     questions_per_step: int = setting(1, "questions a GRPO step draws (over all processes)")
+    filter_groups: bool = setting(
+        False,
+        "dynamic sampling (DAPO; verl algorithm.filter_groups): drop questions whose G rewards are all equal before "
+        "pruning and generate more until the kept budget is filled with non-zero advantages",
+    )
+    max_num_gen_batches: int = setting(
+        4, "filter_groups: generation calls per step at most (verl's name; >= 1), then the step trains what it has"
+    )
+    greso: bool = setting(
+        False,
+        "GRESO (arXiv 2506.02177): skip, before rollout, questions whose recent groups were all zero-variance, "
+        "with a probability adapting to greso_target_skip_rate",
+    )
+    greso_target_skip_rate: float = setting(0.5, "greso: the share of considered questions to skip, in [0, 1)")
+    greso_min_explore: float = setting(
+        0.05, "greso: exploration floor, in (0, 1]: a question is kept with at least this probability"
+    )
+    greso_adjust_step: float = setting(0.01, "greso: how far the exploration probability moves per draw, in (0, 1]")
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
     prefix_sharing: bool = setting(
         True, "pack a question's kept completions after its prompt once (block-causal mask; exact, fewer tokens)"
@@ -197,6 +215,12 @@ class TrainConfig:
                 f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
             )
         self.pruning  # noqa: B018  pruning_rate, selection_scope, selection_metric, allocation, questions_per_step
+        if self.max_num_gen_batches < 1:
+            raise ValueError(
+                f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
+                f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
+            )
+        check_greso(self.greso_target_skip_rate, self.greso_min_explore, self.greso_adjust_step)
         check_choice("parallelism", self.parallelism, PARALLELISMS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_engine_name(self.rollout_backend)
@@ -228,8 +252,10 @@ class TrainConfig:
         return self.seed if self.question_seed is None else self.question_seed
 
     def check_sources(self) -> None:
-        """Whether the model and the data exist (:func:`check_model_and_data`): the file-system checks, apart from
-        :meth:`validate`; the trainer and :func:`load_config` run them before anything loads."""
+        """Whether the model and the data exist (:func:`check_model_and_data`) and the rollout engine's packages are
+        installed: the checks of this machine, apart from :meth:`validate`; the trainer and :func:`load_config` run
+        them before anything loads."""
+        check_engine_installed(self.rollout_backend)
         check_model_and_data(
             model=self.model, model_config=self.model_config, dataset=self.dataset,
             dataset_path=self.dataset_path, dtype=self.dtype, device=self.device,

@@ -9,7 +9,7 @@ from .parallel import (
 from .processes import (
     REDUCTIONS, DistInfo, GlobalCounts, SequenceShard, all_gather_varlen, barrier, close_distributed,
     gather_sequences, global_counts, init_distributed, max_across_ranks, print_main, question_slice, reduce_metrics,
-    require_group,
+    require_group, sum_across_ranks,
 )  # fmt: skip
 
 __all__ = [
@@ -17,5 +17,5 @@ __all__ = [
     "gradient_sync", "is_fsdp2", "is_sharded", "keep_gathered_after_forward", "mixed_precision", "root_unsharded",
     "unwrap_model", "wrap_model", "REDUCTIONS", "DistInfo", "GlobalCounts", "SequenceShard", "all_gather_varlen",
     "barrier", "close_distributed", "gather_sequences", "global_counts", "init_distributed", "max_across_ranks",
-    "print_main", "question_slice", "reduce_metrics", "require_group",
+    "print_main", "question_slice", "reduce_metrics", "require_group", "sum_across_ranks",
 ]  # fmt: skip

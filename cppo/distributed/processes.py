@@ -298,6 +298,16 @@ def global_counts(*, num_tokens: int, num_seqs: int, info: DistInfo) -> GlobalCo
     return GlobalCounts(tokens=tokens, seqs=seqs)
 
 
+def sum_across_ranks(values: list[int], *, info: DistInfo) -> list[int]:
+    """Each of ``values`` summed over ranks (one collective; every rank passes as many)."""
+    if not info.distributed:
+        return [int(v) for v in values]
+    require_group(info)
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
 def max_across_ranks(value: int, *, info: DistInfo) -> int:
     """The largest ``value`` over ranks (e.g. the micro-batch count, so that every rank runs as many passes)."""
     if not info.distributed:

@@ -23,10 +23,12 @@ PHASES = ("generate", "reward", "select", "logprobs", "update", "optimizer")
 #: Counts, and each rank's share of a global token-mean (normalised by the global token count): they add up.
 SUMMED = frozenset(
     {"questions", "completions", "completions_kept", "tokens_trained", "tokens_forward", "micro_batches"}
-    | {"loss", "kl", "clip_fraction", "entropy"}
+    | {"loss", "kl", "clip_fraction", "entropy", "kept_zero_advantage", "filter_groups/zero_variance_dropped"}
 )
 #: Equal on every rank (computed from gathered or synchronised values); wall times take the slowest rank too.
-MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr", "skipped_updates"})
+MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr", "skipped_updates"}) | {
+    "generation_calls", "filter_groups/bound_reached", "greso/questions_skipped", "greso/explore",
+}  # fmt: skip
 
 
 class PhaseTimer:

@@ -1,8 +1,10 @@
 """What one training step computes, in the order the data flows: selection (the pruning policy, the one caller of the
-selection kernels), balance (the kept completions over the ranks), packing (micro-batches, each prompt once), models
-(loading and the packed forward), lora (PEFT adapters), optim (AdamW, the schedule, one optimizer step)."""
+selection kernels), dynamic (dynamic sampling: zero-variance groups dropped, more questions drawn), balance (the kept
+completions over the ranks), packing (micro-batches, each prompt once), models (loading and the packed forward), lora
+(PEFT adapters), optim (AdamW, the schedule, one optimizer step)."""
 
 from .balance import balance_samples, balance_sequences, lpt_assign, split_units  # noqa: I001  (grouped, as __all__)
+from .dynamic import FilledStep, fill_step, zero_variance_groups
 from .lora import (
     apply_lora, base_recipe, check_target_modules, is_adapter_folder, is_lora, load_adapter_model, load_adapter_weights,
     merge, reference_forward, save_adapter,
@@ -18,7 +20,8 @@ from .packing import (
 from .selection import SCOPES, Pruning, Selection, kept_count
 
 __all__ = [
-    "balance_samples", "balance_sequences", "lpt_assign", "split_units", "apply_lora", "base_recipe",
+    "balance_samples", "balance_sequences", "lpt_assign", "split_units", "FilledStep", "fill_step",
+    "zero_variance_groups", "apply_lora", "base_recipe",
     "check_target_modules", "is_adapter_folder", "is_lora", "load_adapter_model", "load_adapter_weights", "merge",
     "reference_forward", "save_adapter", "DEFAULT_TINY", "completion_hidden", "decoder",
     "enable_gradient_checkpointing", "lm_head", "load_model_and_tokenizer", "packed_hidden", "prefix_attention_mask",

@@ -146,29 +146,61 @@ class Pruning:
     # Selection
     # ---------------------------------------------------------------------------------------------------------
 
-    def select(self, rewards: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None) -> Selection:
+    def questions_per_rank(self, info: DistInfo | None = None) -> int:
+        """Questions one generation call of a step gives each rank: its share of :attr:`questions_drawn`."""
+        return self.questions_drawn // (info.world_size if info is not None else 1)
+
+    def kept_budget(self, info: DistInfo | None = None) -> int:
+        """Completions a step keeps without dynamic sampling: this rank's for ``group`` and ``batch``, all ranks'
+        together for ``global`` under torchrun. Dynamic sampling (:mod:`cppo.step.dynamic`) keeps exactly this many
+        of its pool, whatever the pool's size, so that the counts stay those of the plain rule."""
+        info = info if info is not None else DistInfo()
+        if self.scope == "group":
+            return self.keep * self.questions_per_rank(info)
+        if self.scope == "global" and info.distributed:
+            return self.kept_count(self.completions_per_step)
+        return self.kept_count(self.questions_per_rank(info) * self.group_size)
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N]``: the advantages of ``rewards [N]`` over each full group (the selection's own)."""
+        return group_advantages(rewards, self.group_size, scale=self.scale, eps=self.eps)
+
+    def select(
+        self, rewards: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None, num_kept: int | None = None
+    ) -> Selection:
         """Advantages over each full group of this process's ``rewards [N]`` (group after group), then the retained
         completions of the scope (see the module docstring). ``seed`` seeds the ``"random"`` metric's draws (the
-        same on every rank: the local scopes add the rank)."""
+        same on every rank: the local scopes add the rank). ``num_kept`` (``batch`` / ``global`` scopes): keep that
+        many of the pool (this rank's, or all ranks' with ``global``) instead of the rule's ``N - int(N * P)``:
+        dynamic sampling's budget over a pool of another size (:meth:`kept_budget`)."""
         info = info if info is not None else DistInfo()
+        if num_kept is not None and self.scope == "group":
+            raise ValueError("num_kept applies to the pooled scopes (batch, global), not to selection_scope group")
         if self.scope == "global" and info.distributed:
             advantages = group_advantages(rewards, self.group_size, scale=self.scale, eps=self.eps)  # [N]
-            return Selection(advantages, self.prune(advantages, seed=seed, info=info))
+            return Selection(advantages, self.prune(advantages, seed=seed, info=info, num_kept=num_kept))
         count = self._local_count(rewards.numel())
+        if num_kept is not None:
+            count["num_kept"] = min(int(num_kept), rewards.numel())
         advantages, kept = cppo_select(
             rewards, self.group_size, scale=self.scale, eps=self.eps, generator=self._generator(seed, info), **count
         )
         return Selection(advantages, kept)
 
-    def prune(self, advantages: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None) -> torch.Tensor:
+    def prune(
+        self, advantages: torch.Tensor, *, seed: int = 0, info: DistInfo | None = None, num_kept: int | None = None
+    ) -> torch.Tensor:
         """The retained completions given advantages already computed (e.g. by TRL's own normalisation):
-        ascending local indices of ``advantages [N]``. ``"global"`` under torchrun gathers |A| over the ranks."""
+        ascending local indices of ``advantages [N]``. ``"global"`` under torchrun gathers |A| over the ranks.
+        ``num_kept``: as in :meth:`select`."""
         info = info if info is not None else DistInfo()
         generator = self._generator(seed, info)
         if self.scope != "global" or not info.distributed:
             count = self._local_count(len(advantages))
+            if num_kept is not None and "num_kept" in count:
+                count["num_kept"] = min(int(num_kept), len(advantages))
             return select_completions(advantages, self.group_size, generator=generator, **count)
-        return self._prune_global(advantages, generator=generator, info=info)
+        return self._prune_global(advantages, generator=generator, info=info, num_kept=num_kept)
 
     def _local_count(self, num_completions: int) -> dict:
         """The kernels' count arguments for a pool held by one process (``global`` in one process is ``batch``)."""
@@ -182,7 +214,9 @@ class Pruning:
         local = self.scope != "global" or not info.distributed
         return torch.Generator().manual_seed(seed + (info.rank if local else 0))
 
-    def _prune_global(self, advantages: torch.Tensor, *, generator, info: DistInfo) -> torch.Tensor:
+    def _prune_global(
+        self, advantages: torch.Tensor, *, generator, info: DistInfo, num_kept: int | None = None
+    ) -> torch.Tensor:
         if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
             raise ValueError("advantages must be a 1-D tensor [num_groups * group_size]")
         # gather before validating: every rank then sees the same data and raises the same error (no rank waits)
@@ -193,8 +227,9 @@ class Pruning:
                 f"advantages on rank {bad[0]} have {sizes[bad[0]]} elements, not divisible by "
                 f"group_size={self.group_size}"
             )
+        count = self.kept_count(len(gathered)) if num_kept is None else min(int(num_kept), len(gathered))
         kept = select_completions(
-            gathered, self.group_size, num_kept=self.kept_count(len(gathered)), scope="batch", metric=self.metric,
+            gathered, self.group_size, num_kept=count, scope="batch", metric=self.metric,
             generator=generator,
         )  # fmt: skip
         start = sum(sizes[: info.rank])

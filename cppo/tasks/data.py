@@ -318,18 +318,29 @@ class QuestionSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_questions, generator=g).tolist()
 
-    def draw(self, n: int) -> list[int]:
+    def draw(self, n: int, skip=None) -> list[int]:
+        """This rank's share of the next ``n`` questions. ``skip(question, epoch, position) -> bool`` (GRESO,
+        :class:`cppo.tasks.greso.SelectiveRollout`) passes over questions before they are drawn, the draw walking on
+        until it has ``n``; after a whole epoch's worth of skips in one draw it stops asking. The questions passed
+        over are :attr:`skipped` (all ranks'), the ones considered :attr:`considered`."""
         if n % self.world_size:
             raise ValueError(f"questions per step ({n}) must divide by world_size ({self.world_size})")
         picked: list[int] = []
+        self.skipped: list[int] = []
         order = self._order(self.epoch)
         while len(picked) < n:
             if self.position == self.num_questions:
                 self.epoch, self.position = self.epoch + 1, 0
                 order = self._order(self.epoch)
-            take = min(n - len(picked), self.num_questions - self.position)
-            picked += order[self.position : self.position + take]
-            self.position += take
+            if skip is None or len(self.skipped) >= self.num_questions:
+                take = min(n - len(picked), self.num_questions - self.position)
+                picked += order[self.position : self.position + take]
+                self.position += take
+                continue
+            question = order[self.position]
+            (self.skipped if skip(question, self.epoch, self.position) else picked).append(question)
+            self.position += 1
+        self.considered = n + len(self.skipped)
         share = n // self.world_size
         return picked[self.rank * share : (self.rank + 1) * share]
 

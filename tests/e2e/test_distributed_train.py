@@ -153,6 +153,36 @@ def worker(out_dir: str) -> None:
     record("fsdp2_global_ranks_agree", lambda: two_process("fsdp2", "global"))
     record("ddp_global_uneven_count_ranks_agree", lambda: two_process("ddp", "global", UNEVEN))
 
+    def filter_groups_and_greso():
+        """filter_groups and GRESO on two ranks: the same generation calls on both, the same skip history (every
+        rank's groups gathered), the budget kept, equal parameters."""
+        from cppo.tasks import register_reward
+        from cppo.tasks.rewards import digits_reward
+
+        def gated(prompts, completions, answer, **_):  # even answers: a zero-variance group
+            return [0.0 if int(a) % 2 == 0 else d for a, d in zip(answer, digits_reward(prompts, completions))]
+
+        register_reward("gated", gated)
+        settings = dict(filter_groups=True, greso=True, max_questions=8, rewards=["gated"], num_steps=4, **packed)
+        trainer = _trainer(info, str(out / "filter-greso"), **settings)
+        generate, calls = trainer._generate, []
+        trainer._generate = lambda *a: calls.append(a) or generate(*a)
+        for _ in range(4):
+            before = len(calls)
+            m = trainer.train_step()
+            mine = torch.tensor([len(calls) - before, m["completions_kept"]])
+            both, _ = D.all_gather_varlen(mine[None], info=info)
+            assert both[0, 0] == both[1, 0] == m["generation_calls"], (both, m)
+            assert m["completions_kept"] == 8, m  # 4 per rank: each rank's budget
+        streaks = torch.tensor(trainer.greso.streaks + [trainer.greso.explore])
+        both, _ = D.all_gather_varlen(streaks[None], info=info)
+        assert torch.equal(both[0], both[1]) and sum(trainer.greso.streaks) > 0, both
+        flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        gathered, _ = D.all_gather_varlen(flat, info=info)
+        assert torch.equal(gathered[: flat.numel()], gathered[flat.numel() :]), "the ranks' parameters differ"
+
+    record("ddp_filter_groups_and_greso_ranks_agree", filter_groups_and_greso)
+
     def resume(parallelism: str):
         path = str(out / f"resume-{parallelism}")
         first = _trainer(info, path, parallelism=parallelism, selection_scope="global", **packed)
@@ -200,6 +230,7 @@ def worker(out_dir: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 CHECKS = [f"ddp_{s}_ranks_agree" for s in SCOPES] + ["fsdp2_global_ranks_agree", "ddp_global_uneven_count_ranks_agree"]
+CHECKS += ["ddp_filter_groups_and_greso_ranks_agree"]
 CHECKS += ["ddp_resume_matches_uninterrupted", "fsdp2_resume_matches_uninterrupted"]
 # the 1-process comparisons run on one rank each
 OWNER = {"two_processes_match_one_group": 0, "two_processes_match_one_global": 0, "two_processes_match_one_batch": 1}

@@ -22,6 +22,8 @@ OFFICIAL = {
     "selection_scope": "batch",  # grpo_trainer_*.py: k = int(N * P) over the process's step, torch.topk
     "selection_metric": "smallest",  # script --metric='smallest'
     "allocation": True,  # script --allocation
+    "filter_groups": False,  # no dynamic sampling: every drawn question's group is pruned and trained
+    "greso": False,  # no question skipped before rollout
     "gradient_checkpointing": True,  # recipe, use_reentrant: false
     "mu": 2,  # num_iterations 2
     "beta": 0.04,  # recipe

@@ -410,6 +410,65 @@ def fsdp2_prefill_once_generates_the_plain_tokens(info):
     assert len(runs[0][0]) == 3 * len(prompts)
 
 
+def _scripted_draws(scripts: list[list[float]], sizes: list[int], info):
+    """Dynamic sampling's draw on this rank: hands out this rank's groups of ``scripts`` (then zero-variance ones),
+    ``n / world`` at a time, recording each ``n``."""
+    script = list(scripts)
+
+    def draw(n: int) -> torch.Tensor:
+        sizes.append(n)
+        groups = [script.pop(0) if script else [0.0] * 4 for _ in range(n // info.world_size)]
+        return torch.tensor(groups).reshape(-1)
+
+    return draw
+
+
+MIXED, HALF, ZERO = [0.0, 1.0, 0.0, 2.0], [0.0, 0.5, 0.5, 1.0], [0.0] * 4
+
+
+@check
+def dynamic_sampling_counts_are_exact_on_every_rank(info):
+    """filter_groups on two ranks: every rank makes the same generation calls; ``batch`` and ``group`` keep each
+    rank's budget, ``global`` the step's over both ranks (as one process keeps of the two pools concatenated); the
+    kept rows are of non-zero advantage unless the bound was reached."""
+    from cppo.step import fill_step
+
+    # rank 0: 2 useful completions (HALF) of 4; rank 1: 8 (two MIXED); P = 0.75, 8 questions: budget 4 per rank
+    scripts = [[ZERO, HALF, ZERO, ZERO, MIXED, MIXED], [MIXED, ZERO, MIXED, ZERO]][info.rank]
+    errors = []
+    # (scope, calls, the draws' sizes, kept per rank or None, kept over both ranks)
+    for scope, calls, want_sizes, per_rank, kept_total in (
+        ("batch", 2, [8, 4], 4, 8),  # rank 0 misses 2; 10 useful of 8 questions: 1.25 each -> 4 more questions
+        ("global", 1, [8], None, 8),  # 10 useful over both ranks >= 8: one call
+        ("group", 3, [8, 8, 8], 4, 8),  # rank 1 never holds 4 useful groups: the bound; 4 groups x 1 kept per rank
+    ):
+        sizes: list[int] = []
+        pruning = Pruning(group_size=4, pruning_rate=0.75, questions_per_step=2, scope=scope)
+        filled = fill_step(pruning, _scripted_draws(scripts, sizes, info), max_calls=3, info=info)
+        kept = len(filled.rows(4))
+        ranks, _ = D.all_gather_varlen(torch.tensor([[filled.calls, kept]]), info=info)  # [2, 2]
+        got = (ranks[:, 0].tolist(), sizes, int(ranks[:, 1].sum()))
+        if got != ([calls, calls], want_sizes, kept_total) or per_rank not in (None, kept):
+            errors.append((scope, got, kept))
+        if scope != "group" and not filled.bound_reached and filled.metrics()["kept_zero_advantage"]:
+            errors.append((scope, "kept rows with A = 0", filled.metrics()))
+        if scope == "global":  # one process over the two pools concatenated, the step's budget as its count
+            adv = pruning.advantages(filled.rewards.reshape(-1, 4)[filled.pool].reshape(-1))
+            pooled, sizes_r = D.all_gather_varlen(adv, info=info)
+            want = reference.select_completions(pooled, 4, num_kept=8, scope="batch")
+            start = sum(sizes_r[: info.rank])
+            mine = want[(want >= start) & (want < start + sizes_r[info.rank])] - start
+            if not torch.equal(filled.selection.kept, mine):
+                errors.append(("global selection", filled.selection.kept.tolist(), mine.tolist()))
+    # the bound: nothing useful anywhere, 3 calls on both ranks, each rank's budget kept
+    sizes = []
+    pruning = Pruning(group_size=4, pruning_rate=0.75, questions_per_step=2)
+    filled = fill_step(pruning, _scripted_draws([], sizes, info), max_calls=3, info=info)
+    if (filled.calls, filled.bound_reached, len(filled.rows(4)), sizes) != (3, True, 4, [8, 8, 8]):
+        errors.append(("bound", filled.calls, filled.bound_reached, sizes))
+    assert not errors, errors
+
+
 def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     info = D.init_distributed(device="cpu", timeout_s=30)

@@ -1,0 +1,76 @@
+"""The step's questions and their scored completions, a part of :class:`cppo.trainer.Trainer` (a mixin): draw this
+rank's share of the questions (GRESO's skips passed over, :mod:`cppo.tasks.greso`), generate G completions of each
+through the rollout engine, reward them, and with ``filter_groups`` / ``greso`` the step's generation calls
+(:func:`cppo.step.fill_step`) concatenated, the selection made, the skip history updated on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed, step
+from .engines import Rollout
+from .run import PhaseTimer
+from .tasks import build_prompt, score_all, training_correct
+
+
+class StepRollouts:
+    """The generation and reward stages of a step; the :class:`cppo.trainer.Trainer` that inherits them holds
+    ``config``, ``sampler``, ``greso``, ``problems``, ``tokenizer``, ``policy``, ``rollout``, ``reward_fns``,
+    ``pruning``, ``info``, ``device`` and ``_step_seed``."""
+
+    def _generate(self, num_questions: int | None = None) -> tuple[list[dict], list[str], Rollout]:
+        """This rank's share of the step's questions (``num_questions`` over all ranks, default the step's; GRESO's
+        skips passed over), their prompts, and G sampled completions of each."""
+        cfg = self.config
+        skip = self.greso.skips if self.greso is not None else None
+        self.drawn = self.sampler.draw(num_questions or self.pruning.questions_drawn, skip)  # this rank's share
+        if self.greso is not None:
+            self.greso.adapt(len(self.sampler.skipped), self.sampler.considered)
+        problems = [self.problems[i] for i in self.drawn]
+        prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
+        with distributed.root_unsharded(self.policy):
+            rollout = self.rollout(prompts, cfg.group_size)  # generate, checked against the engine contract
+        return problems, prompts, rollout
+
+    def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):
+        """``(rewards [Q * G] fp32: the sum of the reward functions, their scores by name, correct per completion)``."""
+        G = self.config.group_size
+        rows = {key: [p.get(key) for p in problems for _ in range(G)] for key in ("answer", "kind", "solution")}
+        scores = score_all(self.reward_fns, [p for p in prompts for _ in range(G)], rollout.texts, **rows)
+        rewards = torch.tensor([sum(s) for s in zip(*scores.values())], dtype=torch.float32)  # [Q * G]
+        correct = training_correct(rollout.texts, **rows)  # MATH: the reward's math-verify verdicts, memoised
+        return rewards, scores, correct
+
+    def _draw_step(self, timer: PhaseTimer):
+        """The step's generation calls (:func:`cppo.step.fill_step` with ``filter_groups``, else one), each drawing
+        questions (GRESO's skips passed over), generating and rewarding; what ``train_step`` reads, concatenated,
+        dynamic sampling's selection (``filled``; ``None``: the plain rule's to make) and both features' metrics."""
+        cfg, parts, skipped = self.config, [], []
+
+        def draw(n: int) -> torch.Tensor:
+            with timer("generate"):
+                problems, prompts, rollout = self._generate(n)
+            skipped.append(len(self.sampler.skipped))
+            with timer("reward"):
+                parts.append((self.drawn, problems, prompts, rollout, *self._reward(problems, prompts, rollout)))
+            return parts[-1][4]
+
+        if cfg.filter_groups:
+            seed, calls = self._step_seed(rank=0), cfg.max_num_gen_batches
+            filled = step.fill_step(self.pruning, draw, max_calls=calls, seed=seed, info=self.info)
+            zero, extra = filled.zero_variance, filled.metrics()
+        else:  # GRESO alone: one call, selected by the plain rule (train_step's select stage)
+            filled, extra = None, {}
+            zero = step.zero_variance_groups(draw(self.pruning.questions_drawn), cfg.group_size)
+        drawn, problems, prompts, rollouts, rewards, scores, correct = (list(x) for x in zip(*parts))
+        fields = ("prompt_ids", "completion_ids", "texts")
+        rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
+        scores = {name: sum((s[name] for s in scores), []) for name in scores[0]}
+        if self.greso is not None:  # every rank's groups, in rank order: the same history on every rank
+            pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), zero.tolist())])
+            gathered, _ = distributed.all_gather_varlen(pairs.reshape(-1, 2).to(self.device), info=self.info)
+            if len(gathered):
+                self.greso.observe(*zip(*gathered.tolist()))
+            extra.update({"greso/questions_skipped": sum(skipped), "greso/explore": self.greso.explore})
+        problems, prompts = sum(problems, []), sum(prompts, [])
+        return problems, prompts, rollout, torch.cat(rewards), scores, sum(correct, []), filled, extra
