@@ -23,6 +23,7 @@ some process cannot pack its rows, every process runs TRL's padded rows.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,13 @@ def prefix_sharing_possible(trainer) -> bool:
     else one warning naming ``prefix_sharing`` (:func:`cppo.step.models.use_prefix_sharing`) and TRL's padded rows. The
     reference model gets the hidden-state forward the policy has (:func:`cppo.trl.loss.install_hidden_forward`)."""
     if not trainer.args.prefix_sharing or trainer.fused_loss_refused is not None:
+        return False
+    if trainer.aux_loss_enabled:  # TRL's load-balancing loss counts each row's prompt tokens: padded rows
+        warnings.warn(
+            "CPPOTrainer: prefix_sharing=True is not used with router_aux_loss_coef (the mixture-of-experts "
+            "load-balancing loss counts every row's prompt tokens, as TRL's padded rows do)",
+            stacklevel=3,
+        )
         return False
     ref = None if trainer.ref_model is None else trainer.accelerator.unwrap_model(trainer.ref_model)
     if not all(use_prefix_sharing(m, True) for m in (trainer.model, ref) if m is not None):
