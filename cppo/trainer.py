@@ -127,6 +127,7 @@ class Trainer(StepRollouts):
             seed=cfg.seed,
             prefix_sharing=cfg.prefix_sharing,
         )
+        self.logit_transform = step.check_logit_transform(self.model)  # the model's own scale and cap, or refused
         if cfg.gradient_checkpointing:
             step.enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
@@ -267,7 +268,8 @@ class Trainer(StepRollouts):
         out = []
         for b in batches:
             hidden, weight, bias = self._hidden_and_head(policy, b)
-            out.append(fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=self.loss_config.temperature))
+            head = dict(bias=bias, temperature=self.loss_config.temperature, **self.logit_transform.kwargs())
+            out.append(fused_logprobs(hidden, weight, b.targets, **head))
         return out
 
     def _hidden_and_head(self, policy, b: PackedBatch):
@@ -329,16 +331,9 @@ class Trainer(StepRollouts):
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
         return fused_cppo_loss(
-            hidden,
-            weight,
-            b.targets,
-            b.advantages,
-            cu_seqlens=b.cu_seqlens,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            bias=bias,
-            config=self.loss_config,
-        )
+            hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
+            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(),
+        )  # fmt: skip
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied

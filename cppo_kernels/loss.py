@@ -25,74 +25,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._dispatch import backend_module, use_triton
+from ._dispatch import backend_module
 from ._loss_autograd import FusedLogProbs, GradInForward
-from ._loss_inputs import Checks, Packed, check_head, check_logits, check_targets, check_tensor, pack
+from ._loss_inputs import (
+    Checks,
+    Packed,
+    check_head,
+    check_logit_transform,
+    check_logits,
+    check_targets,
+    check_tensor,
+    pack,
+)
+from ._loss_modes import (
+    MODE_RULES,
+    MODES,
+    call_mode,
+    check_mode,
+    resolve_mode,  # noqa: F401  (the mode rule, read here by callers and tests)
+    wants_grad,
+)
 from ._policy import batch_constants, metrics, policy_loss
 from .config import LossConfig, check_choice, loss_config
 
 __all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
-
-
-# --------------------------------------------------------------------------------------------
-# Execution modes
-# --------------------------------------------------------------------------------------------
-
-#: Execution modes of :func:`fused_cppo_loss`: same results within fp32 rounding, different work.
-MODES = ("auto", "two-pass", "grad-in-forward")
-
-#: The mode ``mode="auto"`` picks, per shape class ``(device type, backend, dtype name or None for any)``:
-#: a rule, read at each call, never a timing at call time. A class is not keyed on the token count: the two modes
-#: may round a logit differently on CUDA, and a token's log-prob must not depend on the batch it comes in.
-#: CPU torch backend: gradient-in-forward (measured, benchmarks/results/loss.json). CUDA: the Triton two-pass
-#: kernels, and gradient-in-forward (cuBLAS) for the torch backend, until the GPU kit's first run
-#: (benchmarks/gpu_check.py) times both at its shapes and sets these CUDA rows to the faster mode per class.
-#: The interpreter (Triton on CPU: the tests) runs the Triton two-pass kernels. Whatever the rule, the options of
-#: :attr:`LossConfig.two_pass_rule` (sequence-level ratios, VESPO, the off-policy and entropy masks, the entropy
-#: bonus) run two-pass: they need a whole sequence or the whole call before any token's gradient is known.
-MODE_RULES: dict[tuple[str, str, str | None], str] = {
-    ("cpu", "torch", None): "grad-in-forward",
-    ("cpu", "triton", None): "two-pass",
-    ("cuda", "torch", None): "grad-in-forward",
-    ("cuda", "triton", None): "two-pass",
-}
-
-
-def resolve_mode(mode: str, hidden: Tensor) -> str:
-    """``mode`` itself, or for ``"auto"`` the :data:`MODE_RULES` entry of ``hidden``'s shape class ("two-pass"
-    when none matches)."""
-    check_choice("mode", mode, MODES)
-    if mode != "auto":
-        return mode
-    key = (hidden.device.type, "triton" if use_triton(hidden) else "torch")
-    dtype = str(hidden.dtype).removeprefix("torch.")
-    return MODE_RULES.get((*key, dtype), MODE_RULES.get((*key, None), "two-pass"))
-
-
-def _check_mode(mode: str, cfg: LossConfig) -> None:
-    """``mode`` is one of :data:`MODES`, and gradient-in-forward comes with options whose gradient is known token by
-    token (:attr:`LossConfig.two_pass_rule`: none of them needs a whole sequence or the whole call)."""
-    check_choice("mode", mode, MODES)
-    rule = cfg.two_pass_rule
-    if mode == "grad-in-forward" and rule is not None:
-        raise ValueError(
-            f"mode='grad-in-forward' cannot run {rule}: it needs a whole sequence or the whole call before any "
-            "token's gradient is known, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
-        )
-
-
-def _call_mode(mode: str, cfg: LossConfig, hidden: Tensor, head: tuple[Tensor, Tensor | None]) -> str:
-    """The mode a call runs: gradient-in-forward when ``mode`` resolves to it, every token's gradient is its own
-    (no :attr:`LossConfig.two_pass_rule`) and gradients are wanted (grad mode on, hidden, weight or bias requiring
-    grad); two-pass otherwise."""
-    token_level = cfg.two_pass_rule is None
-    if token_level and resolve_mode(mode, hidden) == "grad-in-forward" and _wants_grad(hidden, *head):
-        return "grad-in-forward"
-    return "two-pass"
-
-
-def _wants_grad(*tensors: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
@@ -129,6 +85,8 @@ def fused_cppo_loss(
     bias: Tensor | None = None,
     importance_weights: Tensor | None = None,
     sampling_logprobs: Tensor | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
@@ -156,7 +114,9 @@ def fused_cppo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
-    Per token t of sequence s: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio
+    Per token t of sequence s: ``logp = log_softmax(z / temperature)[target]`` with the model's own logits
+    ``z = logit_softcap * tanh((h W^T + b) * logit_scale / logit_softcap)`` (``(h W^T + b) * logit_scale``
+    without a cap: TRL's order, the temperature dividing the model's logits); ratio
     ``r = exp(clamp(logp - old, -20, 20))`` (``old = logp.detach()`` without ``old_logprobs``);
     ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
     ``A_s < 0`` (the ``surrogate`` option gives CISPO, SAPO and VESPO instead; ``delta`` caps the unclipped ratio),
@@ -201,6 +161,10 @@ def fused_cppo_loss(
             weights instead, as TRL does. No gradient flows into them.
         sampling_logprobs: ``[T]`` or ``[B, L]`` log-probs of the sampler (vLLM), for the off-policy mask (default:
             ``old_logprobs``); NaN marks a token the sampler did not score (no evidence, as in TRL).
+        logit_scale: the model's multiplier of its head output (finite, > 0): Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``.
+        logit_softcap: the model's final tanh cap (finite, > 0), Gemma 2/3's ``final_logit_softcapping``; None:
+            no cap. Gradients flow through it.
         config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
             its default (else ``ValueError``).
         temperature, ..., entropy_coef: the loss options, each documented in :class:`LossConfig`.
@@ -228,28 +192,32 @@ def fused_cppo_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         entropy_coef=entropy_coef,
     )  # fmt: skip
-    _check_mode(mode, cfg)
+    check_mode(mode, cfg)
+    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_loss
 
         return compiled_loss(
             hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
-            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode,
+            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
         )  # fmt: skip
     return eager_loss(
         hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
-        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode,
+        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
     )  # fmt: skip
 
 
 def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
-    mode: str, importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
+    mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
+    importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
-    """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``): validation, packing,
-    the mode's autograd Function. Also the real implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
+    """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``, the head's transform
+    ``logit_scale`` / ``logit_softcap``): validation, packing, the mode's autograd Function. Also the real
+    implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
+    transform = (logit_scale, logit_softcap)
     p, checks = pack(
         "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True, importance_weights=importance_weights,
@@ -261,17 +229,19 @@ def eager_loss(
     h = p.x.contiguous()  # [T, H]
     head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
     tgt = p.targets.to(torch.int64).contiguous()  # [T]
-    run = _call_mode(mode, cfg, h, head)
+    run = call_mode(mode, cfg, h, head)
     backend = backend_module("loss", h, mode=run)
     if run == "grad-in-forward":
         batch = batch_constants(
             p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0],
             importance_weights=p.importance_weights, weights_per_seq=p.weights_per_seq,
         )  # fmt: skip
-        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend)
+        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
         return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss)
-    entropy_grad = cfg.entropy_coef != 0.0 and _wants_grad(h, *head)
-    logp, entropy = FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.needs_entropy, entropy_grad, backend)
+    entropy_grad = cfg.entropy_coef != 0.0 and wants_grad(h, *head)
+    logp, entropy = FusedLogProbs.apply(
+        h, *head, tgt, cfg.temperature, cfg.needs_entropy, backend, transform, entropy_grad
+    )  # fmt: skip
     return _policy_loss(p, logp, entropy, cfg)
 
 
@@ -282,6 +252,8 @@ def fused_logprobs(
     targets: Tensor,
     *,
     bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     temperature: float = 1.0,
     compute_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -292,30 +264,36 @@ def fused_logprobs(
         weight: ``[V, H]`` LM-head weight, hidden's dtype.
         targets: integer token ids in ``[0, V)`` of hidden's leading shape (``[T]`` or ``[B, L]``).
         bias: ``[V]`` LM-head bias, weight's dtype.
-        temperature: divides the logits (> 0).
+        logit_scale, logit_softcap: the model's own logit transform, as in :func:`fused_cppo_loss`.
+        temperature: divides the (transformed) logits (> 0).
         compute_entropy: also return each token distribution's entropy.
 
     Returns:
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
+    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_logprobs
 
         return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                 compute_entropy=compute_entropy)  # fmt: skip
-    return eager_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy)
+                                 compute_entropy=compute_entropy, **head)  # fmt: skip
+    return eager_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy, **head
+    )
 
 
 def eager_logprobs(
-    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool
-) -> Tensor | tuple[Tensor, Tensor]:
+    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool, logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The body of :func:`fused_logprobs` (call it under ``torch.no_grad``); also the real implementation of the
     ``cppo_kernels::fused_logprobs`` op."""
     hidden = check_tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
     cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
+    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap)
     check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
     targets = check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
@@ -330,6 +308,8 @@ def eager_logprobs(
         bias,
         temperature=cfg.temperature,
         compute_entropy=cfg.compute_entropy,
+        logit_scale=logit_scale,
+        softcap=logit_softcap,
     )
     check_logits(lse, logp, h, weight, bias)
     logp = logp.reshape(lead)
@@ -443,6 +423,8 @@ class FusedCPPOLoss(nn.Module):
         config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
             (a keyword that differs from its default next to ``config`` is a ``ValueError``).
         mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
+        logit_scale, logit_softcap: the model's own logit transform (:func:`fused_cppo_loss`), held with the
+            options.
         **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
@@ -450,10 +432,19 @@ class FusedCPPOLoss(nn.Module):
     returns its ``(loss, metrics)``.
     """
 
-    def __init__(self, config: LossConfig | None = None, *, mode: str = "auto", **options: Any) -> None:
+    def __init__(
+        self,
+        config: LossConfig | None = None,
+        *,
+        mode: str = "auto",
+        logit_scale: float = 1.0,
+        logit_softcap: float | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__()
         self.config = loss_config(config, **options)
         self.mode = check_choice("mode", mode, MODES)
+        self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap)
 
     def forward(
         self,
@@ -478,9 +469,13 @@ class FusedCPPOLoss(nn.Module):
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             bias=bias,
+            logit_scale=self.logit_scale,
+            logit_softcap=self.logit_softcap,
             config=self.config,
             mode=self.mode,
         )
 
     def extra_repr(self) -> str:
-        return f"{self.config!r}, mode={self.mode!r}"
+        head = f", logit_scale={self.logit_scale!r}, logit_softcap={self.logit_softcap!r}"
+        plain = (self.logit_scale, self.logit_softcap) == (1.0, None)
+        return f"{self.config!r}, mode={self.mode!r}" + ("" if plain else head)
