@@ -75,13 +75,14 @@ ITEM_NORMALISED = ("dapo", "cispo", "vespo")
 def unsupported_setting(trainer) -> str | None:
     """The first setting of ``trainer`` (a ``GRPOTrainer``) that ``fused_cppo_loss`` cannot express, as
     ``name=value``; None when the fused loss computes TRL's loss exactly."""
-    multi = trainer.accelerator.num_processes > 1
+    quantile = trainer.top_entropy_quantile < 1.0
+    multi = quantile and trainer.accelerator.num_processes > 1  # only then: the accelerator is read
     checks = (
         (trainer.loss_type not in LOSS_AGG, f"loss_type={trainer.loss_type!r}"),
         (
-            trainer.top_entropy_quantile < 1.0 and multi,
-            f"top_entropy_quantile={trainer.top_entropy_quantile} on {trainer.accelerator.num_processes} processes "
-            "(TRL's quantile spans every process's tokens)",
+            multi,
+            f"top_entropy_quantile={trainer.top_entropy_quantile} on several processes (TRL's quantile spans every "
+            "process's tokens)",
         ),
         (trainer.use_adaptive_entropy, "use_adaptive_entropy=True (the adaptive entropy controller)"),
         (

@@ -100,7 +100,10 @@ def test_p0_with_vllm_importance_sampling_trains_as_stock_trl(tiny_model, tmp_pa
     sampling = sorted(k for k in logged if k.startswith("sampling/"))
     assert len(sampling) == 5
     for ours, theirs in zip(cppo.state.log_history, stock.state.log_history, strict=True):
-        torch.testing.assert_close([ours.get(k) for k in sampling], [theirs.get(k) for k in sampling])
+        # the harness's loss tolerance: from step 2 the old-policy pass reads weights the fused loss trained, equal
+        # to TRL's within fp32 rounding (bit-identical only while TRL's own loss ran)
+        got, want = [ours.get(k) for k in sampling], [theirs.get(k) for k in sampling]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert logged["loss"] != 0.0 and logged["sampling/importance_sampling_ratio/mean"] > 0, logged
 
 
