@@ -11,6 +11,7 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -223,7 +224,7 @@ def _check_eval_args(args) -> None:
     from cppo_kernels.config import check_float, check_int
 
     from .config import check_model_and_data
-    from .engines import check_engine_name
+    from .engines import check_engine_installed
     from .fileio import check_writable
     from .run import model_folder
     from .step import is_adapter_folder
@@ -257,9 +258,10 @@ def _check_eval_args(args) -> None:
     if args.rollout_backend == "vllm" and is_adapter_folder(model_folder(args.model)):
         raise ValueError(f"--model {args.model!r} is a LoRA adapter, which vllm cannot load: cppo merge it first")
     try:
-        check_engine_name(args.rollout_backend)
+        check_engine_installed(args.rollout_backend)
     except ValueError as e:
-        raise ValueError(f"--{e}".replace("rollout_backend", "rollout-backend", 1)) from None
+        message = str(e).replace("rollout_backend=", "--rollout-backend ")
+        raise ValueError(re.sub(r"\brollout_backend\b", "--rollout-backend", message)) from None
 
 
 #: ``cppo eval``'s flags for the settings its checks name.
@@ -317,8 +319,9 @@ def _eval(args) -> int:
         model, tokenizer = _load_eval_model(model_folder(args.model), dtype=args.dtype, device=device, seed=args.seed)
     except (OSError, ValueError) as e:  # not a model folder, and the hub could not provide it
         raise ValueError(f"--model {args.model!r}: {e}") from None
-    except SafetensorError as e:  # a truncated or corrupt weights file
-        weights = os.path.join(model_folder(args.model), "model.safetensors")
+    except SafetensorError as e:  # a truncated or corrupt weights file (an adapter's are checked by name before)
+        files = sorted(glob.glob(os.path.join(glob.escape(model_folder(args.model)), "*.safetensors")))
+        weights = files[0] if len(files) == 1 else f"a *.safetensors file of {model_folder(args.model)}"
         raise ValueError(
             f"--model {args.model!r}: {weights} cannot be read ({e}): a truncated or corrupt file"
         ) from None

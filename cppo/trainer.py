@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import time
 
@@ -126,6 +127,7 @@ class Trainer(StepRollouts):
             seed=cfg.seed,
             prefix_sharing=cfg.prefix_sharing,
         )
+        self.logit_transform = step.check_logit_transform(self.model)  # the model's own scale and cap, or refused
         if cfg.gradient_checkpointing:
             step.enable_gradient_checkpointing(self.model)
         if cfg.use_peft:  # only the adapters train; the reference is the policy with them disabled
@@ -266,7 +268,8 @@ class Trainer(StepRollouts):
         out = []
         for b in batches:
             hidden, weight, bias = self._hidden_and_head(policy, b)
-            out.append(fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=self.loss_config.temperature))
+            head = dict(bias=bias, temperature=self.loss_config.temperature, **self.logit_transform.kwargs())
+            out.append(fused_logprobs(hidden, weight, b.targets, **head))
         return out
 
     def _hidden_and_head(self, policy, b: PackedBatch):
@@ -328,16 +331,9 @@ class Trainer(StepRollouts):
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
         return fused_cppo_loss(
-            hidden,
-            weight,
-            b.targets,
-            b.advantages,
-            cu_seqlens=b.cu_seqlens,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            bias=bias,
-            config=self.loss_config,
-        )
+            hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
+            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(),
+        )  # fmt: skip
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, schedule; then the rollout engine takes the new weights. A non-finite gradient is not applied
@@ -391,13 +387,14 @@ class Trainer(StepRollouts):
         last step's metrics to the ``report_to`` sinks of :attr:`run` (rank 0); checkpoints every ``save_every`` steps
         and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm  # a warning mid-run: a line of its own, above the bar
 
         cfg = self.config
         history, logged, bar = [], [], None
         try:
             self.run.start(cfg.to_dict(), step=self.step)  # the lock; a new run never mixes with one already there
             bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
-            with StopSignals() as stop:
+            with StopSignals() as stop, logging_redirect_tqdm(loggers=[logging.getLogger("cppo")]):
                 while self.stop_reason() is None:
                     record = self._step_and_log(logged)
                     history.append(record)
@@ -417,7 +414,7 @@ class Trainer(StepRollouts):
                 bar.close()
             self.run.finish()
         if self.rank == 0:  # metrics.png over the whole run
-            plot_run(cfg.output_dir, log_kept="jsonl" in cfg.report_to, logged=logged)
+            plot_run(cfg.output_dir, log_kept="jsonl" in self.run.sink_names, logged=logged)  # unless it failed
         return history
 
     def _step_and_log(self, logged: list[dict]) -> dict:

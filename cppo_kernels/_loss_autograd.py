@@ -43,16 +43,22 @@ def _first_order(backward: Callable) -> Callable:
 class FusedLogProbs(torch.autograd.Function):
     """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None): the two-pass path
     over ``backend`` (a module of mode "two-pass": its ``logprobs_fwd`` and ``logprobs_bwd``; the backward recomputes
-    the logits)."""
+    the logits). ``transform``: the head's ``(logit_scale, softcap or None)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, backend: ModuleType):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, backend: ModuleType,
+        transform: tuple[float, float | None] = (1.0, None),
+    ):  # fmt: skip
+        logit_scale, softcap = transform
         logp, lse, entropy = backend.logprobs_fwd(
-            hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy
-        )
+            hidden, weight, targets, bias, temperature=temperature, compute_entropy=compute_entropy,
+            logit_scale=logit_scale, softcap=softcap,
+        )  # fmt: skip
         check_logits(lse, logp, hidden, weight, bias)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
+        ctx.transform = transform
         ctx.backend = backend
         ctx.set_materialize_grads(False)
         if entropy is not None:
@@ -63,18 +69,21 @@ class FusedLogProbs(torch.autograd.Function):
     @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         if grad_logp is None:
-            return (None,) * 7
+            return (None,) * 8
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         grads = ctx.backend.logprobs_bwd(
             hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
         )
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
-    """The ``logprobs_bwd`` keywords of a backward: the temperature and which of hidden / weight / bias need grads."""
+    """The ``logprobs_bwd`` keywords of a backward: the temperature, the head's transform and which of hidden /
+    weight / bias need grads."""
     return dict(
         temperature=ctx.temperature,
+        logit_scale=ctx.transform[0],
+        softcap=ctx.transform[1],
         needs_hidden_grad=ctx.needs_input_grad[0],
         needs_weight_grad=ctx.needs_input_grad[1],
         needs_bias_grad=bias is not None and ctx.needs_input_grad[2],
@@ -97,7 +106,10 @@ class GradInForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, batch: Batch, cfg: LossConfig, backend: ModuleType):
+    def forward(
+        ctx, hidden, weight, bias, targets, batch: Batch, cfg: LossConfig, backend: ModuleType,
+        transform: tuple[float, float | None] = (1.0, None),
+    ):  # fmt: skip
         T = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
         per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
@@ -117,13 +129,15 @@ class GradInForward(torch.autograd.Function):
         needs = ctx.needs_input_grad
         logp, lse, entropy, *grads = backend.logprobs_fwd_grads(
             hidden, weight, targets, bias, chunk_upstream, temperature=cfg.temperature,
-            compute_entropy=cfg.compute_entropy, needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
+            compute_entropy=cfg.compute_entropy, logit_scale=transform[0], softcap=transform[1],
+            needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
             needs_bias_grad=bias is not None and needs[2],
         )  # fmt: skip
         check_logits(lse, logp, hidden, weight, bias)
         ctx.grads = grads
         ctx.save_for_backward(hidden, weight, bias, targets, lse, upstream)
         ctx.temperature = cfg.temperature
+        ctx.transform = transform
         ctx.backend = backend
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.set_materialize_grads(False)
@@ -134,16 +148,17 @@ class GradInForward(torch.autograd.Function):
     @_first_order
     def backward(ctx, grad_loss, *_):
         if grad_loss is None:
-            return (None,) * 7
+            return (None,) * 8
         grads, ctx.grads = ctx.grads, None
         if grads is None:  # a second backward through this graph: recompute (two-pass backward, same gradients)
             hidden, weight, bias, targets, lse, upstream = ctx.saved_tensors
             grads = ctx.backend.logprobs_bwd(
                 hidden, weight, targets, bias, lse, upstream * grad_loss, **_needs(ctx, bias)
             )
-            return *grads, None, None, None, None
+            return *grads, None, None, None, None, None
         if grad_loss.device.type != "cpu" or float(grad_loss) != 1.0:  # no host sync on an accelerator
             for g in grads:
                 if g is not None:
                     g.mul_(grad_loss)
-        return *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None
+        grads = (None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        return *grads, None, None, None, None, None

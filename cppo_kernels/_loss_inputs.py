@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .config import LossConfig
+from .config import LossConfig, check_float
 
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -235,5 +235,33 @@ def check_logits(lse: Tensor, logp: Tensor, hidden: Tensor, weight: Tensor, bias
     first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
     raise ValueError(
         f"the log-sum-exp of the logits is not finite for {count} of {lse.numel()} tokens (first: token {first}): "
-        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) / temperature overflows float32"
+        "hidden, weight and bias are finite, but (hidden @ weight^T + bias) * logit_scale / temperature overflows "
+        "float32"
     )
+
+
+class LogitFactors(NamedTuple):
+    """The model's own logit transform and the temperature, as the backends apply them to the raw head output
+    ``y = h W^T + b``: ``z = y * z_scale`` without a cap, ``z = tanh(y * z_scale) * cap_out`` with one (so
+    ``z = softcap * tanh(y * logit_scale / softcap) / temperature``); ``dz / dy = grad_scale`` times, with a cap,
+    ``1 - (z / cap_out)^2``."""
+
+    z_scale: float
+    cap_out: float | None
+    grad_scale: float
+
+
+def logit_factors(temperature: float, logit_scale: float = 1.0, softcap: float | None = None) -> LogitFactors:
+    """:class:`LogitFactors` of ``softcap * tanh(y * logit_scale / softcap) / temperature`` (``y * logit_scale /
+    temperature`` without a cap); the arguments are already validated."""
+    inv_t = 1.0 / temperature
+    if softcap is None:
+        return LogitFactors(logit_scale * inv_t, None, logit_scale * inv_t)
+    return LogitFactors(logit_scale / softcap, softcap * inv_t, logit_scale * inv_t)
+
+
+def check_logit_transform(logit_scale, logit_softcap) -> tuple[float, float | None]:
+    """``(logit_scale, logit_softcap)`` as floats: each finite and > 0 (the cap may be None), else a ``ValueError``."""
+    scale = check_float("logit_scale", logit_scale, low=0.0, low_open=True)
+    cap = None if logit_softcap is None else check_float("logit_softcap", logit_softcap, low=0.0, low_open=True)
+    return scale, cap

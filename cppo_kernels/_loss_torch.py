@@ -1,6 +1,11 @@
 """Chunked PyTorch backend of the fused log-prob op: the CPU path, the fallback without Triton, and the
 gradient-in-forward path of :func:`cppo_kernels.fused_cppo_loss` (CPU BLAS on the CPU, cuBLAS on CUDA).
 
+Logits are the model's own: ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) / temperature`` (Gemma's
+final cap, Cohere's / Granite's scale; without a cap ``(h W^T + b) * logit_scale / temperature``): the scale rides
+in the GEMM's ``alpha``, the cap is one in-place ``tanh`` of the block, and the gradients take the cap's slope
+``1 - (z / cap_out)^2`` elementwise (one more block-sized buffer, only with a cap).
+
 Same interface as ``_loss_triton`` (``logprobs_fwd`` / ``logprobs_bwd``) plus ``logprobs_fwd_grads``, over packed
 rows already validated by :mod:`cppo_kernels.loss`; fp32 logits and accumulation (bf16/fp16 weights are upcast once
 per call, except CUDA bf16 ones, which feed bf16 cuBLAS GEMMs with fp32 outputs); never a ``[T, V]``
@@ -27,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from ._loss_inputs import LogitFactors, logit_factors
 
 __all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens"]
 
@@ -86,13 +93,22 @@ def _matmul(a: Tensor, b: Tensor, out: Tensor, *, accumulate: bool = False, alph
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
-def _logits_into(z: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float) -> Tensor:
-    """``z = (h @ weight^T + bias) / temperature`` in place, one GEMM. ``z [n, V]`` fp32, ``h [n, H]`` weight's
-    dtype, ``bias`` fp32."""
+def _logits_into(z: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, f: LogitFactors) -> Tensor:
+    """``z = softcap * tanh((h @ weight^T + bias) * logit_scale / softcap) / temperature`` (without a cap
+    ``(h @ weight^T + bias) * logit_scale / temperature``) in place, one GEMM. ``z [n, V]`` fp32, ``h [n, H]``
+    weight's dtype, ``bias`` fp32."""
+    alpha = f.z_scale
     if bias is None:
-        return _matmul(h, weight.t(), z, alpha=inv_t)
-    z.copy_((bias * inv_t).unsqueeze(0).expand_as(z))
-    return _matmul(h, weight.t(), z, accumulate=True, alpha=inv_t)
+        _matmul(h, weight.t(), z, alpha=alpha)
+    else:
+        z.copy_((bias * alpha).unsqueeze(0).expand_as(z))
+        _matmul(h, weight.t(), z, accumulate=True, alpha=alpha)
+    return z if f.cap_out is None else z.tanh_().mul_(f.cap_out)
+
+
+def _cap_slope(z: Tensor, f: LogitFactors, out: Tensor) -> Tensor:
+    """``out = 1 - (z / cap_out)^2``: the cap's ``d tanh`` at the capped logits ``z`` (the same shape)."""
+    return torch.div(z, f.cap_out, out=out).square_().neg_().add_(1.0)
 
 
 def _entropy(logsm: Tensor, scratch: Tensor) -> Tensor:
@@ -109,10 +125,10 @@ class _Grads:
     """The gradient-in-forward accumulators, fp32: ``dhidden [T, H]``, ``dweight [V, H]`` and ``dbias [V]``, fed one
     chunk at a time by :meth:`add`."""
 
-    def __init__(self, hidden: Tensor, w: Tensor, bias, upstream, inv_t: float, needs: tuple[bool, bool, bool]):
+    def __init__(self, hidden: Tensor, w: Tensor, bias, upstream, f: LogitFactors, needs: tuple[bool, bool, bool]):
         H, V, C = hidden.shape[1], w.shape[0], chunk_tokens(hidden.device)
         f32 = dict(dtype=torch.float32, device=hidden.device)
-        self.w, self.upstream, self.inv_t = w, upstream, inv_t
+        self.w, self.upstream, self.f = w, upstream, f
         self.dhidden = torch.empty(hidden.shape, **f32) if needs[0] else None  # [T, H]
         self.dweight = torch.zeros(V, H, **f32) if needs[1] else None  # [V, H]
         self.dbias = torch.zeros(V, **f32) if needs[2] and bias is not None else None  # [V]
@@ -120,15 +136,23 @@ class _Grads:
         self.hs = torch.empty(C, H, dtype=w.dtype, device=hidden.device)  # [C, H] h * scale
         self.dh = torch.empty(C, H, **f32) if needs[0] else None  # [C, H] Q @ W
         self.minus_one = torch.full((C, 1), -1.0, **f32)  # [C, 1]
+        self.slope = None if f.cap_out is None else torch.empty(C, V, **f32)  # [C, V] the cap's d tanh
+
+    def keep_slope(self, z: Tensor) -> None:
+        """Before the log-softmax overwrites the chunk's capped logits ``z [C, V]``: the cap's slope at them."""
+        if self.slope is not None:
+            _cap_slope(z, self.f, self.slope)
 
     def add(self, start: int, stop: int, z: Tensor, h: Tensor, tgt: Tensor, logp: Tensor) -> None:
         """The chunk's tokens ``start:stop``: ``z [C, V]`` holds their log-softmax (rows past ``n = stop - start``:
         padding), ``h [C, H]`` their hidden states (zero past n), ``tgt [n, 1]``, ``logp [n]``. Consumes ``z``."""
         n = stop - start
-        self.scale[:n] = self.upstream(start, stop, logp) * -self.inv_t
+        self.scale[:n] = self.upstream(start, stop, logp) * -self.f.grad_scale
         z[:n].exp_()  # softmax
         z[n:].zero_()  # the padded tail contributes nothing (its scale is 0 too)
         z[:n].scatter_add_(1, tgt, self.minus_one[:n])  # softmax - onehot
+        if self.slope is not None:
+            z[:n].mul_(self.slope[:n])  # through the cap
         q = z if self.w.dtype == torch.float32 else z.to(self.w.dtype)  # [C, V] the GEMM operand
         if self.dh is not None:
             torch.mul(_matmul(q, self.w, self.dh)[:n], self.scale[:n, None], out=self.dhidden[start:stop])
@@ -146,17 +170,17 @@ def _cast_grads(dweight: Tensor | None, dbias: Tensor | None, weight: Tensor, bi
     )
 
 
-def _forward(hidden, weight, targets, bias, temperature: float, compute_entropy: bool, upstream, needs):
+def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bool, upstream, needs):
     """``(logp, lse, entropy, grads)``: the chunked forward (see the module docstring), with the gradients of
     :class:`_Grads` when ``upstream`` is given (else ``grads`` is None)."""
     (T, H), V, device = hidden.shape, weight.shape[0], hidden.device
-    C, inv_t = chunk_tokens(device), 1.0 / temperature
+    C = chunk_tokens(device)
     w = _compute_weight(weight)  # [V, H]
     b = None if bias is None else _fp32(bias)  # [V]
     f32 = dict(dtype=torch.float32, device=device)
     logp, lse = torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
     entropy = torch.empty(T, **f32) if compute_entropy else None  # [T]
-    grads = None if upstream is None else _Grads(hidden, w, bias, upstream, inv_t, needs)
+    grads = None if upstream is None else _Grads(hidden, w, bias, upstream, f, needs)
     if T == 0:
         return logp, lse, entropy, grads
     hbuf = torch.zeros(C, H, dtype=w.dtype, device=device)  # [C, H]
@@ -168,7 +192,9 @@ def _forward(hidden, weight, targets, bias, temperature: float, compute_entropy:
         hbuf[:n].copy_(hidden[start:stop])
         if n < C:
             hbuf[n:].zero_()
-        _logits_into(z, hbuf, w, b, inv_t)
+        _logits_into(z, hbuf, w, b, f)
+        if grads is not None:
+            grads.keep_slope(z)
         zc = z[:n]  # [n, V]
         tgt = targets[start:stop].long().unsqueeze(1)  # [n, 1]
         picked = zc.gather(1, tgt).squeeze(1)  # [n]
@@ -191,13 +217,17 @@ def logprobs_fwd(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Log-prob of each target under softmax((h W^T + b) / temperature), chunked over tokens.
+    """Log-prob of each target under ``softmax(z)``, ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) /
+    temperature`` (``(h W^T + b) * logit_scale / temperature`` without a cap), chunked over tokens.
 
     ``hidden [T, H]``, ``weight [V, H]``, ``targets [T]`` int, ``bias [V]``. Returns
-    ``(logp [T], lse [T], entropy [T] or None)``, all fp32; lse is the logsumexp of the tempered logits.
+    ``(logp [T], lse [T], entropy [T] or None)``, all fp32; lse is the logsumexp of ``z``.
     """
-    logp, lse, entropy, _ = _forward(hidden, weight, targets, bias, temperature, compute_entropy, None, None)
+    f = logit_factors(temperature, logit_scale, softcap)
+    logp, lse, entropy, _ = _forward(hidden, weight, targets, bias, f, compute_entropy, None, None)
     return logp, lse, entropy
 
 
@@ -210,6 +240,8 @@ def logprobs_fwd_grads(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
@@ -224,7 +256,8 @@ def logprobs_fwd_grads(
     only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s.
     """
     needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad)
-    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, temperature, compute_entropy, upstream, needs)
+    f = logit_factors(temperature, logit_scale, softcap)
+    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs)
     return logp, lse, entropy, grads.dhidden, grads.dweight, grads.dbias
 
 
@@ -248,20 +281,23 @@ def logprobs_bwd(
     grad_logp: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of ``sum_t grad_logp[t] * logp[t]`` w.r.t. hidden, weight and bias.
 
-    ``dz[t, j] = grad_logp[t] * (onehot(target_t)_j - softmax(z_t)_j) / temperature``; the softmax is
+    ``dy[t, j] = grad_logp[t] * (onehot(target_t)_j - softmax(z_t)_j) * logit_scale / temperature`` (times the
+    cap's slope ``1 - tanh^2`` with a ``softcap``) for the head output ``y = h W^T + b``; the softmax is
     recomputed from the saved ``lse [T]``. Returns ``(dhidden, dweight, dbias)`` in the dtypes of
     hidden / weight / bias (accumulated in fp32, cast once), None where not needed.
     """
     num_tokens, dim = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
-    inv_t = 1.0 / temperature
+    f = logit_factors(temperature, logit_scale, softcap)
     needs_bias_grad = needs_bias_grad and bias is not None
     w = _fp32(weight)  # [V, H]
     b = None if bias is None else _fp32(bias)  # [V]
@@ -271,13 +307,14 @@ def logprobs_bwd(
     if num_tokens > 0 and (needs_hidden_grad or needs_weight_grad or needs_bias_grad):
         rows = min(BWD_TOKENS, num_tokens)
         zbuf = torch.empty(rows * min(BWD_VOCAB, vocab), dtype=torch.float32, device=device)  # [Tb * Vb]
+        sbuf = None if f.cap_out is None else torch.empty_like(zbuf)  # [Tb * Vb] the cap's slope
         dh = torch.empty(rows, dim, dtype=torch.float32, device=device) if needs_hidden_grad else None  # [Tb, H]
         for start in range(0, num_tokens, BWD_TOKENS):
             stop = min(start + BWD_TOKENS, num_tokens)
             n = stop - start
             h = _fp32(hidden[start:stop])  # [n, H]
             tgt = targets[start:stop].long()  # [n]
-            neg_g = grad_logp[start:stop].float() * -inv_t  # [n]
+            neg_g = grad_logp[start:stop].float() * -f.grad_scale  # [n]
             hs = h * neg_g.unsqueeze(1)  # [n, H]
             lse_c = lse[start:stop].unsqueeze(1)  # [n, 1]
             if dh is not None:
@@ -285,8 +322,11 @@ def logprobs_bwd(
             for v0 in range(0, vocab, BWD_VOCAB):
                 v1 = min(v0 + BWD_VOCAB, vocab)
                 w_b = w[v0:v1]  # [Vb, H]
-                q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], inv_t)
+                q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], f)
+                slope = None if sbuf is None else _cap_slope(q, f, sbuf[: q.numel()].view_as(q))  # [n, Vb]
                 _softmax_minus_onehot(q, lse_c, tgt, v0)  # [n, Vb]
+                if slope is not None:
+                    q.mul_(slope)
                 if dh is not None:
                     dh[:n].addmm_(q, w_b)
                 if dweight is not None:

@@ -1,5 +1,7 @@
 """Triton backend of the fused token log-prob op: kernels and launchers. Logits
-``z = (hidden @ weight^T + bias) / temperature`` are computed tile by tile and never materialised as ``[T, V]``.
+``z = softcap * tanh((hidden @ weight^T + bias) * logit_scale / softcap) / temperature`` (the model's own scale and
+final cap; ``(hidden @ weight^T + bias) * logit_scale / temperature`` without a cap, the ``HAS_SOFTCAP`` flag) are
+computed tile by tile and never materialised as ``[T, V]``; the scale and the cap are runtime values.
 The launchers take input already validated by :mod:`cppo_kernels.loss` and do not check it again.
 
 Forward: a program per ``block_t`` tokens walks the vocabulary in ``block_v`` tiles (each tile reduced over H
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import interpreter_enabled
+from ._loss_inputs import LogitFactors, logit_factors
 
 __all__ = ["LossKernelConfig", "default_config", "logprobs_fwd", "logprobs_bwd"]
 
@@ -107,15 +110,18 @@ def _logit_tile(
     H,
     stride_ht,
     stride_wv,
-    inv_temperature,
+    z_scale,
+    cap_out,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """fp32 ``[BLOCK_T, BLOCK_V]`` tile of z for the ``n_t`` tokens at ``x_ptr`` and ``n_v`` vocab rows at ``w_ptr``.
+    """fp32 ``[BLOCK_T, BLOCK_V]`` tile of z (``y * z_scale``, or ``tanh(y * z_scale) * cap_out`` with
+    ``HAS_SOFTCAP``, for the head output ``y``) for the ``n_t`` tokens at ``x_ptr`` and ``n_v`` vocab rows at ``w_ptr``.
 
     Pointers are already offset to the tile (int64 math done once per tile), so in-tile offsets stay int32.
     Columns past ``n_v`` are -inf; rows past ``n_t`` are finite (zero hidden state).
@@ -138,7 +144,11 @@ def _logit_tile(
     if HAS_BIAS:
         b = tl.load(b_ptr + rv, mask=mask_v, other=0.0).to(tl.float32)  # [BV]
         acc += b[None, :]
-    z = acc * inv_temperature
+    z = acc * z_scale
+    if HAS_SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(z))  # tanh without overflow (triton.language has no tanh on every version)
+        th = (1.0 - e) / (1.0 + e)
+        z = tl.where(z < 0, -th, th) * cap_out
     return tl.where(mask_v[None, :], z, float("-inf"))
 
 
@@ -154,21 +164,27 @@ def _dlogit_tile(
     H,
     stride_ht,
     stride_wv,
-    inv_temperature,
+    z_scale,
+    cap_out,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """fp32 tile of d logp / dz = onehot(target) - softmax(z) (``tgt`` relative to the tile); 0 outside it."""
+    """fp32 tile of ``d logp / dz = onehot(target) - softmax(z)`` (``tgt`` relative to the tile), times the cap's
+    slope ``1 - (z / cap_out)^2`` with ``HAS_SOFTCAP``; 0 outside the tile."""
     z = _logit_tile(
-        x_ptr, w_ptr, b_ptr, n_t, n_v, H, stride_ht, stride_wv, inv_temperature,
-        HAS_BIAS, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
+        x_ptr, w_ptr, b_ptr, n_t, n_v, H, stride_ht, stride_wv, z_scale, cap_out,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
     )  # fmt: skip
     p = tl.exp(z - lse[:, None])  # [BT, BV]
     q = tl.where(tl.arange(0, BLOCK_V)[None, :] == tgt[:, None], 1.0 - p, -p)
+    if HAS_SOFTCAP:
+        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)  # |t| <= 1; masked columns (-inf) get slope 0
+        q = q * (1.0 - t * t)
     keep = (tl.arange(0, BLOCK_T) < n_t)[:, None] & (tl.arange(0, BLOCK_V) < n_v)[None, :]
     return tl.where(keep, q, 0.0)
 
@@ -187,8 +203,10 @@ def _logprobs_fwd_kernel(
     H,
     stride_ht,
     stride_wv,
-    inv_temperature,
+    z_scale,
+    cap_out,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -211,7 +229,7 @@ def _logprobs_fwd_kernel(
         w_ptr = weight_ptr + tl.cast(v0, tl.int64) * stride_wv  # V * H passes 2^31 for large models
         z = _logit_tile(
             x_ptr, w_ptr, bias_ptr + v0, T - t0, V - v0, H, stride_ht, stride_wv,
-            inv_temperature, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
+            z_scale, cap_out, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
         )  # fmt: skip
         # Every vocab tile holds a valid column, so m_new is finite (for finite inputs).
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -247,15 +265,19 @@ def _logprobs_bwd_dz_kernel(
     stride_ht,
     stride_wv,
     stride_dzt,
-    inv_temperature,
+    z_scale,
+    cap_out,
+    grad_scale,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """dz[t, v] = grad[t] / temperature * (onehot - softmax)[t, v] for one (token tile, vocab tile)."""
+    """``dy[t, v] = grad[t] * grad_scale * (onehot - softmax)[t, v]`` (times the cap's slope with ``HAS_SOFTCAP``)
+    for one (token tile, vocab tile), ``grad_scale = logit_scale / temperature``."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     v0 = tl.program_id(1).to(tl.int64) * BLOCK_V
     rt = tl.arange(0, BLOCK_T)
@@ -266,9 +288,10 @@ def _logprobs_bwd_dz_kernel(
     g = tl.load(grad_ptr + t0 + rt, mask=mask_t, other=0.0)  # [BT]
     q = _dlogit_tile(
         hidden_ptr + t0 * stride_ht, weight_ptr + v0 * stride_wv, bias_ptr + v0, T - t0, V - v0, tgt - v0, lse,
-        H, stride_ht, stride_wv, inv_temperature, HAS_BIAS, DOT_PRECISION, UPCAST_DOT, BLOCK_T, BLOCK_V, BLOCK_H,
+        H, stride_ht, stride_wv, z_scale, cap_out, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+        BLOCK_T, BLOCK_V, BLOCK_H,
     )  # fmt: skip
-    dz = q * (g * inv_temperature)[:, None]  # [BT, BV]
+    dz = q * (g * grad_scale)[:, None]  # [BT, BV]
     out = dz_ptr + t0 * stride_dzt + v0 + rt[:, None] * stride_dzt + rv[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=mask_t[:, None] & (rv < V - v0)[None, :])
 
@@ -338,10 +361,11 @@ def _upcast_dot(hidden: torch.Tensor) -> bool:
     return hidden.dtype == torch.bfloat16 and not hidden.is_cuda and interpreter_enabled()
 
 
-def _constexprs(hidden: torch.Tensor, bias: torch.Tensor | None, cfg: LossKernelConfig) -> dict:
+def _constexprs(hidden: torch.Tensor, bias: torch.Tensor | None, cfg: LossKernelConfig, softcap) -> dict:
     """Compile-time arguments shared by every kernel launch (flags, dtype-derived choices, tiles, warps)."""
     return dict(
         HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(hidden.dtype),
         UPCAST_DOT=_upcast_dot(hidden),
         BLOCK_T=cfg.block_t,
@@ -365,8 +389,11 @@ def logprobs_fwd(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-token ``(logp, lse, entropy)`` in fp32 ``[T]`` of ``z = (hidden @ weight^T + bias) / temperature``.
+    """Per-token ``(logp, lse, entropy)`` in fp32 ``[T]`` of
+    ``z = softcap * tanh((hidden @ weight^T + bias) * logit_scale / softcap) / temperature`` (no tanh without a cap).
 
     ``hidden [T, H]``, ``weight [V, H]`` (hidden's dtype), ``targets [T]`` int in ``[0, V)``, ``bias [V]``.
     ``logp[t] = z[t, targets[t]] - lse[t]``; ``entropy`` is None unless ``compute_entropy``.
@@ -380,6 +407,7 @@ def logprobs_fwd(
     if T == 0:
         return logp, lse, entropy
     cfg = default_config(H, V, hidden.dtype, hidden.device)
+    f = logit_factors(temperature, logit_scale, softcap)
     hidden, weight, targets = _rows(hidden), _rows(weight), targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
     _logprobs_fwd_kernel[(triton.cdiv(T, cfg.block_t),)](
@@ -395,9 +423,10 @@ def logprobs_fwd(
         H,
         hidden.stride(0),
         weight.stride(0),
-        1.0 / temperature,
+        f.z_scale,
+        1.0 if f.cap_out is None else f.cap_out,
         COMPUTE_ENTROPY=compute_entropy,
-        **_constexprs(hidden, bias, cfg),
+        **_constexprs(hidden, bias, cfg, softcap),
     )
     return logp, lse, entropy
 
@@ -411,6 +440,8 @@ def logprobs_bwd(
     grad_logp: torch.Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
@@ -418,7 +449,8 @@ def logprobs_bwd(
     """Gradients of ``sum_t grad_logp[t] * logp[t]`` w.r.t. hidden, weight and bias (None where not needed).
 
     ``lse`` is the forward's fp32 ``[T]`` LSE; ``grad_logp`` fp32 ``[T]``. With
-    ``dz[t, v] = grad_logp[t] * (onehot(targets[t])_v - softmax(z[t])_v) / temperature``:
+    ``dz[t, v] = grad_logp[t] * (onehot(targets[t])_v - softmax(z[t])_v) * logit_scale / temperature`` (times the
+    cap's slope ``1 - tanh^2`` with a ``softcap``):
     ``dhidden = dz @ weight`` ``[T, H]``, ``dweight = dz^T @ hidden`` ``[V, H]``, ``dbias = dz.sum(0)`` ``[V]``,
     each in its input's dtype. ``needs_bias_grad`` only with a bias.
     """
@@ -437,7 +469,8 @@ def logprobs_bwd(
     bias = bias.contiguous() if bias is not None else None
     lse = lse.to(torch.float32).contiguous()  # [T]
     grad_logp = grad_logp.to(torch.float32).contiguous()  # [T]
-    _bwd_chunked(hidden, weight, targets, bias, lse, grad_logp, 1.0 / temperature, cfg, dhidden, dweight, dbias)
+    f = logit_factors(temperature, logit_scale, softcap)
+    _bwd_chunked(hidden, weight, targets, bias, lse, grad_logp, f, cfg, dhidden, dweight, dbias)
     return dhidden, dweight, dbias
 
 
@@ -448,7 +481,7 @@ def _bwd_chunked(
     bias: torch.Tensor | None,
     lse: torch.Tensor,
     grad_logp: torch.Tensor,
-    inv_temperature: float,
+    f: LogitFactors,
     cfg: LossKernelConfig,
     dhidden: torch.Tensor | None,
     dweight: torch.Tensor | None,
@@ -464,7 +497,7 @@ def _bwd_chunked(
     single = T <= chunk or dweight is None or dweight.dtype == torch.float32
     dw_acc = dweight if single else torch.empty(V, H, **f32)  # [V, H]
     db_acc = torch.zeros(V, **f32) if dbias is not None else None  # [V]
-    flags = _constexprs(hidden, bias, cfg)
+    flags = _constexprs(hidden, bias, cfg, f.cap_out)
     mm = dict(
         DOT_PRECISION=flags["DOT_PRECISION"], UPCAST_DOT=flags["UPCAST_DOT"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -476,7 +509,8 @@ def _bwd_chunked(
         d = dz[:n]  # [n, V]
         _logprobs_bwd_dz_kernel[(triton.cdiv(n, bt), triton.cdiv(V, bv))](
             x, weight, bias if bias is not None else weight, targets[c0:], lse[c0:], grad_logp[c0:], d,
-            n, V, H, x.stride(0), weight.stride(0), d.stride(0), inv_temperature, **flags,
+            n, V, H, x.stride(0), weight.stride(0), d.stride(0), f.z_scale, 1.0 if f.cap_out is None else f.cap_out,
+            f.grad_scale, **flags,
         )  # fmt: skip
         if dhidden is not None and H > 0:
             out = dhidden[c0 : c0 + n]  # [n, H]

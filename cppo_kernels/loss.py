@@ -27,7 +27,16 @@ from torch import Tensor, nn
 
 from ._dispatch import backend_module, use_triton
 from ._loss_autograd import FusedLogProbs, GradInForward
-from ._loss_inputs import Checks, Packed, check_head, check_logits, check_targets, check_tensor, pack
+from ._loss_inputs import (
+    Checks,
+    Packed,
+    check_head,
+    check_logit_transform,
+    check_logits,
+    check_targets,
+    check_tensor,
+    pack,
+)
 from ._policy import batch_constants, metrics, policy_loss
 from .config import LossConfig, check_choice, loss_config
 
@@ -119,6 +128,8 @@ def fused_cppo_loss(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
@@ -134,7 +145,9 @@ def fused_cppo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
-    Per token t of sequence s: ``logp = log_softmax((h W^T + b) / temperature)[target]``; ratio
+    Per token t of sequence s: ``logp = log_softmax(z / temperature)[target]`` with the model's own logits
+    ``z = logit_softcap * tanh((h W^T + b) * logit_scale / logit_softcap)`` (``(h W^T + b) * logit_scale``
+    without a cap: TRL's order, the temperature dividing the model's logits); ratio
     ``r = exp(clamp(logp - old, -20, 20))`` (``old = logp.detach()`` without ``old_logprobs``);
     ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
     ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs`` (k3's exponent ``ref - logp`` clamped
@@ -169,6 +182,10 @@ def fused_cppo_loss(
         old_logprobs: ``[T]`` or ``[B, L]`` log-probs of the policy that sampled (finite where counted).
         ref_logprobs: ``[T]`` or ``[B, L]`` log-probs of the reference model (required when ``beta > 0``).
         bias: ``[V]`` LM-head bias, weight's dtype.
+        logit_scale: the model's multiplier of its head output (finite, > 0): Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``.
+        logit_softcap: the model's final tanh cap (finite, > 0), Gemma 2/3's ``final_logit_softcapping``; None:
+            no cap. Gradients flow through it.
         config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
             its default (else ``ValueError``).
         temperature, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, importance_sampling, loss_agg,
@@ -191,25 +208,28 @@ def fused_cppo_loss(
         max_completion_length=max_completion_length, compute_entropy=compute_entropy,
     )  # fmt: skip
     _check_mode(mode, cfg)
+    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_loss
 
         return compiled_loss(
             hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+            ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode, **head,
         )  # fmt: skip
     return eager_loss(
         hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode,
+        ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode, **head,
     )  # fmt: skip
 
 
 def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
-    mode: str,
+    mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
-    """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``): validation, packing,
-    the mode's autograd Function. Also the real implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
+    """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``, the head's transform
+    ``logit_scale`` / ``logit_softcap``): validation, packing, the mode's autograd Function. Also the real
+    implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
+    transform = (logit_scale, logit_softcap)
     p, checks = pack(
         "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True,
@@ -224,9 +244,9 @@ def eager_loss(
     backend = backend_module("loss", h, mode=run)
     if run == "grad-in-forward":
         batch = batch_constants(p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0])
-        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend)
+        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
         return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg)
-    logp, entropy = FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend)
+    logp, entropy = FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend, transform)
     return _policy_loss(p, logp, entropy, cfg)
 
 
@@ -237,6 +257,8 @@ def fused_logprobs(
     targets: Tensor,
     *,
     bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     temperature: float = 1.0,
     compute_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -247,30 +269,36 @@ def fused_logprobs(
         weight: ``[V, H]`` LM-head weight, hidden's dtype.
         targets: integer token ids in ``[0, V)`` of hidden's leading shape (``[T]`` or ``[B, L]``).
         bias: ``[V]`` LM-head bias, weight's dtype.
-        temperature: divides the logits (> 0).
+        logit_scale, logit_softcap: the model's own logit transform, as in :func:`fused_cppo_loss`.
+        temperature: divides the (transformed) logits (> 0).
         compute_entropy: also return each token distribution's entropy.
 
     Returns:
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
+    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_logprobs
 
         return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                 compute_entropy=compute_entropy)  # fmt: skip
-    return eager_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy)
+                                 compute_entropy=compute_entropy, **head)  # fmt: skip
+    return eager_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy, **head
+    )
 
 
 def eager_logprobs(
-    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool
-) -> Tensor | tuple[Tensor, Tensor]:
+    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool, logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The body of :func:`fused_logprobs` (call it under ``torch.no_grad``); also the real implementation of the
     ``cppo_kernels::fused_logprobs`` op."""
     hidden = check_tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
     cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
+    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap)
     check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
     targets = check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
@@ -285,6 +313,8 @@ def eager_logprobs(
         bias,
         temperature=cfg.temperature,
         compute_entropy=cfg.compute_entropy,
+        logit_scale=logit_scale,
+        softcap=logit_softcap,
     )
     check_logits(lse, logp, h, weight, bias)
     logp = logp.reshape(lead)
@@ -378,6 +408,8 @@ class FusedCPPOLoss(nn.Module):
         config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
             (a keyword that differs from its default next to ``config`` is a ``ValueError``).
         mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
+        logit_scale, logit_softcap: the model's own logit transform (:func:`fused_cppo_loss`), held with the
+            options.
         **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
@@ -385,10 +417,19 @@ class FusedCPPOLoss(nn.Module):
     returns its ``(loss, metrics)``.
     """
 
-    def __init__(self, config: LossConfig | None = None, *, mode: str = "auto", **options: Any) -> None:
+    def __init__(
+        self,
+        config: LossConfig | None = None,
+        *,
+        mode: str = "auto",
+        logit_scale: float = 1.0,
+        logit_softcap: float | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__()
         self.config = loss_config(config, **options)
         self.mode = check_choice("mode", mode, MODES)
+        self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap)
 
     def forward(
         self,
@@ -413,9 +454,13 @@ class FusedCPPOLoss(nn.Module):
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             bias=bias,
+            logit_scale=self.logit_scale,
+            logit_softcap=self.logit_softcap,
             config=self.config,
             mode=self.mode,
         )
 
     def extra_repr(self) -> str:
-        return f"{self.config!r}, mode={self.mode!r}"
+        head = f", logit_scale={self.logit_scale!r}, logit_softcap={self.logit_softcap!r}"
+        plain = (self.logit_scale, self.logit_softcap) == (1.0, None)
+        return f"{self.config!r}, mode={self.mode!r}" + ("" if plain else head)

@@ -192,15 +192,27 @@ def cppo_select(
 
 
 def token_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None, temperature: float = 1.0
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(logp, entropy)`` of each target under ``softmax((hidden @ weight^T + bias) / temperature)``.
+    """``(logp, entropy)`` of each target under ``softmax(logits / temperature)``, the model's logits
+    ``logit_softcap * tanh((hidden @ weight^T + bias) * logit_scale / logit_softcap)`` (no tanh without a cap):
+    Gemma 2's forward, the scale first, then the cap; TRL divides the model's logits by the temperature.
 
     ``hidden [..., H]``, ``weight [V, H]``, ``targets [...]``, from the full logits ``[..., V]``. Differentiable.
     """
     logits = hidden @ weight.t()  # [..., V]
     if bias is not None:
         logits = logits + bias
+    logits = logits * logit_scale
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
     logp_all = torch.log_softmax(logits / temperature, dim=-1)  # [..., V]
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
@@ -317,15 +329,19 @@ def fused_cppo_loss(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     config: LossConfig = LossConfig(),
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`token_logprobs` (full logits) then :func:`policy_loss`, in the packed (``cu_seqlens``) or padded
-    (``mask [B, L]``) layout of :func:`cppo_kernels.fused_cppo_loss`."""
+    """:func:`token_logprobs` (full logits, the model's ``logit_scale`` and ``logit_softcap``) then
+    :func:`policy_loss`, in the packed (``cu_seqlens``) or padded (``mask [B, L]``) layout of
+    :func:`cppo_kernels.fused_cppo_loss`."""
     if mask is not None:
         cu_seqlens, (hidden, targets, old_logprobs, ref_logprobs) = _packed(
             mask.bool(), hidden, targets, old_logprobs, ref_logprobs
         )
-    logp, entropy = token_logprobs(hidden, weight, targets, bias=bias, temperature=config.temperature)
+    head = dict(bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=config.temperature, **head)
     return policy_loss(
         logp,
         advantages,

@@ -115,7 +115,19 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
             return
         import speedup  # the dry run checks the arguments only: vLLM needs a GPU
 
-        config = speedup.base_config(speedup.parse_args(argv))
-        ok = (config.rollout_backend, config.model, config.model_config) == ("vllm", tmp, None)
-        report.add("speedup vllm", f"dry run: arguments checked, not run ({' '.join(argv)})")
+        args = speedup.parse_args(argv)
+        vllm_asked = 'rollout_backend="vllm"' in args.overrides
+        note = ""
+        if importlib.util.find_spec("vllm") is None:  # refused before loading, as a run here would be (issue 27)
+            try:
+                speedup.base_config(args)
+                refused = False
+            except ValueError as e:
+                refused = "rollout_backend='vllm' needs the vllm package" in str(e)
+            report.check("without vLLM installed, speedup.py refuses rollout_backend=vllm in one line", refused)
+            args.overrides = [o for o in args.overrides if not o.startswith("rollout_backend=")]
+            note = "; vLLM is not installed here: the other settings checked"
+        config = speedup.base_config(args)
+        ok = vllm_asked and (config.model, config.model_config) == (tmp, None)
+        report.add("speedup vllm", f"dry run: arguments checked, not run ({' '.join(argv)}){note}")
         report.check("speedup.py takes the vLLM run's arguments (saved tiny model, vllm rollouts)", ok)

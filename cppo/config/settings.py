@@ -12,7 +12,7 @@ from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
 from ..distributed import PARALLELISMS, check_device
-from ..engines import check_engine_name
+from ..engines import check_engine_installed, check_engine_name
 from ..run import check_report_to
 from ..step import Pruning
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
@@ -254,8 +254,10 @@ class TrainConfig:
         return self.seed if self.question_seed is None else self.question_seed
 
     def check_sources(self) -> None:
-        """Whether the model and the data exist (:func:`check_model_and_data`): the file-system checks, apart from
-        :meth:`validate`; the trainer and :func:`load_config` run them before anything loads."""
+        """Whether the model and the data exist (:func:`check_model_and_data`) and the rollout engine's packages are
+        installed: the checks of this machine, apart from :meth:`validate`; the trainer and :func:`load_config` run
+        them before anything loads."""
+        check_engine_installed(self.rollout_backend)
         check_model_and_data(
             model=self.model, model_config=self.model_config, dataset=self.dataset,
             dataset_path=self.dataset_path, dtype=self.dtype, device=self.device,

@@ -25,6 +25,8 @@ __all__ = [
     "unwrap_model",
     "is_fsdp2",
     "root_unsharded",
+    "keep_gathered_after_forward",
+    "is_sharded",
     "gradient_sync",
     "grad_scale",
 ]
@@ -147,6 +149,27 @@ def root_unsharded(module: nn.Module):
         yield
     finally:
         module.reshard()
+
+
+def keep_gathered_after_forward(model: nn.Module, module: nn.Module) -> nn.Module | None:
+    """Makes the FSDP2 unit holding ``module``'s parameters (``module`` itself when ``fully_shard`` was applied to it,
+    alone or in a group as accelerate's plugin shards the LM head with the final norm; else the root ``model``) keep
+    them gathered after its forward, as :func:`wrap_model` does for its root: code run after the forward (a fused
+    loss reading the LM head) then gets whole tensors, and FSDP2 reduce-scatters their gradient after the backward
+    as every other parameter's. Returns that unit (None when ``model`` is not sharded); idempotent."""
+    unit = module if is_fsdp2(module) else model if is_fsdp2(model) else None
+    if unit is not None:
+        unit.set_reshard_after_forward(False, recurse=False)
+    return unit
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an FSDP2 shard (a ``DTensor``) rather than a whole tensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor has no FSDP2 either
+        return False
+    return isinstance(tensor, DTensor)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,10 @@ class RolloutEngine(ABC):
     #: Can generate from a policy whose parameters FSDP2 shards over the ranks (``parallelism: fsdp2``).
     supports_sharded: ClassVar[bool] = False
 
+    #: The packages it imports when built (``{module: what to install}``), checked before any model loads
+    #: (:func:`check_engine_installed`).
+    requires: ClassVar[dict[str, str]] = {}
+
     #: The name it was built by (``rollout_backend``; set by :func:`make_engine`), for messages.
     name: str = ""
 
@@ -133,6 +137,19 @@ def check_engine_name(name: str) -> str:
     """``name`` when ``rollout_backend`` may take it (``auto`` or a registered engine), else a ``ValueError``."""
     if not isinstance(name, str) or (name != "auto" and name not in _ENGINES):
         raise ValueError(f"rollout_backend must be 'auto' or a registered engine {available_engines()}, got {name!r}")
+    return name
+
+
+def check_engine_installed(name: str) -> str:
+    """``name`` (``rollout_backend``) when the packages its engine imports (its ``requires``) are installed, else a
+    ``ValueError`` saying what to install: before any model loads (the engine imports them only when built)."""
+    factory = _ENGINES.get(check_engine_name(name))
+    for module, install in (getattr(factory, "requires", None) or {}).items():
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"rollout_backend={name!r} needs the {module} package, which is not installed here: {install}, or set "
+                "rollout_backend=hf"
+            )
     return name
 
 

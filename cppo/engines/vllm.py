@@ -12,6 +12,8 @@ class VLLMEngine(RolloutEngine):
     """Colocated vLLM engine (GPU). ``sync_weights()`` loads the policy's current weights into the engine; greedy
     evaluation decodes with transformers on the policy (the default :meth:`RolloutEngine.for_evaluation`)."""
 
+    requires = {"vllm": "pip install vllm (GPU only)"}
+
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
 

@@ -5,6 +5,7 @@ sinks built; then the checkpoint a resume continues from, whose saved settings t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Collection
@@ -111,6 +112,12 @@ class Run:
     ) -> None:
         self.output_dir, self.info, self.sinks = output_dir, info, sinks
         self._lock, self._own_lock, self._checked = lock, None, checked
+        self._sinks_closed = False
+
+    @property
+    def sink_names(self) -> list[str]:
+        """The names of the sinks still logging (a sink that failed is dropped: :meth:`log`)."""
+        return [sink.name for sink in self.sinks]
 
     def clear(self) -> None:
         """``--overwrite``: rank 0 deletes the old run's files and checkpoints (nothing else in the folder). Called
@@ -131,18 +138,37 @@ class Run:
         if step == 0 and not self._checked:  # a new run never mixes with one already there (resume or delete it)
             refuse_existing_run(self.output_dir)
         self._checked = True
+        self._sinks_closed = False
         for sink in self.sinks:
             sink.start(settings, step=step)
 
     def log(self, record: dict, step: int) -> None:
-        """One step's record to every sink."""
-        for sink in self.sinks:
-            sink.log(record, step)
+        """One step's record to every sink. A sink that fails (an ``OSError`` of a full disk, a sink's own error)
+        costs its own output alone: it is closed and dropped with one warning, and the record still reaches the
+        sinks after it (``metrics.jsonl`` stays complete) while the training goes on."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(record, step)
+            except Exception as e:  # noqa: BLE001  whatever a sink raises: the run and the other sinks go on
+                self._drop(sink, e, step)
+
+    def _drop(self, sink: MetricSink, error: Exception, step: int) -> None:
+        self.sinks.remove(sink)
+        others = [_shown(s) for s in self.sinks]
+        logger.warning(
+            "report_to: the %r sink failed at step %d (%s: %s): it logs nothing more in this run; %s and the "
+            "training go on", _shown(sink), step, type(error).__name__,
+            " ".join(str(error).split()), f"the sinks {others}" if others else "the checkpoints",
+        )  # fmt: skip
+        with contextlib.suppress(Exception):  # one warning a sink: what it holds is all it can keep
+            sink.close()
 
     def finish(self) -> None:
-        """The training ended: the sinks close, and the lock :meth:`start` took is released."""
-        for sink in self.sinks:
-            sink.close()
+        """The training ended: the sinks close (one that fails to: a warning), and the lock :meth:`start` took is
+        released."""
+        for sink in self.sinks if not self._sinks_closed else ():
+            _close(sink)
+        self._sinks_closed = True
         if self._own_lock is not None:
             self._own_lock.release()
             self._own_lock = None
@@ -153,6 +179,18 @@ class Run:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _close(sink: MetricSink) -> None:
+    """Closes ``sink``; a failure is a warning (what it logged before is all it can keep)."""
+    try:
+        sink.close()
+    except Exception as e:  # noqa: BLE001  a sink's own error: the run's end goes on
+        logger.warning("report_to: the %r sink failed to close (%s: %s)", _shown(sink), type(e).__name__, e)
+
+
+def _shown(sink: MetricSink) -> str:
+    return sink.name or type(sink).__name__
 
 
 def resume_candidates(

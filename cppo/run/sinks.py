@@ -10,12 +10,15 @@ that imports its library inside it, as transformers' ``INTEGRATION_TO_CALLBACK``
 - ``none``: nothing (the progress bar and ``metrics.png`` are drawn whatever ``report_to`` says).
 
 Only rank 0 has sinks. A sink is built (its library imported, its folder checked) before the model loads, started
-when training starts and closed when it ends; tensorboard and wandb skip metrics that are not numbers.
+when training starts and closed when it ends; tensorboard and wandb skip metrics that are not numbers. A sink that
+fails while the run logs (a full disk, an unwritable events file, a sink's own error) is dropped with one warning
+(:meth:`cppo.run.folder.Run.log`): the run and the other sinks go on.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 
 from ..fileio import check_writable
@@ -38,6 +41,9 @@ class MetricSink(ABC):
     """One destination of the step metrics. Building it checks that it can start (its library is importable and its
     folder writable) and raises a ``ValueError`` naming ``report_to`` otherwise; it writes nothing before
     :meth:`start`."""
+
+    #: The name ``report_to`` built it by (set by :func:`make_sinks`), for messages.
+    name: str = ""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
@@ -122,6 +128,7 @@ class TensorBoardSink(MetricSink):
         """Opens a writer; after ``step`` > 0 (a resume) TensorBoard discards the older files' events past it."""
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_tensorboard_thread()
         self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step + 1 if step else None)
 
     def log(self, record: dict, step: int) -> None:
@@ -133,6 +140,24 @@ class TensorBoardSink(MetricSink):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread hands a write error (a full disk) to its writer, which raises it at the next
+    :meth:`TensorBoardSink.log` (the sink's failure: one warning, :meth:`cppo.run.folder.Run.log`), and re-raises it
+    too: a thread's traceback on stderr that says nothing more. A ``threading.excepthook`` (installed once) drops that
+    one and passes every other thread's exception on."""
+    previous = threading.excepthook
+    if getattr(previous, "cppo_quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        handed_on = getattr(args.thread, "exception", None) is args.exc_value
+        if not (handed_on and type(args.thread).__module__.startswith("tensorboard.summary.writer")):
+            previous(args)
+
+    hook.cppo_quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 class WandbSink(MetricSink):
@@ -199,7 +224,12 @@ def check_report_to(names: list[str]) -> list[str]:
 def make_sinks(report_to: list[str], output_dir: str) -> list[MetricSink]:
     """The sinks ``report_to`` names (as :func:`check_report_to` accepted it when the settings were built), each
     built for ``output_dir``, which checks that it can start; not yet started."""
-    return [_sink_class(name)(output_dir) for name in report_to if name != "none"]
+    sinks = []
+    for name in report_to:
+        if name != "none":
+            sinks.append(_sink_class(name)(output_dir))
+            sinks[-1].name = name
+    return sinks
 
 
 def _sink_class(name: str) -> type[MetricSink]:

@@ -1,7 +1,7 @@
 """What one training step computes, in the order the data flows: selection (the pruning policy, the one caller of the
 selection kernels), dynamic (dynamic sampling: zero-variance groups dropped, more questions drawn), balance (the kept
-completions over the ranks), packing (micro-batches, each prompt once), models (loading and the packed forward), lora
-(PEFT adapters), optim (AdamW, the schedule, one optimizer step)."""
+completions over the ranks), packing (micro-batches, each prompt once), models (loading and the packed forward), head
+(the model's own logit transform), lora (PEFT adapters), optim (AdamW, the schedule, one optimizer step)."""
 
 from .balance import balance_samples, balance_sequences, lpt_assign, split_units  # noqa: I001  (grouped, as __all__)
 from .dynamic import FilledStep, fill_step, zero_variance_groups
@@ -13,6 +13,7 @@ from .models import (
     DEFAULT_TINY, completion_hidden, decoder, enable_gradient_checkpointing, lm_head, load_model_and_tokenizer,
     packed_hidden, prefix_attention_mask, prefix_sharing_blocker, tiny_tokenizer, use_prefix_sharing,
 )  # fmt: skip
+from .head import LogitTransform, check_logit_transform, logit_transform
 from .optim import NonFiniteUpdates, SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import (
     PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, prompt_groups, shared_tokens,
@@ -25,7 +26,8 @@ __all__ = [
     "check_target_modules", "is_adapter_folder", "is_lora", "load_adapter_model", "load_adapter_weights", "merge",
     "reference_forward", "save_adapter", "DEFAULT_TINY", "completion_hidden", "decoder",
     "enable_gradient_checkpointing", "lm_head", "load_model_and_tokenizer", "packed_hidden", "prefix_attention_mask",
-    "prefix_sharing_blocker", "tiny_tokenizer", "use_prefix_sharing", "NonFiniteUpdates", "SkipCounter",
+    "prefix_sharing_blocker", "tiny_tokenizer", "use_prefix_sharing", "LogitTransform", "check_logit_transform",
+    "logit_transform", "NonFiniteUpdates", "SkipCounter",
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
     "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "prompt_groups", "shared_tokens", "SCOPES",
     "Pruning", "Selection", "kept_count",

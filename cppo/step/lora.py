@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from .. import fileio
+from .models import BUILT_IN_MODELS, load_model_and_tokenizer, model_source
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's
@@ -92,9 +93,8 @@ def apply_lora(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)  # lora_A's random init: the same in every run (and rank) of this seed
         peft_model = get_peft_model(model, lora)
-    local = os.path.exists(base_model)
     base = {
-        "model": os.path.abspath(base_model) if local else base_model,
+        "model": model_source(base_model),  # what loaded: a built-in by name, a local folder by its absolute path
         "model_config": base_config,
         "seed": seed,
     }
@@ -136,8 +136,56 @@ def base_recipe(folder: str) -> dict:
     path = os.path.join(folder, BASE_FILE)
     if not os.path.isfile(path):
         return _base_from_config(folder)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    recipe = _read_json(path, "the base model's recipe")
+    if not isinstance(recipe.get("model"), str) or not recipe["model"]:
+        raise ValueError(f'{path} names no base model (its "model" is {recipe.get("model")!r}): a corrupt file')
+    return recipe
+
+
+def _read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; ``ValueError`` naming the file when it cannot be read or is no object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} ({what}) cannot be read ({e}): a truncated or corrupt file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} ({what}) holds {type(data).__name__}, not a JSON object: a corrupt file")
+    return data
+
+
+def check_adapter(folder: str) -> dict:
+    """The base recipe of adapter ``folder`` (:func:`base_recipe`) once its files are checked, before any model loads
+    (``cppo eval`` and ``cppo merge``): ``ValueError`` naming the file when :data:`ADAPTER_CONFIG`,
+    :data:`BASE_FILE` or :data:`ADAPTER_WEIGHTS` is missing, truncated or corrupt, when the weights' rank is not the
+    config's ``r``, or when the base model recorded no longer exists (moved or deleted)."""
+    from safetensors import SafetensorError, safe_open
+
+    config_path, weights = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
+    config = _read_json(config_path, "the LoRA adapter's config")
+    base = base_recipe(folder)
+    name = base["model"]
+    if name not in BUILT_IN_MODELS and os.path.isabs(name) and not os.path.exists(name):
+        raise ValueError(
+            f"the base model of adapter {folder!r}, {name!r} (recorded in {os.path.join(folder, BASE_FILE)}), does not "
+            "exist: it was moved or deleted; put it back, or write its new path there"
+        )
+    if not os.path.isfile(weights):
+        raise ValueError(f"adapter {folder!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}: an incomplete adapter")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            ranks = {key: f.get_slice(key).get_shape()[0] for key in f.keys() if ".lora_A." in key}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights} cannot be read ({e}): a truncated or corrupt file") from None
+    r = config.get("r")
+    wrong = {k: v for k, v in ranks.items() if v != r}
+    if not ranks or (wrong and not config.get("rank_pattern")):
+        shown = ", ".join(map(str, sorted(set(wrong.values()))))
+        found = f"weights of rank {shown} ({next(iter(wrong))})" if wrong else "no lora_A weights"
+        raise ValueError(
+            f"{config_path} says r={r!r}, but {weights} holds {found}: the two files are not of the same adapter"
+        )
+    return base
 
 
 def load_adapter_weights(model: torch.nn.Module, folder: str) -> None:
@@ -167,13 +215,17 @@ def load_adapter_model(folder: str, *, dtype: str = "float32", device: torch.dev
     for inference."""
     from peft import PeftModel
 
-    from .models import load_model_and_tokenizer
-
-    base = base_recipe(folder)
+    base = check_adapter(folder)
     model, tokenizer = load_model_and_tokenizer(
         base["model"], model_config=base.get("model_config"), dtype=dtype, device=device, seed=base.get("seed", 0)
     )
-    return PeftModel.from_pretrained(model, folder).to(device), tokenizer
+    try:
+        return PeftModel.from_pretrained(model, folder).to(device), tokenizer
+    except RuntimeError as e:  # a shape mismatch: the adapter was trained on another base model
+        problem = next((line.strip() for line in str(e).splitlines() if "mismatch" in line), str(e).strip())
+        raise ValueError(
+            f"adapter {folder!r} does not fit its base model {base['model']!r} ({problem}): another base model"
+        ) from None
 
 
 def merge(folder: str, output: str, *, dtype: str = "float32") -> str:

@@ -72,6 +72,19 @@ def attn_implementation(device: torch.device, *, prefix_sharing: bool = False) -
     return "sdpa"
 
 
+#: The models :func:`load_model_and_tokenizer` builds in code from their name (whatever the file system holds).
+BUILT_IN_MODELS = ("tiny-qwen2",)
+
+
+def model_source(name: str) -> str:
+    """What :func:`load_model_and_tokenizer` loads for ``name``, as another process in another folder must name it:
+    a model built in code as its name (even where a folder of that name exists: the built-in is what loads), a local
+    folder or file as its absolute path, a hub name as itself."""
+    if name in BUILT_IN_MODELS:
+        return name
+    return os.path.abspath(name) if os.path.exists(name) else name
+
+
 def load_model_and_tokenizer(
     name: str,
     *,
@@ -89,7 +102,7 @@ def load_model_and_tokenizer(
     device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     attn = attn_implementation(device, prefix_sharing=prefix_sharing)
-    if name == "tiny-qwen2":
+    if name in BUILT_IN_MODELS:  # "tiny-qwen2"
         from transformers import Qwen2Config
 
         overrides = {**DEFAULT_TINY, **(model_config or {})}

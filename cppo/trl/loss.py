@@ -10,6 +10,13 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
   grpo / bnpo / dr_grpo divided by the gradient-accumulation steps, as TRL does;
 - ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
 - ``epsilon`` / ``epsilon_high``, ``beta`` (k3 against ``ref_per_token_logps``), ``temperature``;
+- the model's own logit scale and final cap (Gemma, Cohere, Granite, ...: :mod:`cppo.step.head`), as TRL's fused
+  head applies them, the temperature dividing the result;
+- vLLM's importance-sampling correction: the ratio of :mod:`cppo.trl.sampling` (computed on the kept rows, in any
+  of TRL's four modes) goes in as ``importance_weights``, multiplied into the policy term only, as TRL does;
+- ``router_aux_loss_coef``: the mixture-of-experts load-balancing loss of the model's own forward, added as TRL does;
+- a sharded LM head (FSDP2, DeepSpeed ZeRO-3): the weight is read where the engine has it gathered
+  (:mod:`cppo.trl.sharding`), and its gradient is reduced by the engine as every other parameter's;
 - TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (token means over all
   processes); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 
@@ -20,6 +27,9 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import is_peft_model
@@ -27,9 +37,14 @@ from torch import Tensor
 
 from cppo_kernels import fused_cppo_loss
 
-from ..step import lm_head
+from ..step import LogitTransform, check_logit_transform
+from .sharding import gathered_head
 
-__all__ = ["LOSS_AGG", "unsupported_setting", "install_hidden_forward", "padded_hidden", "fused_policy_loss"]
+__all__ = [
+    "LOSS_AGG", "unsupported_setting", "takes_importance_weights", "install_hidden_forward", "model_logit_transform",
+    "padded_hidden",
+    "fused_policy_loss",
+]  # fmt: skip
 
 #: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
 LOSS_AGG = {
@@ -51,47 +66,97 @@ def unsupported_setting(trainer) -> str | None:
         (trainer.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={args.off_policy_mask_threshold}"),
         (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
         (trainer._entropy_bonus_enabled, f"entropy_coef={args.entropy_coef} / use_adaptive_entropy"),
-        (trainer.aux_loss_enabled, "router_aux_loss_coef (a mixture-of-experts auxiliary loss)"),
         (
-            trainer.use_vllm and trainer.vllm_importance_sampling_correction,
-            "vllm_importance_sampling_correction=True (per-token importance weights)",
+            trainer.aux_loss_enabled and aux_loss_function(trainer.model) is None,
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef} ({type(trainer.model).__name__}'s modeling module "
+            "has no load_balancing_loss_func)",
         ),
-        (_sharded_head(trainer), "FSDP / DeepSpeed ZeRO-3 (a sharded LM-head weight)"),
+        (
+            _vllm_correction(trainer) and not takes_importance_weights(),
+            "vllm_importance_sampling_correction=True (this cppo_kernels.fused_cppo_loss takes no importance_weights)",
+        ),
+        (
+            _fsdp_version(trainer) == 1,
+            "FSDP version 1 (its LM head is a flat-parameter shard outside the forward: use FSDP2)",
+        ),
     )
     return next((name for bad, name in checks if bad), None)
 
 
-def _sharded_head(trainer) -> bool:
-    """Whether the LM-head weight is sharded over the processes (FSDP, DeepSpeed ZeRO-3): TRL gathers it inside its
-    own head; the fused loss would need it whole."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return True
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return bool(getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3)
+def _fsdp_version(trainer) -> int | None:
+    """accelerate's FSDP plugin version (1 or 2), None without FSDP."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", None) if getattr(trainer, "is_fsdp_enabled", False) else None
+
+
+def takes_importance_weights() -> bool:
+    """Whether the installed ``fused_cppo_loss`` takes ``importance_weights`` (a detached per-token or per-sequence
+    factor on the policy term): vLLM's importance-sampling correction runs fused only then."""
+    try:
+        return "importance_weights" in inspect.signature(fused_cppo_loss).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+
+
+def _vllm_correction(trainer) -> bool:
+    """Whether TRL multiplies its policy term by vLLM's importance-sampling ratio (``inputs`` then hold it)."""
+    return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+
+def aux_loss_function(model) -> Callable | None:
+    """The mixture-of-experts load-balancing loss that ``model``'s own forward adds with ``output_router_logits``
+    (the ``load_balancing_loss_func`` of its transformers modeling module, as TRL's ``aux_loss``); None if none."""
+    inner = model.get_base_model() if is_peft_model(model) else model
+    for cls in type(inner).__mro__:  # FSDP2 and PEFT subclass the model's class
+        fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            return fn
+    return None
 
 
 def install_hidden_forward(model) -> None:
     """Lets ``model(..., cppo_hidden_states=True)`` return the backbone's final hidden states ``[B, L, H]`` (no LM
-    head, no cache), through whatever wraps the model (DDP, PEFT) as TRL's own ``fused_lm_head=True`` does; any
-    other call is the previous forward, unchanged (generation included)."""
+    head, no cache), through whatever wraps the model (DDP, PEFT) as TRL's own ``fused_lm_head=True`` does; with
+    ``cppo_aux_loss=True`` also the mixture-of-experts load-balancing loss of those rows, as the model's own forward
+    computes it (:func:`aux_loss_function`). Any other call is the previous forward, unchanged (generation
+    included)."""
     inner = model.get_base_model() if is_peft_model(model) else model
     previous = inner.forward
 
     @functools.wraps(previous)
-    def forward(*args, cppo_hidden_states: bool = False, **kwargs):
+    def forward(*args, cppo_hidden_states: bool = False, cppo_aux_loss: bool = False, **kwargs):
         if not cppo_hidden_states:
             return previous(*args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k != "labels"}  # PEFT passes labels=None
         kwargs["use_cache"] = False
-        return inner.base_model(*args, **kwargs).last_hidden_state
+        if not cppo_aux_loss:
+            return inner.base_model(*args, **kwargs).last_hidden_state
+        out = inner.base_model(*args, **kwargs, output_router_logits=True)
+        aux = aux_loss_function(inner)(
+            out.router_logits, inner.num_experts, inner.num_experts_per_tok, kwargs.get("attention_mask")
+        )
+        return out.last_hidden_state, aux
 
     inner.forward = forward
 
 
+def model_logit_transform(trainer) -> LogitTransform:
+    """The logit scale and cap of ``trainer``'s model, read from its config as TRL's ``add_fused_lm_head`` reads it
+    and checked once against the model's own logits through the hidden-state forward the fused passes use
+    (:func:`install_hidden_forward`); a model whose head does anything else is refused in one line."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def hidden(ids: Tensor) -> Tensor:
+        return model(input_ids=ids, cppo_hidden_states=True)
+
+    return check_logit_transform(model, hidden_forward=hidden)
+
+
 def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(hidden, weight, bias)`` in one dtype: the head's (fp32) with ``cast_lm_head_to_fp32``, else the hidden
-    states' (what autocast gives a linear layer)."""
-    weight, bias = lm_head(trainer.accelerator.unwrap_model(model))
+    states' (what autocast gives a linear layer). Read after ``model``'s forward, where FSDP2 keeps it gathered
+    (:func:`cppo.trl.sharding.gathered_head`: a whole tensor, or a ValueError)."""
+    weight, bias = gathered_head(trainer, trainer.accelerator.unwrap_model(model))
     dtype = weight.dtype if trainer.args.cast_lm_head_to_fp32 else hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
@@ -109,16 +174,18 @@ def _scale(trainer, num_tokens: Tensor, num_items: Tensor) -> Tensor | float:
     return num_tokens / normalizer
 
 
-def padded_hidden(trainer, model, inputs: dict) -> Tensor:
-    """``[B, C, H]`` hidden states of TRL's padded ``[B, P + C]`` rows at the positions that predict the completion
-    tokens (position t predicts token t + 1: the C positions before the last)."""
+def padded_hidden(trainer, model, inputs: dict) -> tuple[Tensor, Tensor | None]:
+    """``([B, C, H], aux)``: hidden states of TRL's padded ``[B, P + C]`` rows at the positions that predict the
+    completion tokens (position t predicts token t + 1: the C positions before the last), and with TRL's
+    ``aux_loss_enabled`` the rows' mixture-of-experts load-balancing loss (else None)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, L]
     attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # [B, L]
-    width = completion_ids.size(1)
+    width, aux = completion_ids.size(1), trainer.aux_loss_enabled
     with trainer.accelerator.autocast():
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, cppo_hidden_states=True)  # [B, L, H]
-    return hidden[:, -width - 1 : -1]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, cppo_hidden_states=True, cppo_aux_loss=aux)
+    hidden, aux_loss = out if aux else (out, None)  # [B, L, H]
+    return hidden[:, -width - 1 : -1], aux_loss
 
 
 def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None) -> Tensor:
@@ -127,9 +194,14 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     ``hidden [B, C, H]``: those of the completion positions, already computed (prefix sharing,
     :mod:`cppo.trl.packing`); None: from TRL's padded rows (:func:`padded_hidden`)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    aux_loss = None
     if hidden is None:
-        hidden = padded_hidden(trainer, model, inputs)
+        hidden, aux_loss = padded_hidden(trainer, model, inputs)
     hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
+    weights = {}
+    if _vllm_correction(trainer):  # TRL's [B, C] (token modes) or [B, 1] (sequence modes) ratio, a constant
+        ratio = inputs["importance_sampling_ratio"]
+        weights["importance_weights"] = ratio.squeeze(1) if ratio.size(1) == 1 else ratio  # [B, C] or [B]
     with torch.autocast(hidden.device.type, enabled=False):
         loss, metrics = fused_cppo_loss(
             hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,
@@ -137,11 +209,18 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
             temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
             beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
-            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True,
+            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True, **trainer.logit_transform.kwargs(),
             max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
+            **weights,
         )  # fmt: skip
     _log_metrics(trainer, metrics)
-    return loss * _scale(trainer, metrics["num_tokens"], inputs["num_items_in_batch"])
+    loss = loss * _scale(trainer, metrics["num_tokens"], inputs["num_items_in_batch"])
+    if aux_loss is None:
+        return loss
+    mode = "train" if trainer.model.training else "eval"  # TRL's aux term: scaled for accumulation only
+    normalizer = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+    return loss + trainer.router_aux_loss_coef * aux_loss / normalizer
 
 
 def _log_metrics(trainer, metrics: dict[str, Tensor]) -> None:

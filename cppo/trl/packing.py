@@ -23,6 +23,7 @@ some process cannot pack its rows, every process runs TRL's padded rows.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,13 @@ def prefix_sharing_possible(trainer) -> bool:
     else one warning naming ``prefix_sharing`` (:func:`cppo.step.models.use_prefix_sharing`) and TRL's padded rows. The
     reference model gets the hidden-state forward the policy has (:func:`cppo.trl.loss.install_hidden_forward`)."""
     if not trainer.args.prefix_sharing or trainer.fused_loss_refused is not None:
+        return False
+    if trainer.aux_loss_enabled:  # TRL's load-balancing loss counts each row's prompt tokens: padded rows
+        warnings.warn(
+            "CPPOTrainer: prefix_sharing=True is not used with router_aux_loss_coef (the mixture-of-experts "
+            "load-balancing loss counts every row's prompt tokens, as TRL's padded rows do)",
+            stacklevel=3,
+        )
         return False
     ref = None if trainer.ref_model is None else trainer.accelerator.unwrap_model(trainer.ref_model)
     if not all(use_prefix_sharing(m, True) for m in (trainer.model, ref) if m is not None):
@@ -163,7 +171,8 @@ def shared_hidden(trainer, model, rows: SharedRows) -> Tensor:
 
 def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
     """``[B, C]`` fp32 per-token log-probs of the completions under ``model`` (TRL's ``_get_per_token_logps``: the
-    logits divided by the temperature, the head in fp32 with ``cast_lm_head_to_fp32``), 0 at masked positions."""
+    model's logits divided by the temperature, the head in fp32 with ``cast_lm_head_to_fp32``), 0 at masked
+    positions."""
     unwrapped = trainer.accelerator.unwrap_model(model)
     out = torch.zeros(rows.shape[0] * rows.shape[1], dtype=torch.float32, device=rows.dest[0].device)  # [B * C]
     for b, dest in zip(rows.batches, rows.dest, strict=True):
@@ -171,7 +180,8 @@ def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
             hidden = _completion_hidden(model, b, unwrapped)  # [T, H]
         hidden, weight, bias = _head_inputs(trainer, hidden, model)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp = fused_logprobs(hidden, weight, b.targets, bias=bias, temperature=trainer.temperature)  # [T]
+            head = dict(bias=bias, temperature=trainer.temperature, **trainer.logit_transform.kwargs())
+            logp = fused_logprobs(hidden, weight, b.targets, **head)  # [T]
         out.index_copy_(0, dest, logp.float())
     with trainer.accelerator.autocast():
         for b in rows.fillers:  # only keep the processes in step

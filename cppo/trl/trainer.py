@@ -39,10 +39,11 @@ from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 from ..distributed import DistInfo
 from ..engines import generate_prefilled_once, prefill_once_applies
 from .config import CPPOConfig
-from .loss import fused_policy_loss, install_hidden_forward, unsupported_setting
+from .loss import fused_policy_loss, install_hidden_forward, model_logit_transform, unsupported_setting
 from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
 from .rows import keep_rows, pass_tokens
 from .sampling import importance_ratio, sampling_stats
+from .sharding import ZeroHead, prepare_head, release_head
 
 __all__ = ["CPPOTrainer", "GENERATION_STATE"]
 
@@ -111,11 +112,14 @@ class CPPOTrainer(GRPOTrainer):
                 "CPPOTrainer does not support multimodal models (the model loads a processor); use trl.GRPOTrainer"
             )
         self.pruning = args.pruning()
+        self.zero_head = ZeroHead()  # ZeRO-3: the LM head gathered from its first read to the end of the step
         self._deferring = False
         self._check_layout()
         self.fused_loss_refused = unsupported_setting(self)
+        self.logit_transform = None  # the model's own logit scale and cap (cppo.step.head), for the fused head
         if self.fused_loss_refused is None:
             install_hidden_forward(self.model)
+            self.logit_transform = model_logit_transform(self)  # or refused, naming the model's class
         else:
             warnings.warn(
                 f"CPPOTrainer: {self.fused_loss_refused} is not expressed by cppo_kernels.fused_cppo_loss; "
@@ -250,6 +254,16 @@ class CPPOTrainer(GRPOTrainer):
     # The step: TRL's scoring, pruning, then the old and reference passes on the kept rows
     # ---------------------------------------------------------------------------------------------------------
 
+    def training_step(self, *args, **kwargs):
+        """TRL's step; under ZeRO-3 the LM head read by the fused passes stays gathered until its backward is over
+        (:class:`cppo.trl.sharding.ZeroHead`)."""
+        with self.zero_head.step():
+            return super().training_step(*args, **kwargs)
+
+    def prediction_step(self, *args, **kwargs):
+        with self.zero_head.step():
+            return super().prediction_step(*args, **kwargs)
+
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         """Generation, rewards and advantages (TRL's), pruning, the kept rows, then their old / reference passes.
         Evaluation is TRL's own: nothing is pruned."""
@@ -341,7 +355,12 @@ class CPPOTrainer(GRPOTrainer):
     def _logps(self, model, batch: dict, rows: SharedRows | None) -> torch.Tensor:
         """``[K, C]`` per-token log-probs of ``batch``'s completions: from the shared ``rows``, or TRL's pass."""
         if rows is not None:
-            return shared_logps(self, model, rows)
+            unwrapped = self.accelerator.unwrap_model(model)
+            prepare_head(unwrapped)  # FSDP2: the head gathered after the forward, resharded after the pass
+            try:
+                return shared_logps(self, model, rows)
+            finally:
+                release_head(unwrapped)
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # [K, L]
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # [K, L]
         width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
@@ -397,6 +416,7 @@ class CPPOTrainer(GRPOTrainer):
         if self.fused_loss_refused is not None:
             return super()._compute_loss(model, inputs)
         rows = trainer_rows(self, inputs)
+        prepare_head(self.accelerator.unwrap_model(model))  # FSDP2: the head gathered until the backward
         return fused_policy_loss(self, model, inputs, None if rows is None else shared_hidden(self, model, rows))
 
     # ---------------------------------------------------------------------------------------------------------

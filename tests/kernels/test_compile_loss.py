@@ -23,9 +23,13 @@ CASES = [(h, "bf16") for h in (896, 1536, 2048, 3584, 4096)] + [(1536, "fp16"), 
 KERNELS = {
     "fwd": "_logprobs_fwd_kernel",
     "bwd_dz": "_logprobs_bwd_dz_kernel",
+    "fwd_softcap": "_logprobs_fwd_kernel",  # the model's final tanh cap (Gemma 2/3): HAS_SOFTCAP
+    "bwd_dz_softcap": "_logprobs_bwd_dz_kernel",
     "matmul_dhidden": "_matmul_dhidden_kernel",  # dhidden = dz @ W
     "matmul_dweight": "_matmul_dweight_kernel",  # dweight (fp32) += dz^T @ X
 }
+#: The fp32 scalar arguments (the temperature and the model's logit transform); every other scalar is an int.
+FLOAT_ARGS = ("z_scale", "cap_out", "grad_scale")
 #: Unit strides of the two matmul launches: the JIT turns an int argument equal to 1 into a constant.
 UNIT_STRIDES = {"matmul_dhidden": ("stride_ak", "stride_bn"), "matmul_dweight": ("stride_am", "stride_bn")}
 
@@ -41,7 +45,8 @@ def _spec(kernel: str, hidden_size: int, dtype: str):
         constexprs.update(dict.fromkeys(UNIT_STRIDES[kernel], 1))
     else:
         constexprs = {**flags, "HAS_BIAS": True, "BLOCK_T": cfg.block_t, "BLOCK_V": cfg.block_v, "BLOCK_H": cfg.block_h}
-    if kernel == "fwd":
+        constexprs["HAS_SOFTCAP"] = kernel.endswith("_softcap")
+    if kernel.startswith("fwd"):
         constexprs["COMPUTE_ENTROPY"] = True
     # the token dimension (T, or the chunk length: M of dhidden = dz @ W, K of dz^T @ X) is not divisible
     tokens = {"matmul_dhidden": "M", "matmul_dweight": "K"}.get(kernel, "T")
@@ -54,11 +59,11 @@ def _spec(kernel: str, hidden_size: int, dtype: str):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = "*fp32" if name in fp32 else f"*{dtype}"
-        elif name == "inv_temperature":
+        elif name in FLOAT_ARGS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-        if name != tokens and name != "inv_temperature":
+        if name != tokens and name not in FLOAT_ARGS:
             divisible.append(name)  # pointers (16-byte aligned), strides, H, V: multiples of 16
     return signature, constexprs, divisible, cfg.num_warps, cfg.num_stages
 

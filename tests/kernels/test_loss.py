@@ -405,7 +405,7 @@ def test_public_signatures_are_the_loss_config_fields(fn):
     names = list(params)
     if fn is fused_logprobs:
         options = ["temperature", "compute_entropy"]
-        assert names[names.index("bias") + 1 :] == options
+        assert names[names.index("bias") + 1 :] == ["logit_scale", "logit_softcap", *options]
     else:
         options = list(fields)
         assert names[names.index("config") + 1 :] == options + (["mode"] if fn is fused_cppo_loss else [])

@@ -304,19 +304,20 @@ def test_entropy_is_optional_and_unneeded_grads_are_none():
 
 
 KERNELS = [K._logprobs_fwd_kernel, K._logprobs_bwd_dz_kernel]
-COMPILE_TIME = {"HAS_BIAS", "COMPUTE_ENTROPY", "DOT_PRECISION", "UPCAST_DOT"}
+COMPILE_TIME = {"HAS_BIAS", "HAS_SOFTCAP", "COMPUTE_ENTROPY", "DOT_PRECISION", "UPCAST_DOT"}
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.fn.__name__ if hasattr(k, "fn") else k.__name__)
 def test_only_tiles_flags_and_dtypes_are_constexpr(kernel):
-    """T, V, H, strides and the temperature are runtime args: a new batch shape or temperature never recompiles."""
+    """T, V, H, strides, the temperature and the model's logit scale and cap (folded into z_scale and cap_out) are
+    runtime args: a new batch shape, temperature, scale or cap value never recompiles."""
     import inspect
 
     fn = kernel.fn
     params = inspect.signature(fn).parameters
     constexpr = {name for name, p in params.items() if "constexpr" in str(p.annotation)}
     assert constexpr == {n for n in constexpr if n.startswith("BLOCK_") or n in COMPILE_TIME}
-    for runtime in ("T", "V", "H", "inv_temperature"):
+    for runtime in ("T", "V", "H", "z_scale", "cap_out"):
         assert runtime in params and runtime not in constexpr
     # T is not specialised on (== 1, divisibility by 16) either
     dns = getattr(kernel, "do_not_specialize", None) or getattr(kernel, "kwargs", {}).get("do_not_specialize", ())

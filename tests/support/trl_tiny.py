@@ -30,6 +30,24 @@ def save_tiny_model(folder: pathlib.Path, *, seed: int = 0) -> str:
     return str(folder)
 
 
+def save_tiny_moe(folder: pathlib.Path, *, seed: int = 0) -> str:
+    """A tiny Qwen2-MoE (4 experts, 2 per token, ``router_aux_loss_coef`` 0.01) with the tiny Qwen2's tokenizer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from cppo.step.models import load_model_and_tokenizer
+
+    _, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=seed)
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(
+        **TINY, num_hidden_layers=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.01, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    Qwen2MoeForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def tiny_dataset(n: int = 64):
     """``n`` short text prompts of different lengths (so padding differs between rows)."""
     from datasets import Dataset

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl_tiny import digit_reward, fake_vllm, losses, make_config, tiny_dataset, weights
+from trl_tiny import digit_reward, fake_vllm, losses, make_config, save_tiny_moe, tiny_dataset, weights
 
+import cppo.trl.loss as trl_loss
 from cppo.trl import CPPOConfig, CPPOTrainer
+from cppo.trl.loss import takes_importance_weights
 
 CASES = {
     # the fused loss for every loss_type it expresses; beta > 0 and num_iterations=2 run both deferred passes
@@ -60,18 +62,37 @@ def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case):
         assert assert_same_training(tiny_model, tmp_path, **CASES[case])[0].fused_loss_refused is None
 
 
-@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", None, 1e6)])
+@pytest.mark.skipif(
+    not takes_importance_weights(),
+    reason="cppo_kernels.fused_cppo_loss has no importance_weights keyword yet (issue 26): TRL's own loss would run",
+)
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", 0.45, 3.0)])
 def test_p0_with_vllm_importance_sampling_trains_as_stock_trl(tiny_model, tmp_path, mode, clip_min, clip_max):
     """vLLM's importance-sampling correction (sampling log-probs from a stand-in): TRL computes the ratio from the
-    old-policy pass inside its scoring; CPPO recomputes it after its deferred old pass: same loss, weights and
-    ``sampling/*`` metrics."""
+    old-policy pass inside its scoring; CPPO recomputes it after its deferred old pass and gives it to the fused loss
+    as ``importance_weights``: same loss, weights and ``sampling/*`` metrics."""
     options = dict(beta=0.04, vllm_importance_sampling_mode=mode)
     options.update(vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)
     cppo, stock = assert_same_training(tiny_model, tmp_path, vllm=True, **options)
-    assert cppo.fused_loss_refused.startswith("vllm_importance_sampling_correction")
+    assert cppo.fused_loss_refused is None  # the fused path ran, the ratio as its importance weights
     logged = cppo.state.log_history[0]
     sampling = sorted(k for k in logged if k.startswith("sampling/"))
     assert len(sampling) == 5
     for ours, theirs in zip(cppo.state.log_history, stock.state.log_history, strict=True):
         torch.testing.assert_close([ours.get(k) for k in sampling], [theirs.get(k) for k in sampling])
     assert logged["loss"] != 0.0 and logged["sampling/importance_sampling_ratio/mean"] > 0, logged
+
+
+def test_p0_mixture_of_experts_aux_loss_trains_as_stock_trl(tmp_path, monkeypatch):
+    """A mixture-of-experts policy with ``router_aux_loss_coef``: the fused loss plus the model's own load-balancing
+    loss of the padded rows (prefix sharing is off for it, one warning), as TRL adds it."""
+    calls = []
+    fused = trl_loss.fused_cppo_loss
+    monkeypatch.setattr(trl_loss, "fused_cppo_loss", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
+    model = save_tiny_moe(tmp_path / "moe")
+    with pytest.warns(UserWarning, match="prefix_sharing=True is not used with router_aux_loss_coef"):
+        cppo, stock = assert_same_training(model, tmp_path, beta=0.04, num_iterations=2)
+    assert cppo.aux_loss_enabled and cppo.fused_loss_refused is None and len(calls) == 3
+    aux = [h["aux_loss"] for h in cppo.state.log_history if "aux_loss" in h]
+    assert len(aux) == 3 and aux[0] > 0
+    torch.testing.assert_close(aux, [h["aux_loss"] for h in stock.state.log_history if "aux_loss" in h])

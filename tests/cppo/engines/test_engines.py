@@ -4,6 +4,7 @@ Rollout contract (its output checked where it enters training and evaluation) ar
 
 import json
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -12,9 +13,17 @@ from tiny_model import TINY
 from tiny_run import tiny_config
 from toy_engine import TEXTS, FixedEngine
 
-from cppo import Trainer
+from cppo import TrainConfig, Trainer, step
 from cppo.cli import main
-from cppo.engines import EngineSettings, available_engines, base, make_engine, register_engine
+from cppo.engines import (
+    EngineSettings,
+    available_engines,
+    base,
+    check_engine_installed,
+    make_engine,
+    register_engine,
+)
+from cppo.step import models
 from cppo.step.models import load_model_and_tokenizer
 from cppo.tasks.data import load_problems
 from cppo.tasks.rewards import digits_reward, eval_correct
@@ -164,3 +173,37 @@ def test_a_factory_that_does_not_build_an_engine_is_refused(fixed):
     settings = EngineSettings(model_name="x", max_prompt_length=4, max_completion_length=4)
     with pytest.raises(ValueError, match=r"^rollout_backend='nothing': its factory returned NoneType, not a Rollout"):
         make_engine("nothing", model, tok, settings)
+
+
+def test_an_engine_whose_package_is_missing_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Issue 27: rollout_backend=vllm without vLLM was an ImportError traceback after the model loaded (and the dry
+    run said ok)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, wherever this runs
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(models, "load_model_and_tokenizer", no_model)
+    monkeypatch.setattr(step, "load_model_and_tokenizer", no_model)
+    missing = "rollout_backend='vllm' needs the vllm package, which is not installed here: pip install vllm (GPU only)"
+    train = ["train", "--config", "tiny-cpu", "--set", f"output_dir={tmp_path}", "rollout_backend=vllm"]
+    for argv in (train, [*train, "--dry-run"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"cppo train: error: --set rollout_backend=vllm: {missing}, or set rollout_backend=hf", argv
+    assert not list(tmp_path.iterdir())
+    assert main(["eval", "--model", "tiny-qwen2", "--rollout-backend", "vllm", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"cppo eval: error: --{missing.replace('_backend=', '-backend ')}, or set --rollout-backend hf"
+    with pytest.raises(ValueError, match=f"^{re.escape(missing)}"):
+        Trainer(tiny_config(tmp_path, rollout_backend="vllm"))
+
+
+def test_a_registered_engine_says_which_packages_it_needs(monkeypatch, fixed):
+    class NeedsSGLang(FixedEngine):
+        requires = {"cppo_no_such_module": "pip install sglang"}
+
+    register_engine("sglang", NeedsSGLang)
+    with pytest.raises(ValueError, match=r"^rollout_backend='sglang' needs the cppo_no_such_module package, which is"):
+        TrainConfig(rollout_backend="sglang").check_sources()
+    assert check_engine_installed(fixed) == fixed and check_engine_installed("hf") == "hf"

@@ -1,6 +1,7 @@
 """Metric sinks chosen by ``report_to``: TensorBoard event files and an offline wandb run read back with their own
 readers, the jsonl log, ``none``, rank 0 alone writing, and a sink that cannot start failing before the model loads."""
 
+import errno
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from tiny_run import tiny_config, train_cli
 
 from cppo import TrainConfig, Trainer, load_config
 from cppo.distributed import DistInfo
-from cppo.run import checkpoint
+from cppo.run import MetricSink, checkpoint, register_sink, sinks
 from cppo.run.metrics import read_jsonl
 from cppo.run.sinks import JsonlSink, TensorBoardSink, WandbSink, scalars
 
@@ -177,3 +178,64 @@ def test_scalars_are_the_numeric_metrics():
     assert scalars({"step": 1, "a": 2, "b": 0.5, "c": None, "d": "x", "e": False, "f": [1.0]}) == {
         "a": 2.0, "b": 0.5, "e": 0.0,
     }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# A sink failing mid-run (issue 27): it costs its own output, the run and the other sinks go on
+# ----------------------------------------------------------------------------------------------
+
+
+class DiskFullSink(MetricSink):
+    """A registered sink whose disk fills up at step 2."""
+
+    steps: list[int] = []
+
+    def start(self, settings: dict, *, step: int) -> None:
+        DiskFullSink.steps = []
+
+    def log(self, record: dict, step: int) -> None:
+        DiskFullSink.steps.append(step)
+        if step >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # its flush fails too: still one warning
+
+
+def warnings_of(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("cppo train: warning:")]
+
+
+def test_a_sink_failing_mid_run_costs_its_own_output_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sinks, "_SINKS", dict(sinks._SINKS))
+    register_sink("diskfull", DiskFullSink)
+    settings = ("num_steps=3", "save_every=0", "report_to=[diskfull,jsonl]")  # listed before jsonl
+    assert train_cli(tmp_path, settings=settings) == 0
+    err = capsys.readouterr().err
+    assert warnings_of(err) == [
+        "cppo train: warning: report_to: the 'diskfull' sink failed at step 2 (OSError: [Errno 28] No space left on "
+        "device): it logs nothing more in this run; the sinks ['jsonl'] and the training go on"
+    ], err
+    assert DiskFullSink.steps == [1, 2]  # dropped after its failure
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-000003"]  # the run trained to its end
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no thread's traceback either
+def test_an_unwritable_tensorboard_events_file_costs_the_events_only(tmp_path, monkeypatch, capsys):
+    start = TensorBoardSink.start
+
+    def start_on_a_full_disk(self, settings, *, step):  # the events file's disk is full: writes fail with ENOSPC
+        start(self, settings, step=step)
+        record_writer = self.writer.file_writer.event_writer._async_writer._writer
+        record_writer._writer = open("/dev/full", "wb", buffering=0)  # noqa: SIM115  closed with the writer
+
+    monkeypatch.setattr(TensorBoardSink, "start", start_on_a_full_disk)
+    assert train_cli(tmp_path, settings=("num_steps=2", "save_every=0", "report_to=[tensorboard,jsonl]")) == 0
+    err = capsys.readouterr().err
+    found = warnings_of(err)
+    assert len(found) == 1 and found[0].startswith(
+        "cppo train: warning: report_to: the 'tensorboard' sink failed at step 1 (OSError: [Errno 28] No space left"
+    ), err
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+    assert (tmp_path / "checkpoint-000002").is_dir() and (tmp_path / "metrics.png").is_file()

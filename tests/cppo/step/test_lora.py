@@ -3,6 +3,7 @@ checkpoints in PEFT's format, resume, eval and merge."""
 
 import json
 import os
+import re
 
 import lora_worker
 import pytest
@@ -200,6 +201,39 @@ def test_a_lora_checkpoint_holds_the_adapter_in_pefts_format(tmp_path):
     assert sum(t.numel() for t in weights.values()) == sum(p.numel() for p in adapter_state(trainer).values())
 
 
+def test_the_base_recorded_is_the_model_that_loaded_not_a_folder_of_its_name(tmp_path, monkeypatch, capsys):
+    """Issue 27: a built-in tiny-qwen2 run started where a ./tiny-qwen2 model folder lies recorded that folder as
+    its base, and eval / merge used it (other weights)."""
+    other, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=1)
+    monkeypatch.chdir(tmp_path)
+    other.save_pretrained("tiny-qwen2")
+    tokenizer.save_pretrained("tiny-qwen2")
+    trainer = lora_trainer(tmp_path / "run")
+    path = trainer.save_checkpoint(str(tmp_path / "run" / "checkpoint-000000"))  # lora_B is 0: merged = the base
+    assert lora.base_recipe(os.path.join(path, "model"))["model"] == "tiny-qwen2"
+    capsys.readouterr()
+    assert main(["merge", "--checkpoint", path, "--output", str(tmp_path / "merged")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    built_in = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=0)[0].state_dict()
+    assert merged.keys() == built_in.keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], built_in[k], rtol=0, atol=0)
+    assert not torch.equal(other.state_dict()["model.embed_tokens.weight"], built_in["model.embed_tokens.weight"])
+
+
+def test_a_local_base_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=1)
+    monkeypatch.chdir(tmp_path)
+    model.save_pretrained("base")
+    tokenizer.save_pretrained("base")
+    base, tokenizer = load_model_and_tokenizer("base")
+    adapted = lora.apply_lora(base, r=2, alpha=4, dropout=0.0, target_modules=["q_proj"], seed=0, base_model="base")
+    lora.save_adapter(adapted, str(tmp_path / "adapter"), tokenizer=tokenizer)
+    assert lora.base_recipe(str(tmp_path / "adapter"))["model"] == str(tmp_path / "base")
+
+
 def test_resume_continues_a_lora_run_exactly(tmp_path):
     straight = lora_trainer(tmp_path / "straight", num_steps=3, lora_dropout=0.05)
     for _ in range(3):
@@ -319,6 +353,108 @@ def test_resume_of_a_lora_run_without_use_peft_is_refused(lora_run):
     settings = [*CLI_SETTINGS, f"output_dir={lora_run}", "num_steps=3", "lora_r=4", "lora_alpha=8", "use_peft=false"]
     with pytest.raises(ValueError, match=r"settings that a resume cannot apply \(use_peft: True -> False\)"):
         resume_candidates(load_config("tiny-cpu", settings), allow_config_change=True)
+
+
+@pytest.fixture(scope="module")
+def adapter_on_a_local_base(tmp_path_factory):
+    """``(checkpoint folder, base folder)``: an untrained adapter (r=4 on q_proj, v_proj) on a tiny model saved in a
+    folder, as a LoRA run of that folder saves it."""
+    root = tmp_path_factory.mktemp("adapter")
+    model, tokenizer = load_model_and_tokenizer("tiny-qwen2", model_config=TINY, seed=1)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    base, tokenizer = load_model_and_tokenizer(str(root / "base"))
+    adapted = lora.apply_lora(
+        base, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0, base_model=str(root / "base")
+    )
+    lora.save_adapter(adapted, str(root / "checkpoint" / "model"), tokenizer=tokenizer)
+    return root / "checkpoint", root / "base"
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _truncate(path, keep):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(keep if keep >= 0 else size + keep)
+
+
+BROKEN_ADAPTERS = {  # what is done to the adapter folder, and what the one-line error must say
+    "weights cut in the header": (
+        lambda m, base: _truncate(m / lora.ADAPTER_WEIGHTS, 100),
+        r"model/adapter_model.safetensors cannot be read \(.*\): a truncated or corrupt file$",
+    ),
+    "weights cut at the end": (
+        lambda m, base: _truncate(m / lora.ADAPTER_WEIGHTS, -100),
+        r"model/adapter_model.safetensors cannot be read \(.*\): a truncated or corrupt file$",
+    ),
+    "weights overwritten": (
+        lambda m, base: (m / lora.ADAPTER_WEIGHTS).write_bytes(b"\0" * 4096),
+        r"model/adapter_model.safetensors cannot be read \(.*\): a truncated or corrupt file$",
+    ),
+    "weights missing": (
+        lambda m, base: (m / lora.ADAPTER_WEIGHTS).unlink(),
+        r"has adapter_config.json but no adapter_model.safetensors: an incomplete adapter$",
+    ),
+    "config of another rank": (
+        lambda m, base: _edit_json(m / lora.ADAPTER_CONFIG, r=8),
+        r"model/adapter_config.json says r=8, but .*model/adapter_model.safetensors holds weights of rank 4 "
+        r"\(.*lora_A.weight\): the two files are not of the same adapter$",
+    ),
+    "config cut": (
+        lambda m, base: _truncate(m / lora.ADAPTER_CONFIG, 20),
+        r"model/adapter_config.json \(the LoRA adapter's config\) cannot be read \(.*\): a truncated or corrupt",
+    ),
+    "base recipe cut": (
+        lambda m, base: _truncate(m / lora.BASE_FILE, 5),
+        r"model/base_model.json \(the base model's recipe\) cannot be read \(.*\): a truncated or corrupt file$",
+    ),
+    "base moved": (
+        lambda m, base: base.rename(base.with_name("moved")),
+        r"the base model of adapter .*, '.*/base' \(recorded in .*model/base_model.json\), does not exist: it was "
+        r"moved or deleted; put it back, or write its new path there$",
+    ),
+    "base of another width": (
+        lambda m, base: _edit_json(
+            m / lora.BASE_FILE, model="tiny-qwen2", model_config={**TINY, "hidden_size": 2 * TINY["hidden_size"]}
+        ),
+        r"adapter '.*model' does not fit its base model 'tiny-qwen2' \(size mismatch for .*\): another base model$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_ADAPTERS)
+def test_merge_and_eval_of_a_broken_adapter_are_one_line_naming_the_file(
+    adapter_on_a_local_base, tmp_path, monkeypatch, capsys, case
+):
+    """Issue 27: tracebacks (SafetensorError, a size-mismatch RuntimeError, a hub look-up), "Repo id must be in the
+    form ..." for a moved base, and an eval error naming model/model.safetensors, a file that does not exist."""
+    import shutil
+
+    checkpoint, base = adapter_on_a_local_base
+    shutil.copytree(checkpoint, tmp_path / "checkpoint")
+    shutil.copytree(base, tmp_path / "base")
+    _edit_json(tmp_path / "checkpoint" / "model" / lora.BASE_FILE, model=str(tmp_path / "base"))
+    break_it, expected = BROKEN_ADAPTERS[case]
+    break_it(tmp_path / "checkpoint" / "model", tmp_path / "base")
+    model = str(tmp_path / "checkpoint")
+    commands = {
+        "merge": ["merge", "--checkpoint", model, "--output", str(tmp_path / "merged")],
+        "eval": ["eval", "--model", model, "--limit", "1", "--max-completion-length", "4", "--no-progress"],
+    }
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    for command, argv in commands.items():
+        assert main(argv) == 2  # an error that escaped (a traceback) fails the test here
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("cppo ")]
+        assert len(lines) == 1, err
+        prefix = "cppo merge: error: " if command == "merge" else f"cppo eval: error: --model {model!r}: "
+        assert lines[0].startswith(prefix) and re.search(expected, lines[0]), lines[0]
+        assert "/model.safetensors" not in lines[0]
+    assert not (tmp_path / "merged").exists()
 
 
 # ----------------------------------------------------------------------------------------------
