@@ -236,3 +236,25 @@ def test_bad_new_inputs_raise_one_line():
     for message, options in bad.items():
         with pytest.raises(ValueError, match=message):
             fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, **options)
+
+
+def test_entropy_bonus_through_the_logit_transform(path):
+    """The entropy gradient chains through the model's logit scale and tanh cap (merged with i26-head's transform):
+    loss and gradients of the oracle, every option that needs the entropy on."""
+    hidden, weight, bias, targets, adv, g = problem(6, [5, 7], 16, 40, torch.float32, logit_scale=3.0, bias=True)
+    cu = cu_seqlens([5, 7])
+    head = dict(logit_scale=1.7, logit_softcap=4.0)
+    options = dict(entropy_coef=0.3, top_entropy_quantile=0.5, beta=0.04, use_bias_correction_kl=True)
+    params64 = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    with torch.no_grad():
+        logp64, _ = reference.token_logprobs(*params64[:2], targets, bias=params64[2], **head)
+    old, ref = (_old_logprobs(logp64, 0.3, g) for _ in range(2))
+    params = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    loss, _ = fused_cppo_loss(params[0], params[1], targets, adv, bias=params[2], cu_seqlens=cu, old_logprobs=old,
+                              ref_logprobs=ref, **head, **options)  # fmt: skip
+    want, _ = reference.fused_cppo_loss(*params64[:2], targets, adv.double(), bias=params64[2], cu_seqlens=cu,
+                                        old_logprobs=old.double(), ref_logprobs=ref.double(), **head,
+                                        config=LossConfig(**options))  # fmt: skip
+    assert_close("loss", loss, want, 2e-5)
+    for name, a, b in zip(("dhidden", "dweight", "dbias"), grads(loss, params, 0.9), grads(want, params64, 0.9)):
+        assert_close(name, a, b, 1e-4)
