@@ -110,9 +110,11 @@ def _cppo_trainer_path(model, t: LogitTransform) -> None:
     transform it reads (a stand-in for the trainer: one process, no autocast, the head in the model's dtype)."""
     from cppo.trl.loss import _head_inputs, install_hidden_forward, model_logit_transform, padded_hidden
 
-    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext)
+    state = types.SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None)  # one process, nothing sharded
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext, state=state)
     trainer = types.SimpleNamespace(
-        accelerator=accelerator, model=model, args=types.SimpleNamespace(cast_lm_head_to_fp32=False)
+        accelerator=accelerator, model=model, args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        aux_loss_enabled=False,
     )
     install_hidden_forward(model)
     assert model_logit_transform(trainer) == t
@@ -122,7 +124,9 @@ def _cppo_trainer_path(model, t: LogitTransform) -> None:
         completion_mask=torch.ones_like(completion),
     )  # fmt: skip
     with torch.no_grad():
-        hidden, weight, bias = _head_inputs(trainer, padded_hidden(trainer, model, inputs), model)  # [B, C, H]
+        padded, aux = padded_hidden(trainer, model, inputs)  # [B, C, H], no aux loss
+        assert aux is None
+        hidden, weight, bias = _head_inputs(trainer, padded, model)
         rows = torch.cat([prompt, completion], 1)
         logits = model(input_ids=rows, attention_mask=torch.ones_like(rows), use_cache=False).logits[:, 3:-1]
     got = fused_logprobs(hidden, weight, completion, bias=bias, temperature=TEMPERATURE, **t.kwargs())
