@@ -147,7 +147,6 @@ def test_logprobs_are_bit_identical_and_batch_invariant():
     assert all(torch.equal(a[11:], b) for a, b in zip(plain, tail[:3]))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradient_gemms_take_the_real_tokens_only(dtype, monkeypatch):
     """A batch shorter than a chunk (one kept completion): the logits GEMM runs the fixed, zero-padded chunk (the
@@ -172,6 +171,7 @@ def test_gradient_gemms_take_the_real_tokens_only(dtype, monkeypatch):
     tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert_close(name, got, exp, tol, 1e-7)
+
 
 def _spy(monkeypatch) -> list[int]:
     """Counts the calls of the gradient-in-forward pass."""
