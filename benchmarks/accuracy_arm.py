@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import yaml
-from speedup import check_eval, eval_meta, measure_accuracy, run_plans
+from speedup import check_eval, eval_meta, measure_accuracy, planned_steps, run_plans
 from speedup_args import base_config
 from speedup_report import EvalPoint, collect_meta, relative_fields, run_row
 
@@ -60,11 +60,19 @@ ARMS: dict[str, tuple[str, ...]] = {
     # the step-budget control: CPPO pooled without allocation, 64 steps of one question (GRPO's steps, warm-up and
     # summed learning rate), keeping 2 of each question's 8 completions
     "control": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=false"),
-}
+    # issue 30: CPPO pooled for 3 epochs of the seed's questions, the run bounded by the data's epochs (num_steps
+    # null: it ends when the question sampler has passed them), plain and with dynamic sampling + GRESO
+    "cppo-epochs": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=true",
+                    "num_epochs=3"),
+    "cppo-dyn": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=true",
+                 "num_epochs=3", "filter_groups=true", "greso=true"),
+}  # fmt: skip
+#: What a row of an arm that does not set them has: a row matches an arm only when these agree too (:func:`arm_of`).
+ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "greso": False}
 #: Settings an arm or the sweep sets itself: a common ``--set`` of one would be overridden (or change every arm).
 OWN_SETTINGS = (
     "pruning_rate", "selection_metric", "selection_scope", "allocation", "seed", "question_seed", "num_steps",
-    "max_questions", "output_dir",
+    "max_questions", "output_dir", "num_epochs", "filter_groups", "greso",
 )  # fmt: skip
 #: What the untrained model's evaluation depends on: a ``before.json`` is used only by arms that agree on these.
 BEFORE_KEYS = ("model", "model_config", "dtype", "dataset", "dataset_path", "system_prompt", "max_prompt_length",
@@ -77,9 +85,13 @@ def arm_settings(arm: str) -> dict[str, Any]:
 
 
 def arm_of(row: dict[str, Any]) -> str | None:
-    """The arm whose settings a result row has (a row of any ``speedup.py`` run names its pruning settings); None
-    when no arm matches."""
-    return next((arm for arm in ARMS if all(row.get(k) == v for k, v in arm_settings(arm).items())), None)
+    """The arm whose settings a result row has (a row of any ``speedup.py`` run names its pruning settings; a row
+    without :data:`ROW_DEFAULTS`' keys, written before them, has their defaults); None when no arm matches."""
+
+    def matches(arm: str) -> bool:
+        return all(row.get(k, ROW_DEFAULTS.get(k)) == v for k, v in {**ROW_DEFAULTS, **arm_settings(arm)}.items())
+
+    return next((arm for arm in ARMS if matches(arm)), None)
 
 
 def add_base_args(ap: argparse.ArgumentParser) -> None:
@@ -132,19 +144,22 @@ def arm_config(args: argparse.Namespace, arm: str | None, seed: int) -> TrainCon
     resolved; ``max_questions``/``num_steps`` as :func:`plan_arm` sets them."""
     overrides = [*args.overrides, *(ARMS[arm] if arm else ()), f"seed={seed}"]
     base = base_config(argparse.Namespace(config=args.config, overrides=overrides, preset=None))
-    return plan_arm(base, args.questions)
+    return plan_arm(base, args.questions, epochs=arm is not None and "num_epochs" in arm_settings(arm))
 
 
-def plan_arm(base: TrainConfig, questions: int) -> TrainConfig:
+def plan_arm(base: TrainConfig, questions: int, *, epochs: bool = False) -> TrainConfig:
     """``base`` training ``questions`` questions: ``num_steps`` = questions / the questions a step draws (as
-    ``speedup.plan_schedule`` plans a rate); ValueError naming ``--questions`` unless a step's draw divides it."""
+    ``speedup.plan_schedule`` plans a rate); ``epochs``: ``num_steps`` null, the run bounded by ``base.num_epochs``
+    epochs of the questions (``speedup.planned_steps`` plans them). ValueError naming ``--questions`` unless a step's
+    draw divides it."""
     drawn = base.pruning.questions_drawn
     if questions % drawn:
         raise ValueError(
             f"--questions must be a multiple of {drawn} (the questions one step of P={base.pruning_rate:g} with "
             f"allocation={str(base.allocation).lower()} draws), got {questions}"
         )
-    return dataclasses.replace(base, num_steps=questions // drawn, max_questions=questions)
+    steps = None if epochs else questions // drawn
+    return dataclasses.replace(base, num_steps=steps, max_questions=questions)
 
 
 def before_name(config: TrainConfig) -> str:
@@ -156,7 +171,7 @@ def before_name(config: TrainConfig) -> str:
 def summed_lr(config: TrainConfig) -> dict[str, Any]:
     """The run's learning-rate schedule in numbers: optimizer steps, warm-up steps, and the sum of the learning
     rates of every optimizer step (what the weights move by, roughly, under Adam)."""
-    total = config.num_steps * config.mu
+    total = planned_steps(config) * config.mu
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
     scheduler = make_scheduler(optimizer, schedule=config.lr_schedule, warmup_ratio=config.warmup_ratio, total=total)
     lrs = []
@@ -182,7 +197,9 @@ def plan(args: argparse.Namespace, arm: str | None, seed: int) -> dict[str, Any]
         "arm": arm, "seed": seed, "pruning_rate": config.pruning_rate, "selection_metric": config.selection_metric,
         "selection_scope": config.selection_scope, "allocation": config.allocation,
         "questions_per_step": config.pruning.questions_drawn, "kept_per_step": config.pruning.kept_per_step,
-        "steps": config.num_steps, "questions": config.max_questions, **summed_lr(config),
+        "steps": planned_steps(config), "bounded_by": "steps" if config.num_steps else f"{config.num_epochs} epochs",
+        "filter_groups": config.filter_groups, "greso": config.greso, "questions": config.max_questions,
+        **summed_lr(config),
         "train_question_ids": [question_id(p) for p in problems], "eval": dataclasses.asdict(evaluation),
         "before": before_name(config),
     }  # fmt: skip
@@ -233,7 +250,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
 
     def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
         done[0] += 1
-        print(f"step {done[0]}/{plan.num_steps}: {time.perf_counter() - start:.0f} s since the start", flush=True)
+        print(f"step {done[0]}/{planned_steps(plan)}: {time.perf_counter() - start:.0f} s since the start", flush=True)
 
     def on_eval(plan: TrainConfig, point: EvalPoint) -> None:
         print(f"eval after step {point.step}: {point.correct}/{point.total} = {100 * point.accuracy:.1f}% "

@@ -327,12 +327,14 @@ def sweep_dry_run(args: argparse.Namespace) -> dict[str, Any]:
         other = next((n for n in ids if ids[n] != ids[first]), None)
         if other is not None:
             raise ValueError(f"seed {seed}: {other} would train other questions than {first}")
-    print("| unit | steps | questions / step | kept / step | warm-up steps | summed lr | question ids |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| unit | planned steps | bounded by | questions / step | kept / step | warm-up steps | summed lr | ids |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, p in plans.items():
         ids = p["train_question_ids"]
-        print(f"| {name} | {p['steps']} | {p['questions_per_step']} | {p['kept_per_step']} | {p['warmup_steps']} | "
-              f"{p['summed_lr']:.3g} | {len(ids)} ({len(set(ids))} distinct), the seed's |")  # fmt: skip
+        print(
+            f"| {name} | {p['steps']} | {p['bounded_by']} | {p['questions_per_step']} | {p['kept_per_step']} | "
+            f"{p['warmup_steps']} | {p['summed_lr']:.3g} | {len(ids)} ({len(set(ids))} distinct), the seed's |"
+        )
     result = {"dry_run": "ok", "units": [u.name for u in units], "plans": plans}
     print(json.dumps({k: result[k] for k in ("dry_run", "units")}))  # the queue, in order
     return result

@@ -11,6 +11,10 @@ Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given
 - ``naive``: full fp32 ``[T, V]`` logits, then :func:`cppo_kernels.cppo_loss_from_logits`;
 - ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo), gradients in its forward;
 - ``liger-triton`` (CUDA only): the logits matmul + Liger's ``triton_grpo_loss`` on those logits;
+- ``...-sapo``: each fused method again with TRL's ``sapo`` loss type (:data:`KIT_LOSS_TYPE`), beside dapo;
+- with ``--loss-types``, instead: each of :data:`LOSS_TYPES` on both fused paths (VESPO on the two-pass one only:
+  its per-sequence weight needs the whole sequence), and each one's time and working memory over dapo's on the
+  same path (``vs_dapo``);
 - ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
   time is also reported as a multiple of it ("matmul-equivalents"), in wall time and in process CPU time
   (``time.process_time``, all threads; far less sensitive than wall time to other processes sharing the cores; on
@@ -27,6 +31,7 @@ them; the script checks this at start-up by measuring one filled ``[T, V]`` fp32
 
     python benchmarks/bench_loss.py                      # CPU: T=2048, H=896, V=151,936, fp32
     python benchmarks/bench_loss.py --device cuda        # also T=16,384, H=1,536 in bf16
+    python benchmarks/bench_loss.py --loss-types         # TRL's loss types on the fused paths, against dapo
 
 The JSON goes to ``--out`` and the PNG next to it, by default ``loss.json`` and ``loss.png`` in a new folder of the
 run's own, ``benchmarks/runs/loss-<UTC time>/`` (ignored by git); the committed reference,
@@ -53,6 +58,24 @@ from cppo.fileio import atomic_path, run_metadata, write_json
 from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
+#: TRL 1.16's loss types on the fused loss: the options each sets beyond :data:`OPTIONS` (dapo: none).
+LOSS_TYPES = {
+    "dapo": {},
+    "cispo": dict(surrogate="cispo", epsilon_high=5.0),
+    "sapo": dict(surrogate="sapo", loss_agg="seq-mean-token-mean"),
+    "luspo": dict(loss_agg="seq-mean-token-sum"),
+    "vespo": dict(surrogate="vespo"),
+}
+#: The new loss type :func:`build_methods` times beside dapo on each fused path (the GPU kit's ``loss`` part too).
+KIT_LOSS_TYPE = "sapo"
+
+
+def loss_type_of(name: str) -> str:
+    """The loss type of a method named by :func:`build_methods` / :func:`loss_type_methods` (dapo unless named)."""
+    suffix = name.rsplit("-", 1)[-1]
+    return suffix if suffix in LOSS_TYPES else "dapo"
+
+
 SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences
 
 
@@ -119,23 +142,40 @@ class Method(NamedTuple):
     grads_in_forward: bool  # allocates the returned gradients in its forward
 
 
-def build_methods(device: torch.device, inputs: dict) -> dict[str, Method]:
+def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...]) -> dict[str, Method]:
+    """``fused_cppo_loss`` on both paths (gradient-in-forward, two-pass), once per loss type: dapo named as the path,
+    the others ``<path>-<type>`` (VESPO only two-pass: its per-sequence weight needs the whole sequence)."""
     h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
 
-    def fused(backend: str, mode: str) -> Callable[[], torch.Tensor]:
+    def fused(backend: str, mode: str, loss_type: str) -> Callable[[], torch.Tensor]:
+        options = {**OPTIONS, **LOSS_TYPES[loss_type]}
+
         def run():
             with use_backend(backend):
                 return fused_cppo_loss(h, w, t, adv, cu_seqlens=cu, old_logprobs=old, ref_logprobs=ref, mode=mode,
-                                       **OPTIONS)[0]  # fmt: skip
+                                       **options)[0]  # fmt: skip
 
         return run
 
     cuda = device.type == "cuda"
+    paths = {
+        f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": ("torch", "grad-in-forward", True),
+        f"fused-two-pass-{'triton' if cuda else 'torch'}": ("triton" if cuda else "torch", "two-pass", False),
+    }
+    methods = {}
+    for name, (backend, mode, in_forward) in paths.items():
+        for loss_type in loss_types:
+            if loss_type == "vespo" and mode == "grad-in-forward":
+                continue
+            label = name if loss_type == "dapo" else f"{name}-{loss_type}"
+            methods[label] = Method(fused(backend, mode, loss_type), in_forward)
+    return methods
+
+
+def build_methods(device: torch.device, inputs: dict) -> dict[str, Method]:
+    h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
     methods = {
-        f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": Method(fused("torch", "grad-in-forward"), True),
-        f"fused-two-pass-{'triton' if cuda else 'torch'}": Method(
-            fused("triton" if cuda else "torch", "two-pass"), False
-        ),
+        **fused_methods(device, inputs, ("dapo", KIT_LOSS_TYPE)),
         "naive": Method(lambda: naive_loss(h, w, t, adv, cu, old, ref), False),
     }
     try:
@@ -272,7 +312,10 @@ def summarise(samples: list[dict], matmul_s: float, matmul_cpu_s: float) -> dict
     return row
 
 
-def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int) -> dict:
+def run_config(
+    T: int, H: int, V: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int,
+    loss_types: bool = False,
+) -> dict:  # fmt: skip
     print(f"\n== T={T} H={H} V={V} {dtype} on {device} (threads={torch.get_num_threads()})")
     probe = CudaMemory() if device.type == "cuda" else CpuMemory()
     inputs = make_inputs(T, H, V, dtype, device)
@@ -280,7 +323,8 @@ def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device,
     print(f"calibration: filled [T, V] fp32 {calibration['expected_bytes'] / 1e6:.0f} MB, probe saw "
           f"{calibration['measured_bytes'] / 1e6:.0f} MB")  # fmt: skip
     h, w = inputs["hidden"], inputs["weight"]
-    methods = {"matmul": lambda: h.detach() @ w.detach().t(), **build_methods(device, inputs)}
+    chosen = fused_methods(device, inputs, tuple(LOSS_TYPES)) if loss_types else build_methods(device, inputs)
+    methods = {"matmul": lambda: h.detach() @ w.detach().t(), **chosen}
     samples: dict[str, list[dict]] = {name: [] for name in methods}
     for r in range(warmup + repeats):
         for name, method in methods.items():  # interleaved, so all methods see the same machine load
@@ -298,6 +342,11 @@ def run_config(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device,
         if naive:
             row["peak_vs_naive"] = row["peak_extra_bytes"] / naive["peak_extra_bytes"]
             row["workspace_vs_naive"] = row["workspace_bytes"] / naive["workspace_bytes"]
+    for name, row in rows.items():  # each loss type over dapo on the same path
+        dapo = rows.get(name.removesuffix(f"-{loss_type_of(name)}")) if name.startswith("fused") else None
+        if dapo is not None and loss_types:
+            row["vs_dapo"] = {k: row[k] / dapo[k] for k in ("fwd_bwd_s", "fwd_bwd_cpu_s", "workspace_bytes")}
+            row["vs_dapo"]["peak_extra_bytes"] = row["peak_extra_bytes"] / dapo["peak_extra_bytes"]
     out["methods"] = rows
     return out
 
@@ -316,6 +365,10 @@ def table(results: list[dict]) -> str:
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, r in res["methods"].items():
             vs = f"{r['workspace_vs_naive']:.1%}" if "workspace_vs_naive" in r else "-"
+            if "vs_dapo" in r:
+                d = r["vs_dapo"]
+                vs = f"x dapo: time {d['fwd_bwd_s']:.3f} (CPU {d['fwd_bwd_cpu_s']:.3f})"
+                vs += f", peak {d['peak_extra_bytes']:.3f}"
             lines.append(
                 f"| {name} | {r['fwd_s'] * 1e3:.0f} | {r['bwd_s'] * 1e3:.0f} | {r['fwd_bwd_s'] * 1e3:.0f} | "
                 f"{r['fwd_bwd_matmuls']:.2f} | {r['fwd_bwd_matmuls_cpu']:.2f} | "
@@ -367,6 +420,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=count(1), default=3)
     ap.add_argument("--warmup", type=count(0), default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
     ap.add_argument("--out", type=pathlib.Path, help="the JSON; the PNG next to it (default: in benchmarks/runs/)")
+    ap.add_argument("--loss-types", action="store_true", help="TRL's loss types on the fused paths, against dapo")
     args = ap.parse_args()
     if args.out is not None:
         check_output_file(ap, "--out", args.out)
@@ -376,13 +430,15 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     warmup = args.warmup if args.warmup is not None else (2 if device.type == "cuda" else 0)
-    out = out_file(args.out, benchmark="loss", filename="loss.json", prog="bench_loss.py")
+    name = "loss_types" if args.loss_types else "loss"
+    out = out_file(args.out, benchmark=name.replace("_", "-"), filename=f"{name}.json", prog="bench_loss.py")
     if args.tokens is None and args.hidden is None and args.dtype is None and device.type == "cuda":
         configs = [(2048, 896, args.vocab, "float32"), (16_384, 1536, args.vocab, "bfloat16")]
     else:
         configs = [(args.tokens or 2048, args.hidden or 896, args.vocab, args.dtype or "float32")]
     results = [
-        run_config(T, H, V, getattr(torch, dt), device, args.repeats, warmup) for T, H, V, dt in configs
+        run_config(T, H, V, getattr(torch, dt), device, args.repeats, warmup, args.loss_types)
+        for T, H, V, dt in configs
     ]  # fmt: skip
     meta = {
         **run_metadata(device=args.device),
@@ -392,6 +448,7 @@ def main() -> None:
         "repeats": args.repeats,
         "warmup": warmup,
         "options": OPTIONS,
+        "loss_types": LOSS_TYPES if args.loss_types else {"dapo": {}, KIT_LOSS_TYPE: LOSS_TYPES[KIT_LOSS_TYPE]},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {"meta": meta, "results": results})

@@ -26,6 +26,10 @@ T95 = (
 )  # fmt: skip
 #: The issue's target: CPPO in at most this share of GRPO's wall time.
 TARGET_TIME_RATIO = 0.5
+#: Issue 30's target: CPPO with dynamic sampling + GRESO in at most this share of plain CPPO's whole-run time.
+TARGET_DYNAMIC_TIME_RATIO = 0.7
+#: What a method with both of issue 30's features adds to its name.
+DYNAMIC = " + filter_groups + greso"
 
 
 def t95(df: int) -> float:
@@ -38,14 +42,17 @@ def t95(df: int) -> float:
 def method(row: dict[str, Any]) -> str:
     """``GRPO`` for P = 0; else the metric (``CPPO`` for the smallest |A|), the scope unless it is the pooled
     ``batch`` one (max-variance is per question by definition), the rate, and ``no allocation`` without allocation:
-    ``CPPO P=0.75``, ``CPPO group P=0.75``, ``CPPO P=0.75 no allocation``, ``max-variance P=0.75``."""
+    ``CPPO P=0.75``, ``CPPO group P=0.75``, ``CPPO P=0.75 no allocation``, ``max-variance P=0.75``; a run bounded
+    by epochs adds them (``CPPO P=0.75 3 epochs``), and issue 30's features their names (``... + filter_groups``)."""
     p, metric = row["pruning_rate"], row["selection_metric"]
     if p == 0.0:
         return "GRPO"
     scope = row.get("selection_scope", "batch")
     name = ("CPPO" if metric == "smallest" else metric) + ("" if scope == "batch" or metric == "max-variance"
                                                            else f" {scope}")  # fmt: skip
-    return f"{name} P={p:g}" + ("" if row.get("allocation", True) else " no allocation")
+    name = f"{name} P={p:g}" + ("" if row.get("allocation", True) else " no allocation")
+    name += f" {row['num_epochs']} epochs" if row.get("num_epochs") else ""
+    return name + "".join(f" + {k}" for k in ("filter_groups", "greso") if row.get(k))
 
 
 def mean_interval(values: Sequence[float]) -> dict[str, Any]:
@@ -104,8 +111,12 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
     random pruning: CPPO - random's mean above 0, "clearly" when its interval is)."""
     table = by_seed(rows)
     methods = sorted({m for runs in table.values() for m in runs})
+    if "GRPO" not in methods and dynamic_pairs(table):  # issue 30's benchmark: the pairs alone
+        return dynamic_summary(table, methods)
     if cppo is None:  # the one pooled CPPO run with allocation
-        found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation")]
+        found = [
+            m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m
+        ]
         cppo = found[0] if len(found) == 1 else f"CPPO ({len(found)} rates: name one)"
     if cppo not in methods or "GRPO" not in methods or not shared(table, cppo, "GRPO"):
         raise ValueError(f"the rows need GRPO and {cppo} on a seed they share, got {methods} over seeds {list(table)}")
@@ -142,7 +153,84 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
         "time_ratio_total": time,
         "time_ratio_train": times[cppo]["train"],
         "target": target,
+        **({"dynamic": dynamic_pairs(table)} if dynamic_pairs(table) else {}),
     }
+
+
+def per_method_means(table: dict[int, dict[str, dict[str, Any]]], m: str, keys: Sequence[str]) -> dict[str, Any]:
+    """``{"seeds", key: mean_interval over the seeds that ran m}`` for each key every one of its rows holds."""
+    seeds = shared(table, m)
+    return {"seeds": seeds} | {
+        k: mean_interval([table[s][m][k] for s in seeds])
+        for k in keys
+        if all(table[s][m].get(k) is not None for s in seeds)
+    }
+
+
+def dynamic_pairs(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Issue 30's comparison for every method ``M + filter_groups + greso`` whose plain ``M`` ran on a shared seed:
+    per method the completions generated, whole-run seconds and trained rows with A = 0 (means over its seeds); the
+    paired accuracy difference (with both - plain) and whole-run time ratio; the target (the difference's 95%
+    interval holds 0, and at most :data:`TARGET_DYNAMIC_TIME_RATIO` of plain's time)."""
+    methods = {m for runs in table.values() for m in runs}
+    out = {}
+    for dyn in sorted(m for m in methods if m.endswith(DYNAMIC)):
+        plain = dyn.removesuffix(DYNAMIC)
+        if plain not in methods or not shared(table, dyn, plain):
+            continue
+        diff, time = paired(table, dyn, plain, "accuracy_after"), ratio(table, dyn, plain, "total_seconds")
+        keys = ("completions", "total_seconds", "kept_zero_advantage", "greso_questions_skipped", "steps")
+        out[f"{dyn} vs {plain}"] = {
+            "methods": {m: per_method_means(table, m, keys) for m in (plain, dyn)},
+            "accuracy_difference": diff, "time_ratio": time,
+            "target": {
+                "same_accuracy": diff["ci95"] is not None and diff["ci95"][0] <= 0.0 <= diff["ci95"][1],
+                "at_most_0.7x_time": time["mean"] <= TARGET_DYNAMIC_TIME_RATIO,
+            },
+        }  # fmt: skip
+    return out
+
+
+def dynamic_summary(table: dict[int, dict[str, dict[str, Any]]], methods: list[str]) -> dict[str, Any]:
+    """The summary of rows without GRPO that hold issue 30's pairs: :func:`summarise`'s keys (no time ratios to
+    GRPO), the accuracy differences being the pairs', ``dynamic``: :func:`dynamic_pairs`."""
+    dyn = dynamic_pairs(table)
+    return {
+        "seeds": list(table), "methods": methods, "cppo": None,
+        "interval": "95% Student t over the seeds each statistic shares (df = seeds - 1) of the per-seed values or "
+        "paired differences; signs: seeds on which the difference is positive / negative / zero",
+        "per_method": {m: per_method_means(table, m, ("accuracy_after", "total_seconds", "train_seconds"))
+                       for m in methods},
+        "accuracy_differences": {f"{d['accuracy_difference']['a']} - {d['accuracy_difference']['b']}":
+                                 d["accuracy_difference"] for d in dyn.values()},
+        "time_ratios": {}, "dynamic": dyn, "target": {name: d["target"] for name, d in dyn.items()},
+    }  # fmt: skip
+
+
+def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
+    """Issue 30's table: per method of each pair, its means over seeds; then the pair's difference and time ratio."""
+    lines = [
+        "",
+        "| method | seeds | steps | completions generated | whole-run s | trained rows with A = 0 | GRESO skips |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for d in dynamic.values():
+        for m, pm in d["methods"].items():
+            cells = [_fmt(pm.get(k)) for k in ("steps", "completions", "total_seconds", "kept_zero_advantage",
+                                                "greso_questions_skipped")]  # fmt: skip
+            lines.append(f"| {m} | {len(pm['seeds'])} | " + " | ".join(cells) + " |")
+    lines += ["", "| pair | seeds | accuracy difference, points (95%) | whole-run time ratio (95%) | target |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, d in dynamic.items():
+        diff, t = d["accuracy_difference"], d["time_ratio"]
+        ci = "-" if t["ci95"] is None else f"[{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}]"
+        lines.append(f"| {name} | {diff['n']} | {100 * diff['mean']:+.1f} {_pct(diff['ci95'])} | {t['mean']:.3f} {ci} "
+                     f"| {d['target']} |")  # fmt: skip
+    return lines
+
+
+def _fmt(interval: dict[str, Any] | None) -> str:
+    return "-" if interval is None else f"{interval['mean']:.0f}"
 
 
 def _pct(interval: Sequence[float] | None) -> str:
@@ -188,7 +276,8 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
         lines.append(
             f"| {m} | {total['n']} | {total['mean']:.3f} {ci} | {total['of_sums']:.3f} | {train['mean']:.3f} |"
         )
-    lines.append(f"\ntarget ({summary['cppo']}): {summary['target']}")
+    lines += format_dynamic(summary["dynamic"]) if summary.get("dynamic") else []
+    lines.append(f"\ntarget ({summary['cppo'] or 'issue 30'}): {summary['target']}")
     return "\n".join(lines)
 
 

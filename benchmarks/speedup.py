@@ -158,6 +158,12 @@ def eval_steps(num_steps: int, points: int) -> list[int]:
     return [-(-k * num_steps // points) for k in range(1, points + 1)]
 
 
+def planned_steps(plan: TrainConfig) -> int:
+    """The steps ``plan`` plans: ``num_steps``, else ``num_epochs`` over its ``max_questions`` (a run bounded by the
+    data's epochs, which :func:`run_plans` ends as early as the trainer does: ``Trainer.stop_reason``)."""
+    return plan.num_steps or plan.steps_for(plan.max_questions)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -199,8 +205,8 @@ def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[
     the middle of the question range they cover, ties by rate), so a shared machine's changing load falls on
     every rate alike. Each rate's own steps keep their order, and every step reseeds, so the results are the same.
     """
-    order = [(i, k) for i, plan in enumerate(plans) for k in range(plan.num_steps)]
-    return sorted(order, key=lambda ik: ((ik[1] + 0.5) / plans[ik[0]].num_steps, ik[0])) if interleave else order
+    order = [(i, k) for i, plan in enumerate(plans) for k in range(planned_steps(plan))]
+    return sorted(order, key=lambda ik: ((ik[1] + 0.5) / planned_steps(plans[ik[0]]), ik[0])) if interleave else order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +237,8 @@ def run_plans(
     """
     records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
     curves: list[list[EvalPoint]] = [[] for _ in plans]
-    at = [set(eval_steps(p.num_steps, evaluation.points)) if evaluation else set() for p in plans]
-    setup, trainers, ids = [0.0] * len(plans), {}, [None] * len(plans)
+    at = [set(eval_steps(planned_steps(p), evaluation.points)) if evaluation else set() for p in plans]
+    setup, trainers, ids, ended = [0.0] * len(plans), {}, [None] * len(plans), set()
 
     def evaluate(i: int, step: int) -> EvalPoint:
         seconds = sum(w for _, w, _ in records[i])
@@ -245,6 +251,8 @@ def run_plans(
 
     with tempfile.TemporaryDirectory(prefix="cppo-speedup-") as tmp:
         for i, k in step_order(plans, interleave=interleave):
+            if i in ended:  # a run bounded by epochs that the trainer ended before its planned steps
+                continue
             if k == 0:
                 t0 = time.perf_counter()
                 trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
@@ -255,9 +263,11 @@ def run_plans(
             records[i].append(timed_step(trainers[i], device=device))
             if on_step is not None:
                 on_step(plans[i], records[i][-1][0])
-            if k + 1 in at[i]:
+            last = k == planned_steps(plans[i]) - 1 or (plans[i].num_steps is None and trainers[i].stop_reason())
+            if k + 1 in at[i] or (last and evaluation is not None):  # the end is always evaluated
                 curves[i].append(evaluate(i, k + 1))
-            if k == plans[i].num_steps - 1:
+            if last:
+                ended.add(i)
                 del trainers[i]
                 gc.collect()
                 if device.startswith("cuda"):
@@ -279,7 +289,8 @@ def _finish(
     """A run's :class:`RateRun` from its steps' ``(metrics, wall, cpu)``; RuntimeError when it drew other questions
     than planned."""
     sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
-    if plan.max_questions is not None and sums["questions"] != plan.max_questions:
+    sums["steps"] = len(steps)
+    if plan.num_steps is not None and plan.max_questions is not None and sums["questions"] != plan.max_questions:
         raise RuntimeError(
             f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
             f"not the planned {plan.max_questions}: the rates would not see the same questions"
@@ -300,11 +311,11 @@ def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPl
         return None
     if args.eval < 1:
         raise ValueError(f"--eval must be >= 1 (test problems), got {args.eval}")
-    shortest = min(plans, key=lambda c: c.num_steps)
-    points = min(4, shortest.num_steps) if args.eval_points is None else args.eval_points
-    if not 1 <= points <= shortest.num_steps:
+    shortest = min(plans, key=planned_steps)
+    points = min(4, planned_steps(shortest)) if args.eval_points is None else args.eval_points
+    if not 1 <= points <= planned_steps(shortest):
         raise ValueError(
-            f"--eval-points must be in [1, {shortest.num_steps}] (the steps of the shortest run, "
+            f"--eval-points must be in [1, {planned_steps(shortest)}] (the steps of the shortest run, "
             f"{run_label(shortest)}), got {points}"
         )
     base = plans[0]

@@ -33,6 +33,9 @@ PHASE_METRICS = {phase: metric for phase, (metric, _, _) in PHASE_TABLE.items() 
 TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
 #: Step metrics summed over a rate's steps (``questions`` is reported as ``questions_seen``).
 COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
+#: Counters summed when every step reports them (issue 30: trained rows with A = 0, generation calls, GRESO's skips).
+OPTIONAL_COUNTERS = {"kept_zero_advantage": "kept_zero_advantage", "generation_calls": "generation_calls",
+                     "greso_questions_skipped": "greso/questions_skipped"}  # fmt: skip
 #: Speedups reported by the paper (GSM8K, Qwen2.5-1.5B-Instruct, G = 16, whole training run vs GRPO).
 PAPER_SPEEDUP_GSM8K = {0.0: 1.0, 0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}
 #: The standard normal quantile of a two-sided 95% interval.
@@ -133,6 +136,8 @@ def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[f
     phases = {phase: sum(float(m[key]) for m, _ in steps) for phase, key in PHASE_METRICS.items()}
     phases["other"] = sum(max(0.0, w - sum(float(m[key]) for key in PHASE_METRICS.values())) for m, w in steps)
     counters = {key: sum(int(round(float(m[key]))) for m, _ in steps) for key in COUNTERS}
+    counters |= {name: sum(int(round(float(m[key]))) for m, _ in steps) for name, key in OPTIONAL_COUNTERS.items()
+                 if steps and all(key in m for m, _ in steps)}  # fmt: skip
     means = {k: sum(float(m.get(k, nan)) for m, _ in steps) / (len(steps) or nan) for k in ("reward_mean", "accuracy")}
     return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means}
 
@@ -192,7 +197,10 @@ def run_row(run: RateRun) -> dict[str, Any]:
         "train_question_ids": run.train_question_ids, "keep": c.pruning.keep,
         "kept_per_step": c.pruning.kept_per_step, "group_size": c.group_size,
         "questions": c.max_questions,
-        "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps,
+        "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn,
+        "steps": sums.get("steps", c.num_steps), "planned_steps": c.num_steps or c.steps_for(c.max_questions or 1),
+        "num_epochs": None if c.num_steps else c.num_epochs, "filter_groups": c.filter_groups, "greso": c.greso,
+        **{k: sums.get(k) for k in OPTIONAL_COUNTERS},
         "phase_seconds": phases, "total_seconds": total, "train_seconds": sum(phases[k] for k in TRAIN_PHASES),
         "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
         **{k: sums[k] for k in COUNTERS[:-1]},

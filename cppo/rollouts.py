@@ -16,7 +16,7 @@ from .tasks import build_prompt, score_all, training_correct
 class StepRollouts:
     """The generation and reward stages of a step; the :class:`cppo.trainer.Trainer` that inherits them holds
     ``config``, ``sampler``, ``greso``, ``problems``, ``tokenizer``, ``policy``, ``rollout``, ``reward_fns``,
-    ``pruning``, ``info``, ``device`` and ``_step_seed``."""
+    ``pruning``, ``info``, ``device``, ``step``, ``num_steps`` and ``_step_seed``."""
 
     def _generate(self, num_questions: int | None = None) -> tuple[list[dict], list[str], Rollout]:
         """This rank's share of the step's questions (``num_questions`` over all ranks, default the step's; GRESO's
@@ -74,3 +74,20 @@ class StepRollouts:
             extra.update({"greso/questions_skipped": sum(skipped), "greso/explore": self.greso.explore})
         problems, prompts = sum(problems, []), sum(prompts, [])
         return problems, prompts, rollout, torch.cat(rewards), scores, sum(correct, []), filled, extra
+
+    def stop_reason(self) -> str | None:
+        """Why the run ends after this step (None: it goes on). ``num_steps`` set: after that many steps. Otherwise
+        after the planned ``num_epochs`` passes' steps (``num_steps``, which the learning-rate schedule spans) or as
+        soon as the question sampler has passed ``num_epochs`` epochs (GRESO's skips count as passed), whichever
+        comes first: verl's epochs of the data. A plain step draws its fixed count, so the two agree; with
+        ``filter_groups`` / ``greso`` a step passes more questions, the run ends early and the schedule is cut short
+        (a truncated cosine). The sampler's position is the same on every rank, so every rank stops together."""
+        cfg, n = self.config, self.sampler.num_questions
+        if self.step >= self.num_steps:
+            return f"{self.step} of {self.num_steps} planned steps done"
+        if cfg.num_steps is None and self.sampler.passed >= cfg.num_epochs * n:
+            return (
+                f"num_epochs={cfg.num_epochs} epochs of the {n} questions used up after step {self.step} (planned "
+                f"{self.num_steps} steps; the learning-rate schedule is cut short there)"
+            )
+        return None

@@ -383,9 +383,9 @@ class Trainer(StepRollouts):
     # ------------------------------------------------------------------------------------------------------
 
     def train(self) -> list[dict]:
-        """Runs until ``num_steps``: a progress bar; the metrics of every ``log_every``-th, evaluated and last step
-        to the ``report_to`` sinks of :attr:`run` (:mod:`cppo.run.sinks`, rank 0); checkpoints every ``save_every``
-        steps and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
+        """Runs until :meth:`stop_reason` (printed at the end): a progress bar; every ``log_every``-th, evaluated and
+        last step's metrics to the ``report_to`` sinks of :attr:`run` (rank 0); checkpoints every ``save_every`` steps
+        and at the end; and ``metrics.png`` (reward and phase times) over the whole run."""
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm  # a warning mid-run: a line of its own, above the bar
 
@@ -395,7 +395,7 @@ class Trainer(StepRollouts):
             self.run.start(cfg.to_dict(), step=self.step)  # the lock; a new run never mixes with one already there
             bar = tqdm(total=self.num_steps, initial=self.step, desc="cppo", disable=self.rank != 0, dynamic_ncols=True)
             with StopSignals() as stop, logging_redirect_tqdm(loggers=[logging.getLogger("cppo")]):
-                while self.step < self.num_steps:
+                while self.stop_reason() is None:
                     record = self._step_and_log(logged)
                     history.append(record)
                     bar.update(1)
@@ -405,6 +405,8 @@ class Trainer(StepRollouts):
                         self.save_checkpoint(self._checkpoint_path())
                     self._stop_if_signalled(stop, saved=bool(saved))
             bar.close()
+            if self.rank == 0:
+                print(f"cppo: stopped: {self.stop_reason()}", flush=True)
             if not cfg.save_every or self.step % cfg.save_every:
                 self.save_checkpoint(self._checkpoint_path())
         finally:
@@ -420,10 +422,11 @@ class Trainer(StepRollouts):
         and its record to the sinks when due."""
         cfg = self.config
         record = self.train_step()
-        evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == self.num_steps)
+        last = self.stop_reason() is not None  # the run's last step: evaluated and logged
+        evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or last)
         if evaluated:
             record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
-        if evaluated or self.step % cfg.log_every == 0 or self.step == self.num_steps:
+        if evaluated or self.step % cfg.log_every == 0 or last:
             logged.append(record)
             self.run.log(record, self.step)
         return record

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _loss_torch
 from ._loss_inputs import check_logits
 from ._policy import Batch, aggregate, token_grad, token_terms, token_weights
 from .config import LossConfig
@@ -43,12 +44,14 @@ def _first_order(backward: Callable) -> Callable:
 class FusedLogProbs(torch.autograd.Function):
     """(hidden [T, H], weight [V, H], bias [V]) -> (logp fp32 [T], entropy fp32 [T] or None): the two-pass path
     over ``backend`` (a module of mode "two-pass": its ``logprobs_fwd`` and ``logprobs_bwd``; the backward recomputes
-    the logits). ``transform``: the head's ``(logit_scale, softcap or None)``."""
+    the logits). ``transform``: the head's ``(logit_scale, softcap or None)``. With ``entropy_grad`` the entropy is
+    differentiable too (the entropy bonus): its backward runs :mod:`cppo_kernels._loss_torch`'s ``logprobs_bwd``
+    (the Triton kernels have no entropy gradient yet)."""
 
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, backend: ModuleType,
-        transform: tuple[float, float | None] = (1.0, None),
+        transform: tuple[float, float | None] = (1.0, None), entropy_grad: bool = False,
     ):  # fmt: skip
         logit_scale, softcap = transform
         logp, lse, entropy = backend.logprobs_fwd(
@@ -56,25 +59,34 @@ class FusedLogProbs(torch.autograd.Function):
             logit_scale=logit_scale, softcap=softcap,
         )  # fmt: skip
         check_logits(lse, logp, hidden, weight, bias)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        saved = (entropy,) if entropy_grad else ()
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, *saved)
         ctx.temperature = temperature
         ctx.transform = transform
         ctx.backend = backend
         ctx.set_materialize_grads(False)
-        if entropy is not None:
+        if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 9
+        hidden, weight, bias, targets, lse, *entropy = ctx.saved_tensors
         if grad_logp is None:
-            return (None,) * 8
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        grads = ctx.backend.logprobs_bwd(
-            hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
-        )
-        return *grads, None, None, None, None, None
+            grad_logp = torch.zeros_like(lse)
+        if grad_entropy is None or not entropy:
+            grads = ctx.backend.logprobs_bwd(
+                hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias)
+            )
+        else:
+            grads = _loss_torch.logprobs_bwd(
+                hidden, weight, targets, bias, lse, grad_logp.float().contiguous(), **_needs(ctx, bias),
+                grad_entropy=grad_entropy.float().contiguous(), entropy=entropy[0],
+            )  # fmt: skip
+        return *grads, None, None, None, None, None, None
 
 
 def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
@@ -118,12 +130,18 @@ class GradInForward(torch.autograd.Function):
 
         def chunk_upstream(start: int, stop: int, logp: Tensor) -> Tensor:
             rows = slice(start, stop)
-            old, ref = (None if x is None else x[rows] for x in (batch.old, batch.ref))
-            terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
+            old, ref, w = (None if x is None else x[rows] for x in (batch.old, batch.ref, batch.weight))
+            if cfg.plain and w is None:
+                terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
+                upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
+            else:  # autograd through the elementwise terms: each token's own derivative
+                with torch.enable_grad():
+                    x = logp.detach().requires_grad_()
+                    terms = token_terms(x, batch.adv[rows], old, ref, cfg, weight=w)
+                    (upstream[rows],) = torch.autograd.grad(terms[0], x, grad_outputs=weights[rows])
             for buffer, value in zip((per_token, ratio, kl), terms):
                 if buffer is not None:
-                    buffer[rows] = value
-            upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
+                    buffer[rows] = value.detach()
             return upstream[rows]
 
         needs = ctx.needs_input_grad

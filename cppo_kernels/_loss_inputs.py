@@ -165,6 +165,9 @@ class Packed(NamedTuple):
     old_logprobs: Tensor | None  # [T]
     ref_logprobs: Tensor | None  # [T]
     flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
+    importance_weights: Tensor | None = None  # [T] per token or [S] per sequence
+    sampling_logprobs: Tensor | None = None  # [T]
+    weights_per_seq: bool = False  # importance_weights is [S]
 
 
 def pack(
@@ -179,6 +182,8 @@ def pack(
     ref_logprobs,
     cfg: LossConfig,
     gather_rows: bool,
+    importance_weights=None,
+    sampling_logprobs=None,
 ) -> tuple[Packed, Checks]:
     """Validates the per-token arguments of a loss over rows ``x`` (``hidden`` or ``logits``, named ``xname``) and
     converts the padded layout to the packed one.
@@ -202,22 +207,57 @@ def pack(
     checks.finite("advantages", advantages)
     logprobs = {}
     for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        lp = _per_token(name, lp, layout, x.device)
         if lp is not None:
-            lp = check_tensor(name, lp, device=x.device)
-            if not lp.is_floating_point():
-                raise ValueError(f"{name} must have a floating dtype, got {lp.dtype}")
-            _shape(name, lp, layout.lead, layout.what)
-            if layout.flat is not None:
-                lp = lp.reshape(-1)[layout.flat]
             checks.finite(name, lp)
         logprobs[name] = lp
+    sampling = _per_token("sampling_logprobs", sampling_logprobs, layout, x.device)
+    if sampling is not None and sampling.numel():  # NaN marks a token the sampler did not score (TRL's rule)
+        checks.add(torch.isinf(sampling).any(), lambda: "sampling_logprobs must not hold inf (NaN: not scored)")
+    weights, per_seq = _importance_weights(importance_weights, layout, num_seqs, x.device)
+    if weights is not None and weights.numel():
+        checks.add(
+            ~(torch.isfinite(weights) & (weights >= 0)).all(),
+            lambda: "importance_weights must be finite and >= 0",
+        )
     if layout.flat is not None:
         targets = targets.reshape(-1)
         x = x.reshape(-1, x.shape[-1])
         if gather_rows:
             x, targets = x[layout.flat], targets[layout.flat]
-    packed = Packed(x, targets, advantages, layout.cu_seqlens, *logprobs.values(), layout.flat)
+    lps = logprobs.values()
+    packed = Packed(x, targets, advantages, layout.cu_seqlens, *lps, layout.flat, weights, sampling, per_seq)
     return packed, checks
+
+
+def _per_token(name: str, x, layout: _Layout, device: torch.device) -> Tensor | None:
+    """A per-token floating tensor of the leading shape, packed (``[T]``); None stays None."""
+    if x is None:
+        return None
+    x = check_tensor(name, x, device=device)
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+    _shape(name, x, layout.lead, layout.what)
+    return x if layout.flat is None else x.reshape(-1)[layout.flat]
+
+
+def _importance_weights(x, layout: _Layout, num_seqs: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """``(weights, per_seq)``: ``importance_weights`` per token (the leading shape, packed to ``[T]``) or per
+    sequence (``[S]`` / ``[B]``); packed with ``T == S``, per token."""
+    if x is None:
+        return None, False
+    x = check_tensor("importance_weights", x, device=device)
+    if not x.is_floating_point():
+        raise ValueError(f"importance_weights must have a floating dtype, got {x.dtype}")
+    if tuple(x.shape) == layout.lead:
+        return (x if layout.flat is None else x.reshape(-1)[layout.flat]), False
+    if tuple(x.shape) == (num_seqs,):
+        return x, True
+    seqs = "[S]" if layout.flat is None else "[B]"
+    raise ValueError(
+        f"importance_weights must have shape {layout.what} = {list(layout.lead)} (per token) or {seqs} = "
+        f"[{num_seqs}] (per sequence), got {list(x.shape)}"
+    )
 
 
 def check_logits(lse: Tensor, logp: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:

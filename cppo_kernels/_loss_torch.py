@@ -277,6 +277,22 @@ def _softmax_minus_onehot(q: Tensor, lse: Tensor, targets: Tensor, v0: int) -> N
     q.scatter_(1, col, torch.where(hit, at - 1.0, at))
 
 
+def _entropy_block(
+    q: Tensor, p: Tensor, lse: Tensor, targets: Tensor, v0: int, g: Tensor, g_ent: Tensor, ent: Tensor
+) -> None:
+    """In place: the logits block ``q [n, Vb]`` becomes ``g (p - onehot) + g_ent p (log p + H)`` (``-dz``), with
+    ``p`` the softmax (in the scratch ``p``), ``g [n]`` / ``g_ent [n, 1]`` the upstream gradients of the log-prob
+    and of the entropy ``ent [n, 1]``."""
+    q.sub_(lse)  # [n, Vb] log p
+    torch.exp(q, out=p)
+    q.add_(ent).mul_(g_ent).add_(g.unsqueeze(1)).mul_(p)
+    width = q.shape[1]
+    col = (targets - v0).clamp(0, width - 1).unsqueeze(1)  # [n, 1]
+    at = q.gather(1, col)  # [n, 1]
+    hit = ((targets >= v0) & (targets < v0 + width)).unsqueeze(1)  # [n, 1]
+    q.scatter_(1, col, torch.where(hit, at - g.unsqueeze(1), at))
+
+
 def logprobs_bwd(
     hidden: Tensor,
     weight: Tensor,
@@ -291,12 +307,16 @@ def logprobs_bwd(
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
+    grad_entropy: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of ``sum_t grad_logp[t] * logp[t]`` w.r.t. hidden, weight and bias.
+    """Gradients of ``sum_t grad_logp[t] * logp[t]`` (plus ``grad_entropy[t] * entropy[t]`` when given, with the
+    forward's ``entropy [T]``) w.r.t. hidden, weight and bias.
 
     ``dy[t, j] = grad_logp[t] * (onehot(target_t)_j - softmax(z_t)_j) * logit_scale / temperature`` (times the
     cap's slope ``1 - tanh^2`` with a ``softcap``) for the head output ``y = h W^T + b``; the softmax is
-    recomputed from the saved ``lse [T]``. Returns ``(dhidden, dweight, dbias)`` in the dtypes of
+    recomputed from the saved ``lse [T]``. The entropy ``H = -sum_j p_j log p_j`` adds
+    ``-grad_entropy[t] * p_j (log p_j + H)`` to the bracket. Returns ``(dhidden, dweight, dbias)`` in the dtypes of
     hidden / weight / bias (accumulated in fp32, cast once), None where not needed.
     """
     num_tokens, dim = hidden.shape
@@ -312,6 +332,7 @@ def logprobs_bwd(
     if num_tokens > 0 and (needs_hidden_grad or needs_weight_grad or needs_bias_grad):
         rows = min(BWD_TOKENS, num_tokens)
         zbuf = torch.empty(rows * min(BWD_VOCAB, vocab), dtype=torch.float32, device=device)  # [Tb * Vb]
+        pbuf = None if grad_entropy is None else torch.empty_like(zbuf)  # [Tb * Vb] the entropy path's softmax
         sbuf = None if f.cap_out is None else torch.empty_like(zbuf)  # [Tb * Vb] the cap's slope
         dh = torch.empty(rows, dim, dtype=torch.float32, device=device) if needs_hidden_grad else None  # [Tb, H]
         for start in range(0, num_tokens, BWD_TOKENS):
@@ -319,7 +340,12 @@ def logprobs_bwd(
             n = stop - start
             h = _fp32(hidden[start:stop])  # [n, H]
             tgt = targets[start:stop].long()  # [n]
-            neg_g = grad_logp[start:stop].float() * -f.grad_scale  # [n]
+            g = grad_logp[start:stop].float()  # [n]
+            if pbuf is not None:  # the block holds the whole -dz: scale by -logit_scale / temperature only
+                g_ent, ent = grad_entropy[start:stop].unsqueeze(1), entropy[start:stop].unsqueeze(1)  # [n, 1]
+                neg_g = torch.full_like(g, -f.grad_scale)
+            else:
+                neg_g = g * -f.grad_scale  # [n]
             hs = h * neg_g.unsqueeze(1)  # [n, H]
             lse_c = lse[start:stop].unsqueeze(1)  # [n, 1]
             if dh is not None:
@@ -329,7 +355,10 @@ def logprobs_bwd(
                 w_b = w[v0:v1]  # [Vb, H]
                 q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], f)
                 slope = None if sbuf is None else _cap_slope(q, f, sbuf[: q.numel()].view_as(q))  # [n, Vb]
-                _softmax_minus_onehot(q, lse_c, tgt, v0)  # [n, Vb]
+                if pbuf is None:
+                    _softmax_minus_onehot(q, lse_c, tgt, v0)  # [n, Vb]
+                else:
+                    _entropy_block(q, pbuf[: q.numel()].view_as(q), lse_c, tgt, v0, g, g_ent, ent)
                 if slope is not None:
                     q.mul_(slope)
                 if dh is not None:

@@ -115,6 +115,8 @@ def _loss_op(
     old_logprobs: Tensor | None,
     ref_logprobs: Tensor | None,
     bias: Tensor | None,
+    importance_weights: Tensor | None,
+    sampling_logprobs: Tensor | None,
     options: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, metrics [M], dhidden, dweight, dbias)``: the eager loss and its gradients (an empty tensor for a
@@ -124,7 +126,8 @@ def _loss_op(
         leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip((hidden, weight, bias), needs)]
         loss, metrics = eager_loss(
             leaves[0], leaves[1], targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=leaves[2], cfg=cfg, mode=mode, **head,
+            ref_logprobs=ref_logprobs, bias=leaves[2], importance_weights=importance_weights,
+            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
         )  # fmt: skip
         wanted = [x for x, n in zip(leaves, needs) if n and x is not None]
         grads = [None] * len(wanted)
@@ -141,7 +144,10 @@ def _loss_op(
 
 
 @_loss_op.register_fake
-def _loss_fake(hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, options):
+def _loss_fake(
+    hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
+    sampling_logprobs, options,
+):  # fmt: skip
     decoded = decode(options)
     cfg, _, needs, _ = _split(decoded)
     num_metrics = len(_metric_names(encode(**{k: getattr(cfg, k) for k in LOSS_OPTIONS})))
@@ -154,7 +160,7 @@ def _loss_fake(hidden, weight, targets, advantages, cu_seqlens, mask, old_logpro
 
 
 def _loss_setup(ctx, inputs, output) -> None:
-    needs = _split(decode(inputs[9]))[2]
+    needs = _split(decode(inputs[-1]))[2]
     ctx.needs = [n and x is not None for x, n in zip((inputs[0], inputs[1], inputs[8]), needs)]
     ctx.save_for_backward(*output[2:])
 
@@ -171,14 +177,15 @@ def _loss_backward(ctx, grad_loss, *_unused):
             "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
         )
     dhidden, dweight, dbias = (g * grad_loss if n else None for g, n in zip(ctx.saved_tensors, ctx.needs))
-    return dhidden, dweight, None, None, None, None, None, None, dbias, None
+    return dhidden, dweight, None, None, None, None, None, None, dbias, None, None, None
 
 
 _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup)
 
 
 def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias,
-                  cfg: LossConfig, mode: str, **head) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+                  importance_weights=None, sampling_logprobs=None, cfg: LossConfig, mode: str,
+                  **head) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`cppo_kernels.fused_cppo_loss` as one ``cppo_kernels::fused_cppo_loss`` node (its compiled path).
 
     ``head``: scalar keywords of the LM head's logit transform, handed to :func:`cppo_kernels.loss.eager_loss` as
@@ -190,8 +197,9 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
     if head:
         options += ";" + encode(**{f"head.{k}": v for k, v in head.items()})
     loss, metrics, *_ = _loss_op(
-        hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, options
-    )
+        hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
+        sampling_logprobs, options,
+    )  # fmt: skip
     names = metric_names(config).split(",")
     metrics = metrics.detach()  # as the eager metrics: no gradient
     return loss, {name: metrics[i] for i, name in enumerate(names)}

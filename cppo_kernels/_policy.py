@@ -1,20 +1,26 @@
-"""The per-token policy math of the loss, shared by every loss path: ratio, clipping, dual clip, KL estimators,
-aggregation and metrics, elementwise on the packed fp32 per-token log-probs (O(T), no vocabulary dimension), and
-the analytic per-token gradient that lets the gradient-in-forward path of :func:`cppo_kernels.fused_cppo_loss`
-compute ``d loss / d logp_t`` before the loss exists.
+"""The per-token policy math of the loss, shared by every loss path: ratio, the surrogate (clip, CISPO, SAPO,
+VESPO), dual clip and ``delta``, the KL estimators (optionally bias-corrected), the off-policy and entropy masks,
+importance weights, aggregation, the entropy bonus and metrics, elementwise on the packed fp32 per-token log-probs
+(O(T), no vocabulary dimension), and the per-token gradient that lets the gradient-in-forward path of
+:func:`cppo_kernels.fused_cppo_loss` compute ``d loss / d logp_t`` before the loss exists.
 
 Two exponentials are clamped, as verl does (``core_algos.compute_policy_loss`` and its ``low_var_kl``): the
 log-ratio ``logp - old`` (the sequence's mean for GSPO) before ``exp`` and the k3 exponent ``ref - logp``, both to
 ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND] = [-20, 20]``. In-range values are bit-identical to the unclamped formulas
 (TRL clamps nothing); beyond, ``exp`` would reach fp32's overflow at 88.7 and ``0 * inf`` would turn a clipped
 token's zero gradient, or the whole loss of an ``A = 0`` group, into NaN. A clamped token has the loss of the bound
-and a zero gradient through the clamped term (the gradient of ``torch.clamp``); ``e^20 = 4.9e8`` keeps
-``ratio * A`` finite for any ``|A| < 7e29``. verl also clamps the k3 value itself to ``[-10, 10]``; we do not: with
-its exponent bounded k3 stays below ``e^20`` and in-range values stay exact.
+and a zero gradient through the clamped term (the gradient of ``torch.clamp``); verl also clamps the k3 value
+itself to ``[-10, 10]``; we do not: with its exponent bounded k3 stays below ``e^20`` and in-range values stay exact.
+
+Each token's policy term and its KL term are bounded to ``[-TERM_BOUND, TERM_BOUND] = [-1e30, 1e30]``, and the
+aggregation weighs each term before summing (weights that sum to at most 1): the loss stays finite for any finite
+input, advantages of 1e38 included (``ratio * A`` would overflow fp32 there). Terms inside the bound are exact; a
+bounded term has the bound's value and no gradient.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -24,6 +30,7 @@ from .config import LossConfig
 
 __all__ = [
     "LOG_RATIO_BOUND",
+    "TERM_BOUND",
     "Batch",
     "batch_constants",
     "token_terms",
@@ -36,25 +43,43 @@ __all__ = [
 
 #: Bound of the clamped log-ratio and of the k3 exponent (verl's; see the module docstring).
 LOG_RATIO_BOUND = 20.0
+#: Bound of each token's policy term and KL term (see the module docstring).
+TERM_BOUND = 1e30
+#: VESPO's lower clamp of a sequence's log-ratio and of a log importance weight: log(1e-8), as TRL's.
+VESPO_LOG_W_MIN = math.log(1e-8)
 
 
 class Batch(NamedTuple):
     """The per-token constants of a packed batch, detached: the policy loss treats them as data, never as
-    something to differentiate (``advantages``, ``old_logprobs`` and ``ref_logprobs`` get no gradient)."""
+    something to differentiate (``advantages``, ``old_logprobs``, ``ref_logprobs``, the importance weights and the
+    sampling log-probs get no gradient)."""
 
     adv: Tensor  # [T] the advantage of each token's sequence
+    seq_adv: Tensor  # [S]
     old: Tensor | None  # [T]
     ref: Tensor | None  # [T]
     seq_of: Tensor  # [T] int64 sequence index of each token
     lengths: Tensor  # [S] int64 tokens per sequence
     num_seqs: int
+    weight: Tensor | None = None  # [T] importance weight of each token (a sequence's, repeated, when per sequence)
+    log_weight_sums: Tensor | None = None  # [S] VESPO: each sequence's sum of clamped log importance weights
+    sampling: Tensor | None = None  # [T] log-probs of the sampler (the off-policy mask; default: old)
 
 
 def batch_constants(
-    advantages: Tensor, cu_seqlens: Tensor, old_logprobs: Tensor | None, ref_logprobs: Tensor | None, num_tokens: int
+    advantages: Tensor,
+    cu_seqlens: Tensor,
+    old_logprobs: Tensor | None,
+    ref_logprobs: Tensor | None,
+    num_tokens: int,
+    *,
+    importance_weights: Tensor | None = None,
+    weights_per_seq: bool = False,
+    sampling_logprobs: Tensor | None = None,
 ) -> Batch:
-    """The :class:`Batch` of packed per-sequence ``advantages [S]`` / ``cu_seqlens [S+1]`` and per-token
-    ``old_logprobs`` / ``ref_logprobs [T]``, in fp32."""
+    """The :class:`Batch` of packed per-sequence ``advantages [S]`` / ``cu_seqlens [S+1]``, per-token
+    ``old_logprobs`` / ``ref_logprobs`` / ``sampling_logprobs [T]`` and ``importance_weights`` (``[T]`` per token,
+    or ``[S]`` per sequence with ``weights_per_seq``), in fp32."""
     num_seqs = advantages.numel()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)  # [S]
     # output_size: no device sync to size the result (this runs on the training hot path).
@@ -63,17 +88,38 @@ def batch_constants(
     def fp32(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.detach().to(torch.float32)
 
-    return Batch(fp32(advantages)[seq_of], fp32(old_logprobs), fp32(ref_logprobs), seq_of, lengths, num_seqs)
+    weight = log_sums = None
+    if importance_weights is not None:
+        w = fp32(importance_weights)  # [T] or [S]
+        log_w = torch.log(w).clamp(VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
+        if not weights_per_seq:
+            weight = w
+            log_sums = torch.zeros(num_seqs, device=w.device).index_add(0, seq_of, log_w)  # [S]
+        else:
+            weight, log_sums = w[seq_of], log_w
+    adv = fp32(advantages)  # [S]
+    return Batch(
+        adv[seq_of], adv, fp32(old_logprobs), fp32(ref_logprobs), seq_of, lengths, num_seqs,
+        weight, log_sums, fp32(sampling_logprobs),
+    )  # fmt: skip
+
+
+def _seq_sum(x: Tensor, batch: Batch) -> Tensor:
+    """``[T] -> [S]``: each sequence's sum of ``x``."""
+    return torch.zeros(batch.num_seqs, dtype=x.dtype, device=x.device).index_add(0, batch.seq_of, x)  # [S]
 
 
 def _seq_mean(x: Tensor, batch: Batch) -> Tensor:
     """``[T] -> [S]``: each sequence's mean of ``x`` (0 for an empty sequence)."""
-    sums = torch.zeros(batch.num_seqs, dtype=x.dtype, device=x.device).index_add(0, batch.seq_of, x)  # [S]
-    return sums / batch.lengths.clamp(min=1).to(x.dtype)
+    return _seq_sum(x, batch) / batch.lengths.clamp(min=1).to(x.dtype)
 
 
 def _clamp(x: Tensor) -> Tensor:
     return x.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def _bounded(x: Tensor) -> Tensor:
+    return x.clamp(-TERM_BOUND, TERM_BOUND)
 
 
 def _inside(x: Tensor) -> Tensor:
@@ -90,25 +136,52 @@ def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def _surrogate(logp: Tensor, ratio: Tensor, adv: Tensor, cfg: LossConfig, phi: Tensor | None) -> Tensor:
+    """The policy term of each token (before its bound): see ``surrogate`` in :class:`LossConfig`."""
+    if cfg.surrogate == "cispo":
+        return -_bounded(torch.clamp(ratio, max=cfg.eps_high).detach() * adv) * logp
+    if cfg.surrogate == "sapo":
+        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [n]
+        return -(torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau) * adv
+    if cfg.surrogate == "vespo":
+        return -_bounded(phi * adv) * logp
+    unclipped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.eps_high)
+    pg = -torch.minimum(unclipped * adv, clipped * adv)  # [n]
+    if cfg.dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    return pg
+
+
 def token_terms(
-    logp: Tensor, adv: Tensor, old: Tensor | None, ref: Tensor | None, cfg: LossConfig, log_ratio: Tensor | None = None
+    logp: Tensor,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    cfg: LossConfig,
+    log_ratio: Tensor | None = None,
+    *,
+    weight: Tensor | None = None,
+    phi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(per-token loss, ratio, kl or None)`` of the tokens ``logp [n]`` (differentiable or not) with advantages
     ``adv [n]`` and ``old`` / ``ref [n]`` (``old = logp.detach()`` when None; ``kl`` needs ``ref``).
 
     ``log_ratio``: the tokens' log-ratios when not ``logp - old`` (GSPO: the sequence's mean). Per token:
-    ``r = exp(clamp(log_ratio))``, ``pg = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, at most ``-c A`` where
-    ``A < 0`` with ``dual_clip=c``, plus ``beta * kl`` (k3 with its exponent clamped).
+    ``r = exp(clamp(log_ratio))``, the ``surrogate``'s policy term (``phi [n]``: VESPO's weights), bounded, times
+    ``weight [n]`` (masks and importance weights, detached) and bounded again, plus ``beta * kl`` (k3 with its
+    exponent clamped; times ``r`` with ``use_bias_correction_kl``), bounded.
     """
     if log_ratio is None:
         log_ratio = logp - (logp.detach() if old is None else old)  # [n]
     ratio = torch.exp(_clamp(log_ratio))  # [n]
-    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.eps_high)
-    pg = -torch.minimum(ratio * adv, clipped * adv)  # [n]
-    if cfg.dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    pg = _bounded(_surrogate(logp, ratio, adv, cfg, phi))  # [n]
+    if weight is not None:
+        pg = _bounded(pg * weight)
     kl = None if ref is None else _kl(logp, ref, cfg.kl_estimator)  # [n]
-    per_token = pg + cfg.beta * kl if kl is not None and cfg.beta > 0 else pg
+    if kl is not None and cfg.use_bias_correction_kl:
+        kl = kl * ratio
+    per_token = pg + _bounded(cfg.beta * kl) if kl is not None and cfg.beta > 0 else pg
     return per_token, ratio, kl
 
 
@@ -117,20 +190,29 @@ def _min_share(x: Tensor, y: Tensor) -> Tensor:
     return torch.where(x < y, 1.0, torch.where(x == y, 0.5, 0.0))
 
 
+def _within(x: Tensor) -> Tensor:
+    """Where the gradient passes :func:`_bounded`."""
+    return (x >= -TERM_BOUND) & (x <= TERM_BOUND)
+
+
 def token_grad(logp: Tensor, adv: Tensor, old: Tensor | None, ref: Tensor | None, cfg: LossConfig) -> Tensor:
-    """``d per-token loss / d logp`` of :func:`token_terms` with token-level importance sampling, analytically and
-    elementwise: what autograd gives through :func:`token_terms`, torch's subgradient conventions included (a
-    clamp passes the gradient at its bounds, ``minimum`` splits it on ties)."""
+    """``d per-token loss / d logp`` of :func:`token_terms` with token-level importance sampling and the options of
+    ``cfg.plain`` (no weight), analytically and elementwise: what autograd gives through :func:`token_terms`,
+    torch's subgradient conventions included (a clamp passes the gradient at its bounds, ``minimum`` splits it on
+    ties)."""
     log_ratio = torch.zeros_like(logp) if old is None else logp - old  # [n]
     ratio = torch.exp(_clamp(log_ratio))  # [n]
     lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.eps_high
     a, b = ratio * adv, torch.clamp(ratio, lo, hi) * adv  # the two surrogates
     passes = ((ratio >= lo) & (ratio <= hi)).to(ratio.dtype)  # the clip's own gradient
     d_min = adv * (_min_share(a, b) + _min_share(b, a) * passes)  # d min(a, b) / d ratio
+    pg = -torch.minimum(a, b)  # [n]
     grad = -d_min * torch.where(_inside(log_ratio), ratio, 0.0)  # [n] d pg / d logp
     if cfg.dual_clip is not None:
-        pg, cap = -torch.minimum(a, b), -cfg.dual_clip * adv
+        cap = -cfg.dual_clip * adv
         grad = torch.where(adv < 0, grad * _min_share(pg, cap), grad)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    grad = torch.where(_within(pg), grad, 0.0)
     if ref is not None and cfg.beta > 0:
         if cfg.kl_estimator == "k1":
             d_kl = torch.ones_like(logp)
@@ -139,30 +221,107 @@ def token_grad(logp: Tensor, adv: Tensor, old: Tensor | None, ref: Tensor | None
         else:
             d = ref - logp
             d_kl = torch.where(_inside(d), 1.0 - torch.exp(_clamp(d)), 0.0)
-        grad = grad + cfg.beta * d_kl
+        grad = grad + torch.where(_within(cfg.beta * _kl(logp, ref, cfg.kl_estimator)), cfg.beta * d_kl, 0.0)
     return grad
 
 
 def token_weights(batch: Batch, cfg: LossConfig) -> Tensor:
     """``[T]``: ``d loss / d per-token loss`` of :func:`aggregate` (counts known before any log-prob)."""
     num_tokens, num_seqs = batch.seq_of.numel(), max(batch.num_seqs, 1)
+    device = batch.seq_of.device
     if cfg.loss_agg == "token-mean":
-        return torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=batch.seq_of.device)
+        return torch.full((num_tokens,), 1.0 / max(num_tokens, 1), device=device)
     if cfg.loss_agg == "seq-mean-token-mean":
         return (1.0 / num_seqs) / batch.lengths.clamp(min=1).to(torch.float32)[batch.seq_of]
-    return torch.full((num_tokens,), 1.0 / (num_seqs * cfg.max_completion_length), device=batch.seq_of.device)
+    if cfg.loss_agg == "seq-mean-token-sum":
+        return torch.full((num_tokens,), 1.0 / num_seqs, device=device)
+    return torch.full((num_tokens,), 1.0 / (num_seqs * cfg.max_completion_length), device=device)
 
 
 def aggregate(per_token: Tensor, batch: Batch, cfg: LossConfig) -> Tensor:
     """The scalar loss of ``per_token [T]``: ``token-mean`` (sum / T), ``seq-mean-token-mean`` (mean over sequences
-    of each sequence's token mean) or ``seq-mean-token-sum-norm`` (sum / (S * max_completion_length)); 0 for
-    empty sequences and batches, never NaN."""
-    num_tokens = per_token.numel()
-    if cfg.loss_agg == "token-mean":
-        return per_token.sum() / max(num_tokens, 1)
-    if cfg.loss_agg == "seq-mean-token-mean":
-        return _seq_mean(per_token, batch).sum() / max(batch.num_seqs, 1)
-    return per_token.sum() / (max(batch.num_seqs, 1) * cfg.max_completion_length)
+    of each sequence's token mean), ``seq-mean-token-sum-norm`` (sum / (S * max_completion_length)) or
+    ``seq-mean-token-sum`` (sum / S), each token weighed before the sum (:func:`token_weights`), so that the sum
+    of bounded terms stays finite; 0 for empty sequences and batches, never NaN."""
+    return (per_token * token_weights(batch, cfg)).sum()
+
+
+def _quantile(x: Tensor, q: float) -> Tensor:
+    """``torch.quantile(x, q)`` (linear interpolation) of a non-empty ``x [n]``, also beyond its 2^24 elements."""
+    if x.numel() <= 2**24:
+        return torch.quantile(x, q)
+    ordered = torch.sort(x).values
+    pos = q * (x.numel() - 1)
+    low = int(math.floor(pos))
+    high = min(low + 1, x.numel() - 1)
+    return torch.lerp(ordered[low], ordered[high], pos - low)
+
+
+def entropy_mask(entropy: Tensor, cfg: LossConfig) -> Tensor | None:
+    """``[T]`` float 0/1: the tokens whose entropy is at least the ``1 - top_entropy_quantile`` quantile of the
+    call's tokens (TRL's ``get_high_entropy_mask``); None with ``top_entropy_quantile=1``."""
+    if cfg.top_entropy_quantile >= 1.0:
+        return None
+    h = entropy.detach().float()  # [T]
+    if h.numel() == 0:
+        return h
+    return (h >= _quantile(h, 1.0 - cfg.top_entropy_quantile)).to(torch.float32)
+
+
+def off_policy_mask(logp: Tensor, batch: Batch, cfg: LossConfig) -> Tensor | None:
+    """``[T]`` float 0/1: 0 on the tokens of every sequence with ``A < 0`` whose mean of ``sampling - logp`` (NaN
+    counted as 0; sampling: ``sampling_logprobs``, else ``old_logprobs``, else ``logp``) exceeds
+    ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence mask); None when the mask is off."""
+    if cfg.off_policy_mask_threshold is None:
+        return None
+    lp = logp.detach()
+    sampling = batch.sampling if batch.sampling is not None else batch.old if batch.old is not None else lp
+    kl = torch.nan_to_num(sampling - lp, nan=0.0)  # [T]
+    keep_seq = _seq_mean(kl, batch) <= cfg.off_policy_mask_threshold  # [S]
+    return ((batch.adv >= 0) | keep_seq[batch.seq_of]).to(torch.float32)
+
+
+def vespo_weights(log_ratio: Tensor, batch: Batch, cfg: LossConfig) -> Tensor:
+    """``[S]``: VESPO's detached gamma weight ``phi = exp(lambda + k log w - lambda w)`` of each sequence,
+    ``log w`` the sequence's sum of the tokens' log-ratios (each clamped to [-20, 20]) plus its log importance
+    weights, clamped to ``[log 1e-8, 20]``; ``(k, lambda)`` by the sign of A (``>= 0``: the ``_pos`` pair);
+    ``lambda >= 1e-4``; an overflowing or undefined ``phi`` is 0 (TRL's ``get_gamma_weights``)."""
+    with torch.no_grad():
+        log_w = _seq_sum(_clamp(log_ratio.detach()), batch)  # [S]
+        if batch.log_weight_sums is not None:
+            log_w = log_w + batch.log_weight_sums
+        log_w = log_w.clamp(VESPO_LOG_W_MIN, LOG_RATIO_BOUND)  # [S]
+        pos = batch.seq_adv >= 0  # [S]
+        k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def token_mask(logp: Tensor, entropy: Tensor | None, batch: Batch, cfg: LossConfig) -> tuple[Tensor | None, ...]:
+    """``(weight, entropy_mask)``: the detached ``[T]`` factor of the policy terms (off-policy mask, entropy mask,
+    and the importance weights but for VESPO, which takes them into its gamma weights), or None when it is 1; and
+    the entropy mask alone (None without ``top_entropy_quantile``)."""
+    ent = None if entropy is None else entropy_mask(entropy, cfg)
+    factors = [off_policy_mask(logp, batch, cfg), ent]
+    if cfg.surrogate != "vespo":
+        factors.append(batch.weight)
+    weight = None
+    for f in factors:
+        if f is not None:
+            weight = f if weight is None else weight * f
+    return weight, ent
+
+
+def entropy_bonus(entropy: Tensor, ent_mask: Tensor | None, cfg: LossConfig) -> Tensor:
+    """``entropy_coef`` times the mean entropy of the tokens of ``ent_mask`` (all tokens when None), bounded;
+    differentiable through ``entropy``. 0 without tokens."""
+    num = entropy.numel()
+    if ent_mask is None:
+        mean = (entropy * (1.0 / max(num, 1))).sum()
+    else:
+        mean = (entropy * (ent_mask / ent_mask.sum().clamp(min=1.0))).sum()
+    return _bounded(cfg.entropy_coef * mean)
 
 
 def policy_loss(
@@ -174,32 +333,60 @@ def policy_loss(
     ref_logprobs: Tensor | None,
     entropy: Tensor | None,
     config: LossConfig,
+    importance_weights: Tensor | None = None,
+    weights_per_seq: bool = False,
+    sampling_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The CPPO/GRPO policy loss from per-token log-probs in the packed layout (inputs already validated), with
-    gradients by autograd to ``logp`` only.
+    gradients by autograd to ``logp`` (and to ``entropy`` with ``entropy_coef``) only.
 
     ``logp [T]`` fp32 (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]`` int64, ``old_logprobs`` /
-    ``ref_logprobs`` / ``entropy [T]`` (``entropy`` given when ``config.compute_entropy``): the per-token terms of
-    :func:`token_terms` (with ``importance_sampling="sequence"`` every token of s uses the mean log-ratio of s),
-    aggregated by :func:`aggregate`.
+    ``ref_logprobs`` / ``sampling_logprobs`` / ``entropy [T]`` (``entropy`` given when ``config.needs_entropy``),
+    ``importance_weights [T]`` (``[S]`` with ``weights_per_seq``): the per-token terms of :func:`token_terms` (with
+    ``importance_sampling="sequence"`` every token of s uses the mean log-ratio of s) times the masks and weights of
+    :func:`token_mask`, aggregated by :func:`aggregate`, minus the :func:`entropy_bonus`.
 
     Returns ``(loss, metrics)``: the fp32 scalar loss and the detached fp32 scalars of :func:`metrics`.
     """
-    batch = batch_constants(advantages, cu_seqlens, old_logprobs, ref_logprobs, logp.numel())
+    cfg = config
+    batch = batch_constants(
+        advantages, cu_seqlens, old_logprobs, ref_logprobs, logp.numel(),
+        importance_weights=importance_weights, weights_per_seq=weights_per_seq, sampling_logprobs=sampling_logprobs,
+    )  # fmt: skip
+    token_log_ratio = logp - (logp.detach() if batch.old is None else batch.old)  # [T]
     log_ratio = None
-    if config.importance_sampling == "sequence":
-        log_ratio = _seq_mean(logp - (logp.detach() if batch.old is None else batch.old), batch)[batch.seq_of]
-    per_token, ratio, kl = token_terms(logp, batch.adv, batch.old, batch.ref, config, log_ratio)
-    return aggregate(per_token, batch, config), metrics(logp, ratio, batch.adv, kl, entropy, config)
+    if cfg.importance_sampling == "sequence":
+        log_ratio = _seq_mean(token_log_ratio, batch)[batch.seq_of]
+    phi = vespo_weights(token_log_ratio, batch, cfg) if cfg.surrogate == "vespo" else None  # [S]
+    weight, ent_mask = token_mask(logp, entropy, batch, cfg)
+    per_token, ratio, kl = token_terms(
+        logp, batch.adv, batch.old, batch.ref, cfg, log_ratio, weight=weight,
+        phi=None if phi is None else phi[batch.seq_of],
+    )  # fmt: skip
+    loss = aggregate(per_token, batch, cfg)
+    out = metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi)
+    if cfg.entropy_coef != 0.0:
+        loss = loss - entropy_bonus(entropy, ent_mask, cfg)
+    return loss, out
 
 
 @torch.no_grad()
 def metrics(
-    logp: Tensor, ratio: Tensor, adv: Tensor, kl: Tensor | None, entropy: Tensor | None, cfg: LossConfig
+    logp: Tensor,
+    ratio: Tensor,
+    adv: Tensor,
+    kl: Tensor | None,
+    entropy: Tensor | None,
+    cfg: LossConfig,
+    *,
+    policy: Tensor,
+    phi: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Detached fp32 scalars: the mean ``kl`` (0 without reference log-probs), the fractions of tokens whose ratio
-    is clipped below (``A < 0``) and above (``A > 0``), ``ratio_mean/min/max`` (1 when there are no tokens),
-    ``num_tokens``, and the mean ``entropy`` with ``compute_entropy``."""
+    """Detached fp32 scalars: the mean ``kl`` (0 without reference log-probs; bias-corrected with
+    ``use_bias_correction_kl``), the fractions of tokens whose ratio is clipped below (``A < 0``) and above
+    (``A > 0``), ``ratio_mean/min/max`` (1 when there are no tokens), ``num_tokens``, ``policy_loss`` (the loss
+    without the entropy bonus), the mean ``entropy`` when the loss computes it, ``cispo_clip_fraction`` (ratio
+    above ``epsilon_high`` with ``A > 0``) for CISPO and ``vespo_phi_mean`` (mean over sequences) for VESPO."""
     num_tokens = logp.numel()
     denom = max(num_tokens, 1)
     r = ratio.detach()  # [T]
@@ -211,7 +398,12 @@ def metrics(
         "ratio_min": r.min() if num_tokens else logp.new_ones(()),
         "ratio_max": r.max() if num_tokens else logp.new_ones(()),
         "num_tokens": logp.new_tensor(float(num_tokens)),
+        "policy_loss": policy.detach(),
     }
-    if cfg.compute_entropy:
+    if cfg.needs_entropy:
         out["entropy"] = entropy.detach().sum() / denom
+    if cfg.surrogate == "cispo":
+        out["cispo_clip_fraction"] = ((r > cfg.eps_high) & (adv > 0)).sum() / denom
+    if phi is not None:  # [S]
+        out["vespo_phi_mean"] = phi.sum() / max(phi.numel(), 1)
     return {k: v.to(torch.float32) for k, v in out.items()}

@@ -53,8 +53,15 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING = ("token", "sequence")
 #: ``loss_agg``, each with what its loss is a mean over: ``"tokens"`` (the batch's token count divides it) or
 #: ``"sequences"``; a trainer that splits a batch into micro-batches weighs each one by its share of that count.
-LOSS_AGG_UNITS = {"token-mean": "tokens", "seq-mean-token-mean": "sequences", "seq-mean-token-sum-norm": "sequences"}
+LOSS_AGG_UNITS = {
+    "token-mean": "tokens",
+    "seq-mean-token-mean": "sequences",
+    "seq-mean-token-sum-norm": "sequences",
+    "seq-mean-token-sum": "sequences",
+}
 LOSS_AGGS = tuple(LOSS_AGG_UNITS)
+#: ``surrogate``: the per-token policy term (TRL 1.16's ``loss_type`` names where they differ from the clip).
+SURROGATES = ("clip", "cispo", "sapo", "vespo")
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,27 @@ class LossConfig:
         loss_agg: ``"token-mean"`` (DAPO / CPPO: sum over all tokens / T), ``"seq-mean-token-mean"`` (GRPO: mean
             over sequences of each one's token mean) or ``"seq-mean-token-sum-norm"`` (Dr. GRPO: sum over all
             tokens / (S * max_completion_length)). TRL's ``loss_type`` grpo / dapo / dr_grpo.
+            ``"seq-mean-token-sum"`` (LUSPO: mean over sequences of each one's token sum).
         max_completion_length: the normaliser of ``"seq-mean-token-sum-norm"`` (an int >= 1, required there).
         compute_entropy: also report the mean entropy of the token distributions as a metric.
+        surrogate: the policy term per token, with ``r`` the ratio and ``A`` the advantage: ``"clip"`` (PPO's
+            ``-min(r A, clip(r) A)``), ``"cispo"`` (``-min(r, epsilon_high).detach() * A * logp``: here
+            ``epsilon_high`` is the cap of the ratio itself, as in TRL), ``"sapo"`` (the soft gate
+            ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau`` = ``sapo_temperature_pos`` where ``A > 0``, else
+            ``sapo_temperature_neg``) or ``"vespo"`` (``-phi_s * A * logp`` with the detached gamma weight
+            ``phi_s = exp(lambda + k log w - lambda w)`` of the sequence's ratio ``w = exp(sum_t log-ratio)``,
+            ``k, lambda`` = ``vespo_k_pos, vespo_lambda_pos`` where ``A >= 0``, else the ``_neg`` pair).
+        delta: the two-sided clip of ``"clip"``: the unclipped ratio is capped at ``delta`` (INTELLECT-2; > 0).
+        sapo_temperature_pos, sapo_temperature_neg: the temperatures (> 0) of ``"sapo"``.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: the gamma shape and rate (>= 0) of ``"vespo"``.
+        use_bias_correction_kl: multiply the KL term by the ratio ``r`` (DeepSeek-V3.2's importance-sampled KL;
+            the gradient flows through ``r`` too).
+        off_policy_mask_threshold: drop the policy term of every sequence with ``A < 0`` whose mean of
+            ``sampling_logprobs - logp`` exceeds this (DeepSeek-V3.2's off-policy sequence mask); None: off.
+        top_entropy_quantile: keep the policy term only on the tokens whose entropy is at least the
+            ``1 - top_entropy_quantile`` quantile of the call's tokens (in ``[0, 1]``; 1: every token).
+        entropy_coef: subtract ``entropy_coef`` times the mean entropy of the kept tokens (all, or those of
+            ``top_entropy_quantile``) from the loss; its gradient flows through the entropy.
     """
 
     temperature: float = 1.0
@@ -89,6 +115,18 @@ class LossConfig:
     loss_agg: str = "token-mean"
     max_completion_length: int | None = None
     compute_entropy: bool = False
+    surrogate: str = "clip"
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = False
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, low=0.0, low_open=True)
@@ -111,13 +149,54 @@ class LossConfig:
             check_int("max_completion_length", self.max_completion_length, low=1)
         elif self.loss_agg == "seq-mean-token-sum-norm":
             raise ValueError("loss_agg='seq-mean-token-sum-norm' needs max_completion_length (an int >= 1)")
-        if not isinstance(self.compute_entropy, bool):
-            raise ValueError(f"compute_entropy must be a bool, got {type(self.compute_entropy).__name__}")
+        for name in ("compute_entropy", "use_bias_correction_kl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        check_choice("surrogate", self.surrogate, SURROGATES)
+        if self.delta is not None:
+            check_float("delta", self.delta, low=0.0, low_open=True)
+            if self.surrogate != "clip":
+                raise ValueError(f"delta caps the ratio of surrogate='clip'; surrogate={self.surrogate!r} has no clip")
+        if self.dual_clip is not None and self.surrogate != "clip":
+            raise ValueError(f"dual_clip applies to surrogate='clip'; surrogate={self.surrogate!r} has no clip")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            check_float(name, getattr(self, name), low=0.0, low_open=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_float(name, getattr(self, name), low=0.0)
+        if self.off_policy_mask_threshold is not None:
+            check_float("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        if check_float("top_entropy_quantile", self.top_entropy_quantile, low=0.0) > 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        check_float("entropy_coef", self.entropy_coef)
 
     @property
     def eps_high(self) -> float:
         """``epsilon_high``, defaulting to ``epsilon_low``."""
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss needs the token entropies (reported, masked on, or in the loss)."""
+        return self.compute_entropy or self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @property
+    def two_pass_rule(self) -> str | None:
+        """The option that needs a whole sequence or the whole call before any token's gradient is known (so the
+        gradients take the two-pass path), as ``name=value``; None when every token's gradient is its own."""
+        rules = (
+            (self.importance_sampling == "sequence", "importance_sampling='sequence'"),
+            (self.surrogate == "vespo", "surrogate='vespo'"),
+            (self.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={self.off_policy_mask_threshold}"),
+            (self.top_entropy_quantile < 1.0, f"top_entropy_quantile={self.top_entropy_quantile}"),
+            (self.entropy_coef != 0.0, f"entropy_coef={self.entropy_coef}"),
+        )
+        return next((name for hit, name in rules if hit), None)
+
+    @property
+    def plain(self) -> bool:
+        """The options of the analytic per-token gradient (:func:`cppo_kernels._policy.token_grad`): the clip
+        surrogate without ``delta`` or the bias-corrected KL."""
+        return self.surrogate == "clip" and self.delta is None and not self.use_bias_correction_kl
 
 
 #: The loss options: the names of :class:`LossConfig`'s fields, in order.

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._dispatch import backend_module, use_triton
+from ._dispatch import backend_module
 from ._loss_autograd import FusedLogProbs, GradInForward
 from ._loss_inputs import (
     Checks,
@@ -37,66 +37,18 @@ from ._loss_inputs import (
     check_tensor,
     pack,
 )
+from ._loss_modes import (
+    MODE_RULES,
+    MODES,
+    call_mode,
+    check_mode,
+    resolve_mode,  # noqa: F401  (the mode rule, read here by callers and tests)
+    wants_grad,
+)
 from ._policy import batch_constants, metrics, policy_loss
 from .config import LossConfig, check_choice, loss_config
 
 __all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
-
-
-# --------------------------------------------------------------------------------------------
-# Execution modes
-# --------------------------------------------------------------------------------------------
-
-#: Execution modes of :func:`fused_cppo_loss`: same results within fp32 rounding, different work.
-MODES = ("auto", "two-pass", "grad-in-forward")
-
-#: The mode ``mode="auto"`` picks, per shape class ``(device type, backend, dtype name or None for any)``:
-#: a rule, read at each call, never a timing at call time. A class is not keyed on the token count: the two modes
-#: may round a logit differently on CUDA, and a token's log-prob must not depend on the batch it comes in.
-#: CPU torch backend: gradient-in-forward (measured, benchmarks/results/loss.json). CUDA: the Triton two-pass
-#: kernels, and gradient-in-forward (cuBLAS) for the torch backend, until the GPU kit's first run
-#: (benchmarks/gpu_check.py) times both at its shapes and sets these CUDA rows to the faster mode per class.
-#: The interpreter (Triton on CPU: the tests) runs the Triton two-pass kernels.
-MODE_RULES: dict[tuple[str, str, str | None], str] = {
-    ("cpu", "torch", None): "grad-in-forward",
-    ("cpu", "triton", None): "two-pass",
-    ("cuda", "torch", None): "grad-in-forward",
-    ("cuda", "triton", None): "two-pass",
-}
-
-
-def resolve_mode(mode: str, hidden: Tensor) -> str:
-    """``mode`` itself, or for ``"auto"`` the :data:`MODE_RULES` entry of ``hidden``'s shape class ("two-pass"
-    when none matches)."""
-    check_choice("mode", mode, MODES)
-    if mode != "auto":
-        return mode
-    key = (hidden.device.type, "triton" if use_triton(hidden) else "torch")
-    dtype = str(hidden.dtype).removeprefix("torch.")
-    return MODE_RULES.get((*key, dtype), MODE_RULES.get((*key, None), "two-pass"))
-
-
-def _check_mode(mode: str, cfg: LossConfig) -> None:
-    """``mode`` is one of :data:`MODES`, and gradient-in-forward comes with token-level importance sampling."""
-    check_choice("mode", mode, MODES)
-    if mode == "grad-in-forward" and cfg.importance_sampling == "sequence":
-        raise ValueError(
-            "mode='grad-in-forward' needs importance_sampling='token': a sequence-level ratio (GSPO) depends on the "
-            "whole sequence, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
-        )
-
-
-def _call_mode(mode: str, cfg: LossConfig, hidden: Tensor, head: tuple[Tensor, Tensor | None]) -> str:
-    """The mode a call runs: gradient-in-forward when ``mode`` resolves to it, the ratio is per token and gradients
-    are wanted (grad mode on, hidden, weight or bias requiring grad); two-pass otherwise."""
-    token_level = cfg.importance_sampling == "token"
-    if token_level and resolve_mode(mode, hidden) == "grad-in-forward" and _wants_grad(hidden, *head):
-        return "grad-in-forward"
-    return "two-pass"
-
-
-def _wants_grad(*tensors: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
@@ -109,6 +61,9 @@ def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfi
         ref_logprobs=p.ref_logprobs,
         entropy=entropy,
         config=cfg,
+        importance_weights=p.importance_weights,
+        weights_per_seq=p.weights_per_seq,
+        sampling_logprobs=p.sampling_logprobs,
     )
 
 
@@ -128,6 +83,8 @@ def fused_cppo_loss(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
+    importance_weights: Tensor | None = None,
+    sampling_logprobs: Tensor | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     config: LossConfig | None = None,
@@ -141,6 +98,18 @@ def fused_cppo_loss(
     loss_agg: str = "token-mean",
     max_completion_length: int | None = None,
     compute_entropy: bool = False,
+    surrogate: str = "clip",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    use_bias_correction_kl: bool = False,
+    off_policy_mask_threshold: float | None = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_coef: float = 0.0,
     mode: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
@@ -150,22 +119,26 @@ def fused_cppo_loss(
     without a cap: TRL's order, the temperature dividing the model's logits); ratio
     ``r = exp(clamp(logp - old, -20, 20))`` (``old = logp.detach()`` without ``old_logprobs``);
     ``pg = -min(r A_s, clip(r, 1 - epsilon_low, 1 + epsilon_high) A_s)``, capped at ``-dual_clip * A_s`` where
-    ``A_s < 0``; plus ``beta`` times the KL estimate against ``ref_logprobs`` (k3's exponent ``ref - logp`` clamped
-    to ``[-20, 20]`` too); aggregated by ``loss_agg``. The clamps are verl's: in-range values are exact, and the loss
-    and its gradients stay finite for any finite log-probs (a clamped token has the bound's loss and no gradient
-    through the clamped term; see :mod:`cppo_kernels._policy`). ``advantages``, ``old_logprobs`` and
-    ``ref_logprobs`` are constants: detached, no gradient flows into them. Deterministic, and a token's log-prob
-    does not depend on the other tokens of the batch.
+    ``A_s < 0`` (the ``surrogate`` option gives CISPO, SAPO and VESPO instead; ``delta`` caps the unclipped ratio),
+    times the off-policy and entropy masks and ``importance_weights`` where set; plus ``beta`` times the KL estimate
+    against ``ref_logprobs`` (k3's exponent ``ref - logp`` clamped to ``[-20, 20]`` too; times ``r`` with
+    ``use_bias_correction_kl``); aggregated by ``loss_agg``; minus ``entropy_coef`` times the mean entropy. The
+    clamps are verl's: in-range values are exact; each token's policy and KL terms are bounded to ``+-1e30``; the
+    loss stays finite for any finite input, advantages of 1e38 included (a clamped or bounded term has the bound's
+    value and no gradient through it; see :mod:`cppo_kernels._policy`). ``advantages``, ``old_logprobs``,
+    ``ref_logprobs``, ``importance_weights`` and ``sampling_logprobs`` are constants: detached, no gradient flows
+    into them. Deterministic, and a token's log-prob does not depend on the other tokens of the batch.
 
     Modes (same results within fp32 rounding): ``"two-pass"`` computes the log-probs in the forward and the
     gradients in the backward, recomputing the logits (4 matmuls); ``"grad-in-forward"`` computes the gradients in
     the forward, chunk by chunk while the logits are in memory, and the backward only scales them (3 matmuls; the
-    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward needs token-level importance
-    sampling and runs only when gradients are wanted (grad mode on and hidden, weight or bias requiring grad):
-    otherwise nothing beyond the log-probs is computed. It runs the chunked PyTorch code (CPU BLAS, or cuBLAS on
-    CUDA) whatever the backend. It supports a scaled loss, gradient accumulation over micro-batches, a loss used
-    several times in one graph and a second backward through a retained graph (recomputed); neither mode supports
-    double backward (``create_graph=True`` raises).
+    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward needs options whose gradients are
+    known token by token (not sequence-level importance sampling, ``surrogate="vespo"``, the off-policy or entropy
+    masks or the entropy bonus: :attr:`LossConfig.two_pass_rule`) and runs only when gradients are wanted (grad
+    mode on and hidden, weight or bias requiring grad): otherwise nothing beyond the log-probs is computed. It runs
+    the chunked PyTorch code (CPU BLAS, or cuBLAS on CUDA) whatever the backend. It supports a scaled loss, gradient
+    accumulation over micro-batches, a loss used several times in one graph and a second backward through a retained
+    graph (recomputed); neither mode supports double backward (``create_graph=True`` raises).
 
     Layouts (exactly one of ``cu_seqlens`` / ``mask``): packed ``[T, ...]`` or padded ``[B, L, ...]`` (TRL,
     Liger-Kernel), where only positions with ``mask`` set count (padding content is never read into the loss).
@@ -182,49 +155,64 @@ def fused_cppo_loss(
         old_logprobs: ``[T]`` or ``[B, L]`` log-probs of the policy that sampled (finite where counted).
         ref_logprobs: ``[T]`` or ``[B, L]`` log-probs of the reference model (required when ``beta > 0``).
         bias: ``[V]`` LM-head bias, weight's dtype.
+        importance_weights: per token (``[T]`` / ``[B, L]``) or per sequence (``[S]`` / ``[B]``; packed with
+            ``T == S``: per token), finite and >= 0: multiplied into each token's policy term (TRL's vLLM
+            importance-sampling ratio, in whichever mode the caller computed it); VESPO takes them into its gamma
+            weights instead, as TRL does. No gradient flows into them.
+        sampling_logprobs: ``[T]`` or ``[B, L]`` log-probs of the sampler (vLLM), for the off-policy mask (default:
+            ``old_logprobs``); NaN marks a token the sampler did not score (no evidence, as in TRL).
         logit_scale: the model's multiplier of its head output (finite, > 0): Cohere's ``logit_scale``, Granite's
             ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``.
         logit_softcap: the model's final tanh cap (finite, > 0), Gemma 2/3's ``final_logit_softcapping``; None:
             no cap. Gradients flow through it.
         config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
             its default (else ``ValueError``).
-        temperature, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, importance_sampling, loss_agg,
-            max_completion_length, compute_entropy: the loss options, each documented in :class:`LossConfig`.
+        temperature, ..., entropy_coef: the loss options, each documented in :class:`LossConfig`.
         mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
-            PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides), ``"two-pass"`` or
-            ``"grad-in-forward"`` (a ``ValueError`` with ``importance_sampling="sequence"``).
+            PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides; two-pass whatever the
+            rule for the options of :attr:`LossConfig.two_pass_rule`), ``"two-pass"`` or ``"grad-in-forward"`` (a
+            ``ValueError`` with those options).
 
     Returns:
         ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
         dtypes), and detached fp32 scalars: ``kl`` (mean over tokens, 0 without ``ref_logprobs``),
         ``clip_fraction_low`` / ``clip_fraction_high`` (fraction of tokens whose ratio is clipped below with
         ``A < 0`` / above with ``A > 0``), ``ratio_mean``, ``ratio_min``, ``ratio_max`` (1 without tokens),
-        ``num_tokens``, and ``entropy`` (mean) with ``compute_entropy``. Empty sequences and empty batches give
-        0, never NaN.
+        ``num_tokens``, ``policy_loss`` (the loss without the entropy bonus), ``entropy`` (mean) when the loss
+        computes it (``compute_entropy``, ``top_entropy_quantile``, ``entropy_coef``), ``cispo_clip_fraction``
+        with CISPO and ``vespo_phi_mean`` with VESPO. Empty sequences and empty batches give 0, never NaN.
     """
     cfg = loss_config(
         config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
         beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
-        max_completion_length=max_completion_length, compute_entropy=compute_entropy,
+        max_completion_length=max_completion_length, compute_entropy=compute_entropy, surrogate=surrogate,
+        delta=delta, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, use_bias_correction_kl=use_bias_correction_kl,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        entropy_coef=entropy_coef,
     )  # fmt: skip
-    _check_mode(mode, cfg)
+    check_mode(mode, cfg)
     head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_loss
 
         return compiled_loss(
             hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode, **head,
+            ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
+            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
         )  # fmt: skip
     return eager_loss(
         hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, bias=bias, cfg=cfg, mode=mode, **head,
+        ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
+        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
     )  # fmt: skip
 
 
 def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
     mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
+    importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``, the head's transform
     ``logit_scale`` / ``logit_softcap``): validation, packing, the mode's autograd Function. Also the real
@@ -232,7 +220,8 @@ def eager_loss(
     transform = (logit_scale, logit_softcap)
     p, checks = pack(
         "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True,
+        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True, importance_weights=importance_weights,
+        sampling_logprobs=sampling_logprobs,
     )  # fmt: skip
     check_head(p.x, weight, bias)
     checks.in_range(p.targets, weight.shape[0])
@@ -240,13 +229,19 @@ def eager_loss(
     h = p.x.contiguous()  # [T, H]
     head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
     tgt = p.targets.to(torch.int64).contiguous()  # [T]
-    run = _call_mode(mode, cfg, h, head)
+    run = call_mode(mode, cfg, h, head)
     backend = backend_module("loss", h, mode=run)
     if run == "grad-in-forward":
-        batch = batch_constants(p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0])
+        batch = batch_constants(
+            p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0],
+            importance_weights=p.importance_weights, weights_per_seq=p.weights_per_seq,
+        )  # fmt: skip
         loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
-        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg)
-    logp, entropy = FusedLogProbs.apply(h, *head, tgt, cfg.temperature, cfg.compute_entropy, backend, transform)
+        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss)
+    entropy_grad = cfg.entropy_coef != 0.0 and wants_grad(h, *head)
+    logp, entropy = FusedLogProbs.apply(
+        h, *head, tgt, cfg.temperature, cfg.needs_entropy, backend, transform, entropy_grad
+    )  # fmt: skip
     return _policy_loss(p, logp, entropy, cfg)
 
 
@@ -330,6 +325,8 @@ def cppo_loss_from_logits(
     mask: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    importance_weights: Tensor | None = None,
+    sampling_logprobs: Tensor | None = None,
     config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
@@ -341,6 +338,18 @@ def cppo_loss_from_logits(
     loss_agg: str = "token-mean",
     max_completion_length: int | None = None,
     compute_entropy: bool = False,
+    surrogate: str = "clip",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    use_bias_correction_kl: bool = False,
+    off_policy_mask_threshold: float | None = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_cppo_loss` for callers that already hold the logits: same layouts, options and results.
 
@@ -357,11 +366,17 @@ def cppo_loss_from_logits(
     cfg = loss_config(
         config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
         beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
-        max_completion_length=max_completion_length, compute_entropy=compute_entropy,
+        max_completion_length=max_completion_length, compute_entropy=compute_entropy, surrogate=surrogate,
+        delta=delta, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, use_bias_correction_kl=use_bias_correction_kl,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        entropy_coef=entropy_coef,
     )  # fmt: skip
     p, checks = pack(
         "logits", logits, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False,
+        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False, importance_weights=importance_weights,
+        sampling_logprobs=sampling_logprobs,
     )  # fmt: skip
     logp, entropy = _logits_logprobs(p, checks, cfg)
     return _policy_loss(p, logp, entropy, cfg)
@@ -392,8 +407,8 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
             "-inf and the loss undefined: mask that position out, or do not mask the target's logit"
         )
     entropy = None
-    if cfg.compute_entropy:
-        with torch.no_grad():
+    if cfg.needs_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
             entropy = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)  # [N]
     if p.flat is not None:
         logp = logp[p.flat]

@@ -221,6 +221,12 @@ def token_logprobs(
 
 #: The clamp of the log-ratio before its exp and of the k3 exponent (verl's bound, as the production loss).
 LOG_RATIO_BOUND = 20.0
+#: The bound of each token's policy and KL terms (as the production loss: it keeps fp32 sums finite).
+TERM_BOUND = 1e30
+
+
+def _bound(x: Tensor) -> Tensor:
+    return torch.clamp(x, -TERM_BOUND, TERM_BOUND)
 
 
 def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
@@ -232,22 +238,62 @@ def _kl(logp: Tensor, ref: Tensor, estimator: str) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def _gamma_weight(log_ratio: Tensor, log_is: float, adv: float, cfg: LossConfig) -> float:
+    """VESPO's weight of one sequence: w = prod_t r_t (each log r_t clamped to +-20) times its importance weights,
+    log w clamped to [log 1e-8, 20]; phi(w) = w^k e^{lambda (1 - w)}, (k, lambda) by the sign of A; 0 if it
+    overflows."""
+    log_w = float(torch.clamp(log_ratio.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND).sum()) + log_is
+    log_w = min(max(log_w, math.log(1e-8)), LOG_RATIO_BOUND)
+    k, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if adv >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+    lam = max(lam, 1e-4)
+    log_phi = k * log_w + lam * (1 - math.exp(log_w))
+    phi = math.exp(log_phi) if log_phi < 88.7 else 0.0  # past fp32's range: 0, as the production loss
+    return phi
+
+
+def _policy_term(lp: Tensor, ratio: Tensor, adv: float, cfg: LossConfig, phi: float) -> Tensor:
+    """The surrogate of one sequence's tokens, before masks and weights."""
+    if cfg.surrogate == "cispo":
+        coef = torch.clamp(ratio.detach(), max=cfg.eps_high) * adv
+        return -_bound(coef) * lp
+    if cfg.surrogate == "sapo":
+        tau = cfg.sapo_temperature_pos if adv > 0 else cfg.sapo_temperature_neg
+        return -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
+    if cfg.surrogate == "vespo":
+        return -_bound(torch.tensor(phi * adv, dtype=lp.dtype)) * lp
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    loss = -torch.minimum(capped * adv, torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.eps_high) * adv)
+    if cfg.dual_clip is not None and adv < 0:
+        loss = torch.minimum(loss, torch.full_like(loss, -cfg.dual_clip * adv))
+    return loss
+
+
 def _sequence_loss(
-    lp: Tensor, adv: float, old: Tensor | None, ref: Tensor | None, cfg: LossConfig
+    lp: Tensor, adv: float, old: Tensor | None, ref: Tensor | None, cfg: LossConfig, factor: Tensor, phi: float
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(per-token loss, ratio, kl or None) of one non-empty sequence: log-probs ``lp``, advantage ``adv``; ``old`` and
-    ``ref`` are constants (detached)."""
+    ``ref`` are constants (detached); ``factor``: the tokens' masks times importance weights; ``phi``: VESPO's
+    weight."""
     log_ratio = lp - (lp if old is None else old).detach().to(lp.dtype)
     if cfg.importance_sampling == "sequence":
         log_ratio = log_ratio.mean() * torch.ones_like(lp)
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.eps_high) * adv)
-    if cfg.dual_clip is not None and adv < 0:
-        loss = torch.minimum(loss, torch.full_like(loss, -cfg.dual_clip * adv))
+    loss = _bound(_bound(_policy_term(lp, ratio, adv, cfg, phi)) * factor)
     kl = None if ref is None else _kl(lp, ref.detach().to(lp.dtype), cfg.kl_estimator)
+    if kl is not None and cfg.use_bias_correction_kl:
+        kl = kl * ratio
     if kl is not None and cfg.beta > 0:
-        loss = loss + cfg.beta * kl
+        loss = loss + _bound(cfg.beta * kl)
     return loss, ratio.detach(), kl
+
+
+def _interpolated_quantile(values: list[float], q: float) -> float:
+    """The q-quantile of ``values`` by linear interpolation between the order statistics."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def policy_loss(
@@ -259,41 +305,81 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     config: LossConfig = LossConfig(),
+    importance_weights: Tensor | None = None,
+    weights_per_seq: bool = False,
+    sampling_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The CPPO/GRPO loss and metrics from packed per-token log-probs, one sequence at a time.
 
     ``logp [T]`` (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]``, ``old_logprobs`` / ``ref_logprobs``
-    / ``entropy [T]``. Per token of sequence s: ``d = logp - old`` (``old = logp.detach()`` when absent; the
-    sequence's mean d for ``importance_sampling="sequence"``), ``r = exp(clamp(d, -20, 20))``,
-    ``-min(r A_s, clip(r) A_s)``, the k3 exponent clamped alike,
-    at most ``-dual_clip * A_s`` when ``A_s < 0``, plus ``beta * kl``. Aggregated over the tokens (token-mean),
-    over each sequence then the sequences (seq-mean-token-mean), or summed and divided by
-    ``S * max_completion_length`` (seq-mean-token-sum-norm); an empty sequence or batch gives 0.
+    / ``sampling_logprobs`` / ``entropy [T]`` (``entropy`` differentiable for the entropy bonus),
+    ``importance_weights [T]`` (``[S]`` with ``weights_per_seq``). Per token of sequence s: ``d = logp - old``
+    (``old = logp.detach()`` when absent; the sequence's mean d for ``importance_sampling="sequence"``),
+    ``r = exp(clamp(d, -20, 20))``, the surrogate (clip: ``-min(r' A_s, clip(r) A_s)`` with ``r' = min(r, delta)``,
+    at most ``-dual_clip * A_s`` when ``A_s < 0``; cispo: ``-min(r, epsilon_high) A_s logp`` with the coefficient
+    constant; sapo: ``-(4 / tau) sigmoid(tau (r - 1)) A_s``; vespo: ``-phi_s A_s logp``), bounded to +-1e30, times
+    the sequence's off-policy keep flag (A_s >= 0, or its mean of ``sampling - logp`` at most the threshold), the
+    token's entropy flag (entropy at least the (1 - q)-quantile of the call's entropies) and importance weight (not
+    for vespo, which multiplies them into w), bounded again; plus ``beta * kl`` (times r with the bias correction),
+    bounded. Aggregated over the tokens (token-mean), over each sequence then the sequences (seq-mean-token-mean),
+    summed and divided by ``S * max_completion_length`` (seq-mean-token-sum-norm) or by ``S``
+    (seq-mean-token-sum); minus ``entropy_coef`` times the mean entropy of the flagged tokens. An empty sequence or
+    batch gives 0.
     """
     cfg = config
     bounds = cu_seqlens.tolist()
     num_tokens, num_seqs = logp.numel(), advantages.numel()
-    terms, seq_means, ratios, kls, clipped_low, clipped_high = [logp[:0]], [logp[:0].sum()], [], [], 0, 0
+    ent_flag = torch.ones(num_tokens, dtype=logp.dtype)
+    if cfg.top_entropy_quantile < 1.0 and num_tokens:
+        cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
+        ent_flag = (entropy.detach().double() >= cut).to(logp.dtype)
+    terms, seq_terms, ratios, kls, phis = [logp[:0]], [], [], [], []
+    clipped_low = clipped_high = cispo_clipped = 0
     for s in range(num_seqs):
         rows = slice(bounds[s], bounds[s + 1])
+        adv = float(advantages[s])
+        old, ref, sampled = (None if x is None else x[rows] for x in (old_logprobs, ref_logprobs, sampling_logprobs))
+        lp = logp[rows]
+        weights = None
+        if importance_weights is not None:
+            weights = importance_weights[s].expand(lp.shape) if weights_per_seq else importance_weights[rows]
+            weights = weights.detach().to(lp.dtype)
+        log_is = 0.0
+        if weights is not None:
+            logs = torch.clamp(torch.log(weights), math.log(1e-8), LOG_RATIO_BOUND)
+            log_is = float(logs[0]) if weights_per_seq and lp.numel() else float(logs.sum())
+        base = (lp if old is None else old).detach().to(lp.dtype)
+        phi = _gamma_weight(lp - base, log_is, adv, cfg) if cfg.surrogate == "vespo" else 0.0
+        phis.append(phi)
         if bounds[s] == bounds[s + 1]:
             continue
-        adv = float(advantages[s])
-        old, ref = (None if x is None else x[rows] for x in (old_logprobs, ref_logprobs))
-        loss, ratio, kl = _sequence_loss(logp[rows], adv, old, ref, cfg)
+        factor = ent_flag[rows].clone()
+        if cfg.off_policy_mask_threshold is not None and adv < 0:
+            sampler = base if sampled is None else sampled.detach().to(lp.dtype)
+            gap = torch.nan_to_num(sampler - lp.detach(), nan=0.0)
+            factor = factor * float(gap.mean() <= cfg.off_policy_mask_threshold)
+        if weights is not None and cfg.surrogate != "vespo":
+            factor = factor * weights
+        loss, ratio, kl = _sequence_loss(lp, adv, old, ref, cfg, factor, phi)
         terms.append(loss)
-        seq_means.append(loss.mean())
+        seq_terms.append(loss.sum() / (lp.numel() if cfg.loss_agg == "seq-mean-token-mean" else 1))
         ratios.append(ratio)
         kls += [] if kl is None else [kl.detach()]
         clipped_low += int((ratio < 1 - cfg.epsilon_low).sum()) if adv < 0 else 0  # where the clip is active
         clipped_high += int((ratio > 1 + cfg.eps_high).sum()) if adv > 0 else 0
+        cispo_clipped += int((ratio > cfg.eps_high).sum()) if adv > 0 else 0
     total = torch.cat(terms).sum()
     if cfg.loss_agg == "token-mean":
         loss = total / max(num_tokens, 1)
-    elif cfg.loss_agg == "seq-mean-token-mean":
-        loss = torch.stack(seq_means).sum() / max(num_seqs, 1)
+    elif cfg.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        loss = (torch.stack(seq_terms).sum() if seq_terms else total) / max(num_seqs, 1)
     else:
         loss = total / (max(num_seqs, 1) * cfg.max_completion_length)
+    policy = loss.detach()
+    if cfg.entropy_coef != 0.0:
+        count = float(ent_flag.sum())
+        mean_entropy = (entropy * ent_flag).sum() / max(count, 1.0)
+        loss = loss - _bound(cfg.entropy_coef * mean_entropy)
     r = torch.cat(ratios) if ratios else logp.new_ones(1).detach()
     one = logp.new_ones(()).detach()
     metrics = {
@@ -304,9 +390,14 @@ def policy_loss(
         "ratio_min": r.min(),
         "ratio_max": r.max(),
         "num_tokens": num_tokens * one,
+        "policy_loss": policy,
     }
-    if cfg.compute_entropy:
+    if cfg.needs_entropy:
         metrics["entropy"] = entropy.detach().sum() / max(num_tokens, 1)
+    if cfg.surrogate == "cispo":
+        metrics["cispo_clip_fraction"] = cispo_clipped / max(num_tokens, 1) * one
+    if cfg.surrogate == "vespo":
+        metrics["vespo_phi_mean"] = sum(phis) / max(num_seqs, 1) * one
     return loss, metrics
 
 
@@ -329,17 +420,23 @@ def fused_cppo_loss(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
+    importance_weights: Tensor | None = None,
+    weights_per_seq: bool = False,
+    sampling_logprobs: Tensor | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     config: LossConfig = LossConfig(),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`token_logprobs` (full logits, the model's ``logit_scale`` and ``logit_softcap``) then
     :func:`policy_loss`, in the packed (``cu_seqlens``) or padded (``mask [B, L]``) layout of
-    :func:`cppo_kernels.fused_cppo_loss`."""
+    :func:`cppo_kernels.fused_cppo_loss` (``importance_weights`` per token, or per sequence with
+    ``weights_per_seq``)."""
     if mask is not None:
-        cu_seqlens, (hidden, targets, old_logprobs, ref_logprobs) = _packed(
-            mask.bool(), hidden, targets, old_logprobs, ref_logprobs
+        per_token_weights = None if weights_per_seq else importance_weights
+        cu_seqlens, (hidden, targets, old_logprobs, ref_logprobs, sampling_logprobs, per_token_weights) = _packed(
+            mask.bool(), hidden, targets, old_logprobs, ref_logprobs, sampling_logprobs, per_token_weights
         )
+        importance_weights = importance_weights if weights_per_seq else per_token_weights
     head = dict(bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap)
     logp, entropy = token_logprobs(hidden, weight, targets, temperature=config.temperature, **head)
     return policy_loss(
@@ -350,4 +447,7 @@ def fused_cppo_loss(
         ref_logprobs=ref_logprobs,
         entropy=entropy,
         config=config,
+        importance_weights=importance_weights,
+        weights_per_seq=weights_per_seq,
+        sampling_logprobs=sampling_logprobs,
     )

@@ -39,7 +39,8 @@ def mask_broken(*modules: str) -> dict[str, str]:
 def oracle_errors(inputs: dict, *, chunk: int = 1024) -> dict:
     """The float64 oracle at a benchmark shape (``bench_loss.make_inputs``'s inputs), ``chunk`` tokens at a time:
     ``logp_error``, the largest |fused_logprobs - fp64 log-prob| (the default backend: Triton on CUDA), and
-    ``loss64``, the fp64 loss with ``bench_loss.OPTIONS``."""
+    ``loss64``, the fp64 loss with ``bench_loss.OPTIONS``, and ``loss64_<type>`` with ``bench_loss.KIT_LOSS_TYPE``'s
+    options on top."""
     import bench_loss
     import torch
 
@@ -54,11 +55,23 @@ def oracle_errors(inputs: dict, *, chunk: int = 1024) -> dict:
         del w64
         with use_backend("auto"):
             got = fused_logprobs(h, w, t)  # [T] fp32
-        loss64, _ = reference.policy_loss(
-            logp64, inputs["adv"].double(), inputs["cu"], old_logprobs=inputs["old"].double(),
-            ref_logprobs=inputs["ref"].double(), config=LossConfig(**bench_loss.OPTIONS),
-        )  # fmt: skip
-    return {"logp_error": (got.double() - logp64).abs().max().item(), "loss64": loss64.item()}
+        out = {"logp_error": (got.double() - logp64).abs().max().item()}
+        for loss_type in ("dapo", bench_loss.KIT_LOSS_TYPE):
+            loss64, _ = reference.policy_loss(
+                logp64, inputs["adv"].double(), inputs["cu"], old_logprobs=inputs["old"].double(),
+                ref_logprobs=inputs["ref"].double(),
+                config=LossConfig(**{**bench_loss.OPTIONS, **bench_loss.LOSS_TYPES[loss_type]}),
+            )  # fmt: skip
+            out["loss64" if loss_type == "dapo" else f"loss64_{loss_type}"] = loss64.item()
+    return out
+
+
+def _oracle_key(name: str) -> str:
+    """The :func:`oracle_errors` loss a method is compared with: its loss type's."""
+    import bench_loss
+
+    loss_type = bench_loss.loss_type_of(name)
+    return "loss64" if loss_type == "dapo" else f"loss64_{loss_type}"
 
 
 def loss_summary(res: dict, accuracy: dict) -> dict:
@@ -79,7 +92,7 @@ def loss_summary(res: dict, accuracy: dict) -> dict:
             "peak_extra_gb": row["peak_extra_bytes"] / 1e9,
             "workspace_gb": row["workspace_bytes"] / 1e9,
             "loss": row["loss"],
-            "loss_error": abs(row["loss"] - accuracy["loss64"]),
+            "loss_error": abs(row["loss"] - accuracy[_oracle_key(name)]),
             "library": not name.startswith(COMPARISONS),
         }
     library = [n for n, m in methods.items() if m["library"]]

@@ -135,7 +135,9 @@ class TrainConfig:
     )
     # length of the run
     num_steps: int | None = setting(None, "training steps (null: num_epochs over the dataset)")
-    num_epochs: int = setting(1, "epochs over the training questions when num_steps is null")
+    num_epochs: int = setting(
+        1, "epochs over the training questions when num_steps is null (the run ends when the sampler has passed them)"
+    )
     max_questions: int | None = setting(None, "use only the first N training questions (null: all)")
     # rewards and back-ends
     rewards: list[str] = setting(

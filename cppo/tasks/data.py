@@ -344,6 +344,12 @@ class QuestionSampler:
         share = n // self.world_size
         return picked[self.rank * share : (self.rank + 1) * share]
 
+    @property
+    def passed(self) -> int:
+        """Questions passed so far over all epochs (drawn or skipped by GRESO): ``num_epochs`` epochs are used up
+        when it reaches ``num_epochs * num_questions``."""
+        return self.epoch * self.num_questions + self.position
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 

@@ -5,20 +5,30 @@ head, then the clipped ratio, k3 KL and its ``loss_type``'s aggregation in PyTor
 states of the positions that predict the completion tokens go to ``fused_cppo_loss`` with the LM-head weight, which
 computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 
-- ``loss_type``: ``grpo`` = ``seq-mean-token-mean``, ``bnpo`` / ``dapo`` = ``token-mean`` (dapo rescaled by TRL's
-  ``num_items_in_batch`` normaliser), ``dr_grpo`` = ``seq-mean-token-sum-norm`` over ``max_completion_length``;
-  grpo / bnpo / dr_grpo divided by the gradient-accumulation steps, as TRL does;
+- ``loss_type`` (all eight of TRL 1.16): the surrogate (:data:`SURROGATE`: cispo, sapo and vespo by name, the
+  PPO clip for the others) and the aggregation (:data:`LOSS_AGG`: ``grpo`` / ``sapo`` = ``seq-mean-token-mean``,
+  ``bnpo`` / ``dapo`` / ``cispo`` / ``vespo`` = ``token-mean``, the last three rescaled by TRL's
+  ``num_items_in_batch`` normaliser, ``dr_grpo`` = ``seq-mean-token-sum-norm`` over ``max_completion_length``,
+  ``luspo`` = ``seq-mean-token-sum``); the others divided by the gradient-accumulation steps, as TRL does;
 - ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
-- ``epsilon`` / ``epsilon_high``, ``beta`` (k3 against ``ref_per_token_logps``), ``temperature``;
+- ``epsilon`` / ``epsilon_high``, ``delta`` (the clip family only, as TRL), ``sapo_temperature_*``,
+  ``vespo_k_*`` / ``vespo_lambda_*``, ``beta`` (k3 against ``ref_per_token_logps``) with
+  ``use_bias_correction_kl`` (TRL's default), ``temperature``;
+- ``off_policy_mask_threshold`` (from ``sampling_per_token_logps``, else the old log-probs, as TRL),
+  ``top_entropy_quantile`` (on one process: TRL's quantile spans every process's tokens) and a static
+  ``entropy_coef`` (the bonus is a mean over the kept tokens divided by the accumulation steps only, whatever the
+  loss type's normaliser: the coefficient handed to the fused loss undoes the loss type's scale);
+- TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (clip family),
+  ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus (means over all processes);
+  ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 - the model's own logit scale and final cap (Gemma, Cohere, Granite, ...: :mod:`cppo.step.head`), as TRL's fused
   head applies them, the temperature dividing the result;
 - vLLM's importance-sampling correction: the ratio of :mod:`cppo.trl.sampling` (computed on the kept rows, in any
-  of TRL's four modes) goes in as ``importance_weights``, multiplied into the policy term only, as TRL does;
+  of TRL's four modes) goes in as ``importance_weights``, multiplied into the policy term only (VESPO folds it into
+  its gamma weight), as TRL does;
 - ``router_aux_loss_coef``: the mixture-of-experts load-balancing loss of the model's own forward, added as TRL does;
 - a sharded LM head (FSDP2, DeepSpeed ZeRO-3): the weight is read where the engine has it gathered
   (:mod:`cppo.trl.sharding`), and its gradient is reduced by the engine as every other parameter's;
-- TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (token means over all
-  processes); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 
 :func:`unsupported_setting` names the first setting the fused loss cannot express; the trainer then runs TRL's own
 ``_compute_loss`` (on the kept completions).
@@ -41,9 +51,8 @@ from ..step import LogitTransform, check_logit_transform
 from .sharding import gathered_head
 
 __all__ = [
-    "LOSS_AGG", "unsupported_setting", "takes_importance_weights", "install_hidden_forward", "model_logit_transform",
-    "padded_hidden",
-    "fused_policy_loss",
+    "LOSS_AGG", "SURROGATE", "unsupported_setting", "takes_importance_weights", "install_hidden_forward",
+    "model_logit_transform", "padded_hidden", "fused_policy_loss",
 ]  # fmt: skip
 
 #: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
@@ -52,20 +61,30 @@ LOSS_AGG = {
     "bnpo": "token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "token-mean",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
+    "luspo": "seq-mean-token-sum",
+    "vespo": "token-mean",
 }
+#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``surrogate`` (the PPO clip for the others).
+SURROGATE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+#: The loss types TRL normalises by ``num_items_in_batch`` (the tokens of the whole generation batch).
+ITEM_NORMALISED = ("dapo", "cispo", "vespo")
 
 
 def unsupported_setting(trainer) -> str | None:
     """The first setting of ``trainer`` (a ``GRPOTrainer``) that ``fused_cppo_loss`` cannot express, as
     ``name=value``; None when the fused loss computes TRL's loss exactly."""
-    args = trainer.args
+    quantile = trainer.top_entropy_quantile < 1.0
+    multi = quantile and trainer.accelerator.num_processes > 1  # only then: the accelerator is read
     checks = (
         (trainer.loss_type not in LOSS_AGG, f"loss_type={trainer.loss_type!r}"),
-        (args.delta is not None, f"delta={args.delta}"),
-        (trainer.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl=True"),
-        (trainer.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={args.off_policy_mask_threshold}"),
-        (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
-        (trainer._entropy_bonus_enabled, f"entropy_coef={args.entropy_coef} / use_adaptive_entropy"),
+        (
+            multi,
+            f"top_entropy_quantile={trainer.top_entropy_quantile} on several processes (TRL's quantile spans every "
+            "process's tokens)",
+        ),
+        (trainer.use_adaptive_entropy, "use_adaptive_entropy=True (the adaptive entropy controller)"),
         (
             trainer.aux_loss_enabled and aux_loss_function(trainer.model) is None,
             f"router_aux_loss_coef={trainer.router_aux_loss_coef} ({type(trainer.model).__name__}'s modeling module "
@@ -163,10 +182,10 @@ def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor
 
 def _scale(trainer, num_tokens: Tensor, num_items: Tensor) -> Tensor | float:
     """What TRL divides its aggregate by beyond the aggregation itself: the gradient-accumulation steps (grpo,
-    bnpo, dr_grpo), or for dapo the tokens of one accumulation window over the processes (the fused token mean is
-    turned back into a sum over this micro-batch's ``num_tokens`` first)."""
+    bnpo, dr_grpo, sapo, luspo), or for dapo, cispo and vespo the tokens of one accumulation window over the
+    processes (the fused token mean is turned back into a sum over this micro-batch's ``num_tokens`` first)."""
     train = trainer.model.training
-    if trainer.loss_type != "dapo":
+    if trainer.loss_type not in ITEM_NORMALISED:
         return 1.0 / trainer.current_gradient_accumulation_steps if train else 1.0
     normalizer = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
     if train:
@@ -198,6 +217,10 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     if hidden is None:
         hidden, aux_loss = padded_hidden(trainer, model, inputs)
     hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
+    args, loss_type = trainer.args, trainer.loss_type
+    surrogate = SURROGATE.get(loss_type, "clip")
+    off_policy = trainer.off_policy_mask_threshold is not None
+    scale = _scale(trainer, completion_mask.sum(), inputs["num_items_in_batch"])
     weights = {}
     if _vllm_correction(trainer):  # TRL's [B, C] (token modes) or [B, 1] (sequence modes) ratio, a constant
         ratio = inputs["importance_sampling_ratio"]
@@ -207,14 +230,22 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+            sampling_logprobs=inputs.get("sampling_per_token_logps") if off_policy else None,
             temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
             beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
-            loss_agg=LOSS_AGG[trainer.loss_type], compute_entropy=True, **trainer.logit_transform.kwargs(),
-            max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
-            **weights,
+            loss_agg=LOSS_AGG[loss_type], compute_entropy=True, surrogate=surrogate,
+            max_completion_length=trainer.max_completion_length if loss_type == "dr_grpo" else None,
+            delta=args.delta if surrogate == "clip" else None,
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            use_bias_correction_kl=trainer.beta != 0.0 and bool(args.use_bias_correction_kl),
+            off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+            top_entropy_quantile=float(trainer.top_entropy_quantile), entropy_coef=_entropy_coef(trainer, scale),
+            **trainer.logit_transform.kwargs(), **weights,
         )  # fmt: skip
-    _log_metrics(trainer, metrics)
-    loss = loss * _scale(trainer, metrics["num_tokens"], inputs["num_items_in_batch"])
+    _log_metrics(trainer, metrics, scale, completion_ids.shape[0])
+    loss = loss * scale
     if aux_loss is None:
         return loss
     mode = "train" if trainer.model.training else "eval"  # TRL's aux term: scaled for accumulation only
@@ -223,18 +254,48 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     return loss + trainer.router_aux_loss_coef * aux_loss / normalizer
 
 
-def _log_metrics(trainer, metrics: dict[str, Tensor]) -> None:
-    """TRL's loss metrics, token means over all processes (TRL's ``global_masked_mean``)."""
-    count = metrics["num_tokens"]
+def _entropy_coef(trainer, scale: Tensor | float) -> float:
+    """The ``entropy_coef`` of the fused loss: TRL subtracts ``entropy_coef`` times the mean entropy divided by the
+    accumulation steps only, whatever the loss type's own normaliser, and the fused loss comes back multiplied by
+    ``scale``: the coefficient divides that scale out (0 for a micro-batch without tokens: no entropy to reward)."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    accumulation = trainer.current_gradient_accumulation_steps if trainer.model.training else 1
+    scale = float(scale)
+    return 0.0 if scale == 0.0 else float(trainer.entropy_coef) / (accumulation * scale)
+
+
+def _log_metrics(trainer, metrics: dict[str, Tensor], scale: Tensor | float, num_seqs: int) -> None:
+    """TRL's loss metrics, token means over all processes (TRL's ``global_masked_mean``; VESPO's weight a mean over
+    the ``num_seqs`` rows), and with the entropy bonus the policy loss (TRL's mean over the processes of each
+    one's policy loss as TRL divides it: by the items for dapo, cispo and vespo, not by the accumulation steps)."""
+    loss_type = trainer.loss_type
+    clip_family = loss_type not in SURROGATE
     names = ["kl"] if trainer.beta != 0.0 else []
-    names += ["entropy", "clip_fraction_low", "clip_fraction_high"]
-    sums = torch.stack([count, *(metrics[n] * count for n in names)]).to(trainer.accelerator.device)
-    totals = trainer.accelerator.reduce(sums, reduction="sum")
-    means = dict(zip(names, (totals[1:] / totals[0].clamp(min=1.0)).tolist()))
+    names += ["entropy"] + (["clip_fraction_low", "clip_fraction_high"] if clip_family else [])
+    names += ["cispo_clip_fraction"] if loss_type == "cispo" else []
+    count = metrics["num_tokens"]
+    values = [count, *(metrics[n] * count for n in names)]
+    rows = count.new_tensor(float(num_seqs))
+    policy = metrics["policy_loss"] * (scale if loss_type in ITEM_NORMALISED else 1.0)
+    values += [rows, metrics.get("vespo_phi_mean", count.new_zeros(())) * rows, policy]
+    totals = trainer.accelerator.reduce(torch.stack(values).to(trainer.accelerator.device), reduction="sum")
+    tokens, sums = totals[0].clamp(min=1.0), totals[1 : 1 + len(names)]
+    means = dict(zip(names, (sums / tokens).tolist()))
+    seqs, phi_sum, policy_sum = totals[1 + len(names) :].tolist()
     logged = trainer._metrics["train" if trainer.model.training else "eval"]
     if "kl" in means:
         logged["kl"].append(means["kl"])
     logged["entropy"].append(means["entropy"])
-    logged["clip_ratio/low_mean"].append(means["clip_fraction_low"])
-    logged["clip_ratio/high_mean"].append(means["clip_fraction_high"])
-    logged["clip_ratio/region_mean"].append(means["clip_fraction_low"] + means["clip_fraction_high"])
+    if clip_family:
+        logged["clip_ratio/low_mean"].append(means["clip_fraction_low"])
+        logged["clip_ratio/high_mean"].append(means["clip_fraction_high"])
+        logged["clip_ratio/region_mean"].append(means["clip_fraction_low"] + means["clip_fraction_high"])
+    elif loss_type == "cispo":
+        logged["cispo_clip_ratio"].append(means["cispo_clip_fraction"])
+    elif loss_type == "vespo":
+        logged["vespo/phi_seq_mean"].append(phi_sum / max(seqs, 1.0))
+    if trainer._entropy_bonus_enabled:
+        logged["policy_loss"].append(policy_sum / trainer.accelerator.num_processes)
+        if trainer.model.training and trainer.accelerator.sync_gradients:
+            logged["entropy_coef"].append(trainer.entropy_coef)

@@ -66,13 +66,17 @@ def _assert_dry_results(parts: dict[str, dict], out: pathlib.Path) -> None:
         "tests/kernels/test_cuda_kernels.py",
         "tests/kernels/test_loss_triton.py",
         "tests/kernels/test_loss_grad_in_forward.py",
+        "tests/kernels/test_loss_logit_transform.py",  # issue 26's logit transform on CUDA
         "tests/cppo/step/test_cuda_models.py",
     }
     shapes = {k: v for k, v in parts["loss"]["results"].items() if isinstance(v, dict) and "methods" in v}
     assert list(shapes) == ["T=512 H=32 V=1000 float32", "T=512 H=48 V=700 bfloat16"]
     for shape in shapes.values():
         fused = {"fused-grad-in-forward-torch", "fused-two-pass-torch"}
+        fused |= {f"{name}-sapo" for name in fused}  # a new loss type beside dapo (issue 26)
         assert fused | {"naive"} <= set(shape["methods"]) and shape["gemm"]["ms"] > 0
+        assert shape["accuracy"]["loss64_sapo"] != shape["accuracy"]["loss64"]
+        assert all(shape["methods"][m]["loss_error"] < 1e-3 for m in fused), shape["methods"]
         assert all(shape["methods"][m]["library"] for m in fused) and not shape["methods"]["naive"]["library"]
     rows = parts["select"]["results"]["rows"]
     assert {(r["backend"], r["mode"]) for r in rows} == {("torch", "eager"), ("triton", "interpreter")}
@@ -160,7 +164,7 @@ def test_a_test_skipped_without_cuda_is_marked_cuda_and_the_other_way_round():
                 assert marks != {"cuda"} and marks != {"skip"}, f"{tests[-1][0]}: marks {marks}"
     marked = [name for name, marks in tests if marks]
     assert "tests/kernels/test_loss_grad_in_forward.py::test_cuda_grad_in_forward_matches_the_triton_two_pass" in marked
-    assert len({name.split("::")[0] for name in marked}) == 4, marked
+    assert len({name.split("::")[0] for name in marked}) == 5, marked
 
 
 def test_no_benchmark_module_imports_a_test_module():
@@ -308,7 +312,9 @@ def test_loss_summary_against_the_gemm_floor():
         "methods": {"fused-triton": {**row, "fwd_bwd_s": 0.003}, "naive": {**row, "fwd_bwd_s": 0.002, "loss": 0.7},
                     "liger-chunked": {**row, "fwd_bwd_s": 0.006}},
     }  # fmt: skip
-    got = part_loss.loss_summary(res, {"loss64": 0.5})
+    res["methods"]["fused-triton-sapo"] = {**row, "fwd_bwd_s": 0.004, "loss": 0.25}
+    got = part_loss.loss_summary(res, {"loss64": 0.5, "loss64_sapo": 0.3})
+    assert got["methods"].pop("fused-triton-sapo")["loss_error"] == pytest.approx(0.05)  # against sapo's oracle
     fused = got["methods"]["fused-triton"]
     assert fused["x_gemm_floor"] == pytest.approx(1.0) and fused["tflops"] == pytest.approx(
         6 * 4 * 8 * 16 / 3e-3 / 1e12

@@ -7,7 +7,10 @@ otherwise (a group of four different rewards)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import json
 
 import pytest
 import torch
@@ -164,3 +167,42 @@ def test_greso_alone_selects_by_the_plain_rule(tmp_path):
     assert comparable(a) == {k: v for k, v in comparable(b).items() if not k.startswith("greso/")}
     for (name, p), q in zip(plain.model.named_parameters(), greso.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_num_epochs_bounds_the_run_by_the_questions_passed_and_a_resumed_run_stops_at_the_same_step(tmp_path, capsys):
+    # 8 questions, 4 drawn per call: 3 epochs plan 6 steps; extra calls and skips pass more questions, so the data's
+    # 3 epochs are used up earlier, and the run ends there (verl's epochs), its last step logged and saved as usual
+    options = dict(greso=True, filter_groups=True, greso_target_skip_rate=0.9, pruning_rate=0.5, max_questions=8)
+    cfg = config(tmp_path / "straight", **options, num_steps=None, num_epochs=3, save_every=2, log_every=100)
+    straight = Trainer(cfg)
+    assert straight.num_steps == 6 and straight.stop_reason() is None
+    passed = []
+    straight.train_step = functools.partial(passed_after, straight, straight.train_step, passed)
+    history = straight.train()
+    steps = len(history)
+    assert steps < straight.num_steps == 6 and straight.step == steps
+    assert passed[-1] >= 3 * 8 > passed[-2]  # it stopped at the first step that used the epochs up, not later
+    assert "num_epochs=3 epochs of the 8 questions used up after step" in capsys.readouterr().out
+    assert (tmp_path / "straight" / f"checkpoint-{steps:06d}").is_dir()  # saved as at a normal end
+    logged = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r][-1] == steps  # the last step logged (log_every=100)
+
+    # resumed from step 2 in a fresh folder: the same stop point, the same weights
+    resumed = Trainer(dataclasses.replace(cfg, output_dir=str(tmp_path / "resumed")))
+    resumed.load_checkpoint(str(tmp_path / "straight" / "checkpoint-000002"))
+    resumed.train()
+    assert resumed.step == steps and resumed.sampler.state_dict() == straight.sampler.state_dict()
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def passed_after(trainer, train_step, passed):
+    record = train_step()
+    passed.append(trainer.sampler.passed)
+    return record
+
+
+def test_a_plain_run_of_num_epochs_ends_at_its_planned_steps(tmp_path):
+    trainer = Trainer(config(tmp_path, pruning_rate=0.5, max_questions=8, num_steps=None, num_epochs=2))
+    assert len(trainer.train()) == trainer.num_steps == 4 and trainer.sampler.passed == 16
+    assert trainer.stop_reason() == "4 of 4 planned steps done"

@@ -159,6 +159,65 @@ def test_loss_matches_reference(
         loss_tests.assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@loss_tests.hypothesis_settings(max_examples=8)
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, 90), min_size=1, max_size=5),
+    surrogate=st.sampled_from(
+        [
+            dict(surrogate="clip", delta=1.2),
+            dict(surrogate="cispo", epsilon_high=1.2),
+            dict(surrogate="sapo"),
+            dict(surrogate="vespo"),
+        ]
+    ),  # fmt: skip
+    loss_agg=st.sampled_from([*AGGS[:2], "seq-mean-token-sum"]),
+    per_token_weights=st.booleans(),
+    masks=st.booleans(),
+    entropy_coef=st.sampled_from([0.0, 0.05]),
+)
+def test_loss_types_match_reference(
+    backend, dtype, seed, lengths, surrogate, loss_agg, per_token_weights, masks, entropy_coef
+):  # fmt: skip
+    """Issue 26's loss types and options on CUDA, both backends, against the float64 oracle: the bias-corrected KL,
+    importance weights, the off-policy mask (and the entropy mask in fp32) and the entropy bonus."""
+    hidden, weight, _, targets, adv, g = loss_tests.problem(seed, lengths, H, V, dtype, logit_scale=1.0, bias=False)
+    cu, T, S = loss_tests.cu_seqlens(lengths), len(targets), len(lengths)
+    options = dict(
+        surrogate, loss_agg=loss_agg, beta=0.04, use_bias_correction_kl=True, entropy_coef=entropy_coef,
+        off_policy_mask_threshold=0.05 if masks else None,
+        top_entropy_quantile=0.5 if masks and dtype == torch.float32 else 1.0,
+    )  # fmt: skip
+    params64 = [x.double().requires_grad_() for x in (hidden, weight)]
+    with torch.no_grad():
+        logp64, _ = reference.token_logprobs(params64[0], params64[1], targets)
+    old, ref = ((logp64 + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)).float() for _ in range(2))
+    weights = torch.rand(T if per_token_weights else S, generator=g) * 2
+    per_seq = not per_token_weights and T != S
+    params = [x.to(CUDA).requires_grad_() for x in (hidden, weight)]
+    with use_backend(backend):
+        loss, _ = fused_cppo_loss(
+            params[0], params[1], targets.to(CUDA), adv.to(CUDA), cu_seqlens=cu.to(CUDA), old_logprobs=_cuda(old),
+            ref_logprobs=_cuda(ref), importance_weights=_cuda(weights), **options,
+        )  # fmt: skip
+        grads = loss_tests.grads(loss, params, 0.7)
+    want, _ = reference.fused_cppo_loss(
+        params64[0], params64[1], targets, adv.double(), cu_seqlens=cu, config=LossConfig(**options),
+        old_logprobs=old.double(), ref_logprobs=ref.double(), importance_weights=weights.double(),
+        weights_per_seq=per_seq,
+    )  # fmt: skip
+    plain = {"entropy_coef": 0.0, "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None}
+    plain = LossConfig(**{**options, **plain})  # the policy terms' sensitivity to log-prob errors
+    atol = _loss_atol(logp64, params64[0], params64[1], None, 1.0, adv.double(), cu, old.double(), ref.double(), plain)
+    loss_tol, grad_tol = loss_tests.TOL[dtype][0], loss_tests.TOL[dtype][1 if backend == "torch" else 2]
+    loss_tests.assert_close("loss", loss, want, loss_tol, 1e-6 + atol)
+    for name, got, exp in zip(("dhidden", "dweight"), grads, loss_tests.grads(want, params64, 0.7)):
+        assert got.dtype == dtype and got.device.type == "cuda", name
+        loss_tests.assert_close(name, got, exp, grad_tol, loss_tests.TOL[dtype][3])
+
+
 #: The GPU kit's loss shapes (benchmarks/gpukit/plan.py: a Qwen2-1.5B-sized head, and the CPU benchmark's shape)
 #: and bench_loss's options (the CPPO recipe): its loss part records the errors, this test judges them.
 KIT_SHAPES = [(16_384, 1536, 151_936, torch.bfloat16), (2048, 896, 151_936, torch.float32)]

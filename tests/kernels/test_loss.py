@@ -391,7 +391,13 @@ def test_default_chunk_is_fixed(monkeypatch):
 OPTIONS = dict(
     temperature=0.8, epsilon_low=0.1, epsilon_high=0.28, dual_clip=3.0, beta=0.04, kl_estimator="k2",
     importance_sampling="sequence", loss_agg="seq-mean-token-sum-norm", max_completion_length=9, compute_entropy=True,
+    surrogate="clip", delta=2.5, sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, vespo_k_pos=1.5,
+    vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5, use_bias_correction_kl=True,
+    off_policy_mask_threshold=0.3, top_entropy_quantile=0.8, entropy_coef=0.01,
 )  # fmt: skip
+#: The same with a surrogate other than the clip (which takes no dual_clip or delta): with OPTIONS, every field set
+#: away from its default.
+SURROGATE_OPTIONS = {**OPTIONS, "surrogate": "vespo", "dual_clip": None, "delta": None}
 
 
 @pytest.mark.parametrize("fn", [fused_cppo_loss, cppo_loss_from_logits, fused_logprobs])
@@ -419,11 +425,14 @@ def test_public_signatures_are_the_loss_config_fields(fn):
 
 
 def test_options_cover_every_field():
-    """OPTIONS sets every LossConfig field away from its default, so the config tests below pass every option
-    through every public function (a keyword not forwarded into the LossConfig fails them)."""
-    assert list(OPTIONS) == list(LOSS_OPTIONS)
+    """OPTIONS and SURROGATE_OPTIONS set every LossConfig field away from its default, so the config tests below
+    pass every option through every public function (a keyword not forwarded into the LossConfig fails them)."""
+    assert list(OPTIONS) == list(SURROGATE_OPTIONS) == list(LOSS_OPTIONS)
     defaults = LossConfig()
-    assert all(value != getattr(defaults, name) for name, value in OPTIONS.items())
+    assert all(
+        OPTIONS[name] != getattr(defaults, name) or SURROGATE_OPTIONS[name] != getattr(defaults, name)
+        for name in LOSS_OPTIONS
+    )
 
 
 def _run(loss_fn, inputs: list[torch.Tensor], *args, **kwargs):
@@ -450,7 +459,9 @@ def _loss_inputs(seed: int = 7):
     return params, (hidden, weight, targets, adv), tensors
 
 
-def test_config_equals_keywords(path):
+@pytest.mark.parametrize("options", [OPTIONS, SURROGATE_OPTIONS], ids=["clip", "vespo"])
+def test_config_equals_keywords(path, options):
+    OPTIONS = options  # noqa: N806  (the module's name, shadowed: the body reads the same for both sets)
     params, args, tensors = _loss_inputs()
     want = _run(fused_cppo_loss, params, *args, **tensors, **OPTIONS)
     _assert_same(_run(fused_cppo_loss, params, *args, **tensors, config=LossConfig(**OPTIONS)), want)
@@ -473,9 +484,10 @@ def test_config_with_a_conflicting_keyword_raises(fn, option):
     x = (hidden, weight) if fn is fused_cppo_loss else (hidden.detach() @ weight.detach().t(),)
     if fn is cppo_loss_from_logits:
         del tensors["bias"]
-    config = LossConfig(**OPTIONS)
+    options = OPTIONS if OPTIONS[option] != getattr(LossConfig(), option) else SURROGATE_OPTIONS
+    config = LossConfig(**options)
     with pytest.raises(ValueError, match=f"{option}=.*conflicts with config="):
-        fn(*x, targets, adv, **tensors, config=config, **{option: OPTIONS[option]})
+        fn(*x, targets, adv, **tensors, config=config, **{option: options[option]})
     with pytest.raises(ValueError, match="config must be a LossConfig"):
         fn(*x, targets, adv, **tensors, config=dict(OPTIONS))
 

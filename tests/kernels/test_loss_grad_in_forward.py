@@ -5,6 +5,7 @@ can be asked for (scaled, accumulated, used twice, backward twice, double backwa
 from __future__ import annotations
 
 import math
+import re
 
 import loss_cases
 import pytest
@@ -214,9 +215,17 @@ def test_mode_errors():
     hidden, weight, _, targets, adv, _, _ = _inputs(5, [6, 4], torch.float32, bias=False)
     with pytest.raises(ValueError, match="mode must be one of"):
         fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="fast")
-    with pytest.raises(ValueError, match="mode='grad-in-forward' needs importance_sampling='token'"):
-        fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="grad-in-forward",
-                        importance_sampling="sequence")  # fmt: skip
+    two_pass_options = {
+        "importance_sampling='sequence'": dict(importance_sampling="sequence"),
+        "surrogate='vespo'": dict(surrogate="vespo"),
+        "off_policy_mask_threshold=0.5": dict(off_policy_mask_threshold=0.5),
+        "top_entropy_quantile=0.2": dict(top_entropy_quantile=0.2),
+        "entropy_coef=0.01": dict(entropy_coef=0.01),
+    }
+    for name, options in two_pass_options.items():
+        with pytest.raises(ValueError, match=f"mode='grad-in-forward' cannot run {re.escape(name)}: it needs a whole"):
+            fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="grad-in-forward",
+                            **options)  # fmt: skip
 
 
 @pytest.fixture

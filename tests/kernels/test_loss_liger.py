@@ -123,3 +123,93 @@ def test_matches_liger(
     exp = torch.autograd.grad(want * upstream, theirs)
     for name, a, b in zip(("dhidden", "dweight", "dbias"), got, exp):
         _close(name, a, b, 1e-4)
+
+
+#: Issue 26's loss types as both implement them: (Liger's loss_type, our options, importance sampling levels Liger
+#: accepts). Liger refuses sequence-level ratios for cispo / sapo / vespo; its luspo multiplies the unmasked
+#: per-token loss by each row's length (TRL's older formula), equal to TRL 1.16's only with one value per sequence:
+#: sequence-level ratios and no KL.
+NEW_TYPES = {
+    "cispo": (dict(surrogate="cispo", loss_agg="token-mean"), ("token",)),
+    "sapo": (dict(surrogate="sapo", loss_agg="seq-mean-token-mean"), ("token",)),
+    "vespo": (dict(surrogate="vespo", loss_agg="token-mean"), ("token",)),
+    "luspo": (dict(loss_agg="seq-mean-token-sum"), ("sequence",)),
+    "grpo": (dict(loss_agg="seq-mean-token-mean"), ("token", "sequence")),
+    "dapo": (dict(loss_agg="token-mean"), ("token", "sequence")),
+}
+
+
+@settings(suppress_health_check=[*settings().suppress_health_check, HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(0, MAX_LEN), min_size=1, max_size=4),
+    loss_type=st.sampled_from(list(NEW_TYPES)),
+    beta=st.sampled_from([0.0, 0.04]),
+    bias_corrected=st.booleans(),
+    delta=st.sampled_from([None, 1.1]),
+    weights=st.sampled_from([None, "token", "sequence"]),
+    epsilon_high=st.sampled_from([0.28, 1.3]),
+    sapo_temperatures=st.sampled_from([(1.0, 1.05), (0.5, 3.0)]),
+    vespo=st.sampled_from([(2.0, 3.0, 3.0, 2.0), (0.0, 0.0, 5.0, 0.5)]),
+)
+def test_new_loss_types_match_liger(
+    backend, seed, lengths, loss_type, beta, bias_corrected, delta, weights, epsilon_high, sapo_temperatures, vespo
+):
+    """cispo, sapo, vespo, luspo, ``delta``, the bias-corrected KL and importance weights (Liger's ``vllm_is_ratio``,
+    per token or per sequence) against Liger-Kernel 0.8.5: loss, cispo's clip fraction, gradients."""
+    options, levels = NEW_TYPES[loss_type]
+    level = levels[seed % len(levels)]
+    if loss_type == "luspo":
+        beta, weights = 0.0, None if weights == "token" else weights  # one value per sequence (see NEW_TYPES)
+    clip_family = "surrogate" not in options
+    g = torch.Generator().manual_seed(seed)
+    B, L, H, V = len(lengths), MAX_LEN, 32, 120
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    hidden = torch.randn(B, L, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 3 / H**0.5
+    targets = torch.randint(0, V, (B, L), generator=g)
+    advantages = torch.randn(B, generator=g)
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, L]
+    old = logp + 0.3 * torch.randn(B, L, generator=g)
+    ref = logp + 0.3 * torch.randn(B, L, generator=g) if beta > 0 else None
+    ratio = None  # Liger's vllm_is_ratio: [B, L] (1 at the padding, as TRL's) or [B, 1]
+    if weights == "token":
+        ratio = torch.where(mask, torch.rand(B, L, generator=g) * 2, torch.ones(()))
+    elif weights == "sequence":
+        ratio = torch.rand(B, 1, generator=g) * 2
+    kw = dict(
+        options, importance_sampling=level, beta=beta, use_bias_correction_kl=bias_corrected, epsilon_high=epsilon_high,
+        delta=delta if clip_family else None, sapo_temperature_pos=sapo_temperatures[0],
+        sapo_temperature_neg=sapo_temperatures[1], vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1],
+        vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3],
+    )  # fmt: skip
+    ours = [x.clone().requires_grad_() for x in (hidden, weight)]
+    loss, metrics = fused_cppo_loss(
+        ours[0], ours[1], targets, advantages, mask=mask, old_logprobs=old, ref_logprobs=ref,
+        importance_weights=None if ratio is None else ratio.squeeze(1) if weights == "sequence" else ratio, **kw,
+    )  # fmt: skip
+    theirs = [x.clone().requires_grad_() for x in (hidden, weight)]
+    peer = liger_grpo.LigerFusedLinearGRPOLoss(
+        beta=beta, compiled=False, use_ref_model=beta > 0, epsilon_low=0.2, epsilon_high=epsilon_high,
+        loss_type=loss_type, importance_sampling_level=level, delta=kw["delta"],
+        use_bias_correction_kl=bias_corrected, sapo_temperature_pos=sapo_temperatures[0],
+        sapo_temperature_neg=sapo_temperatures[1], vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1],
+        vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3],
+    )  # fmt: skip
+    want, want_metrics = peer(
+        theirs[0], theirs[1], targets, mask.to(torch.int64), advantages, ref_per_token_logps=ref,
+        old_per_token_logps=old, vllm_is_ratio=ratio,
+    )  # fmt: skip
+    _close("loss", loss, want)
+    clip_ratio = want_metrics[-1]
+    if loss_type == "cispo":
+        _close("cispo clip fraction", metrics["cispo_clip_fraction"], clip_ratio, 1e-6)
+    elif clip_family and level == "token":
+        _close("clip_ratio", metrics["clip_fraction_low"] + metrics["clip_fraction_high"], clip_ratio, 1e-6)
+    upstream = float(torch.randn((), generator=g))
+    for name, a, b in zip(("dhidden", "dweight"), torch.autograd.grad(loss * upstream, ours),
+                          torch.autograd.grad(want * upstream, theirs)):  # fmt: skip
+        _close(name, a, b, 1e-4)

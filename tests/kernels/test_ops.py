@@ -35,7 +35,7 @@ def test_options_round_trip_exactly():
     assert _metric_names(encode(compute_entropy=True))[-1] == "entropy"
 
 
-def _loss_args(mode: str, padded: bool, needs: str):
+def _loss_args(mode: str, padded: bool, needs: str, new_options: bool = False):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(3, 5, H, generator=g) if padded else torch.randn(9, H, generator=g)
     weight, bias = 0.3 * torch.randn(V, H, generator=g), 0.1 * torch.randn(V, generator=g)
@@ -49,16 +49,23 @@ def _loss_args(mode: str, padded: bool, needs: str):
     else:
         mask, cu, adv = None, torch.tensor([0, 4, 4, 9]), torch.randn(3, generator=g)
     cfg = LossConfig(beta=0.04, loss_agg="seq-mean-token-mean", compute_entropy=True)
+    weights = sampling = None
+    if new_options:  # issue 26's options and tensors: importance weights per sequence, sampling log-probs
+        cfg = LossConfig(beta=0.04, surrogate="vespo", use_bias_correction_kl=True, off_policy_mask_threshold=0.1,
+                         top_entropy_quantile=0.5, entropy_coef=0.01)  # fmt: skip
+        weights, sampling = torch.rand(3, generator=g), old + 0.2 * torch.randn(lead, generator=g)
     options = f"{encode(**vars(cfg))};mode={mode!r};needs={needs!r}"
-    return (hidden, weight, targets, adv, cu, mask, old, ref, bias, options)
+    return (hidden, weight, targets, adv, cu, mask, old, ref, bias, weights, sampling, options)
 
 
 @pytest.mark.parametrize(
-    "mode, padded, needs", [("grad-in-forward", False, "111"), ("two-pass", True, "110"), ("auto", False, "010")]
-)
-def test_opcheck_fused_cppo_loss(mode, padded, needs):
+    "mode, padded, needs, new_options",
+    [("grad-in-forward", False, "111", False), ("two-pass", True, "110", False), ("auto", False, "010", False),
+     ("auto", True, "111", True)],
+)  # fmt: skip
+def test_opcheck_fused_cppo_loss(mode, padded, needs, new_options):
     """Schema, fake, autograd registration and AOT dispatch (dynamic shapes) of the loss op."""
-    torch.library.opcheck(OPS.fused_cppo_loss.default, _loss_args(mode, padded, needs))
+    torch.library.opcheck(OPS.fused_cppo_loss.default, _loss_args(mode, padded, needs, new_options))
 
 
 def test_opcheck_fused_logprobs_and_cppo_select():
@@ -195,3 +202,24 @@ def test_the_backend_is_read_when_the_op_runs(monkeypatch):
             want, _ = fused_cppo_loss(*args[:4], **options)
         assert_close("loss", got, want, 1e-6)
         calls.clear()
+
+
+def test_compiled_loss_with_the_new_options_equals_eager():
+    """Issue 26's options and tensors (VESPO, the bias-corrected KL, the masks, the entropy bonus, importance
+    weights, sampling log-probs) through the compiled op: one graph, the eager loss and gradients."""
+    args = _loss_args("auto", True, "111", new_options=True)
+    cfg = LossConfig(**{k: v for k, v in decode(args[-1]).items() if k not in ("mode", "needs")})
+    tensors = dict(mask=args[5], old_logprobs=args[6], ref_logprobs=args[7], importance_weights=args[9],
+                   sampling_logprobs=args[10])  # fmt: skip
+
+    def step(hidden, weight, bias):
+        return fused_cppo_loss(hidden, weight, args[2], args[3], bias=bias, config=cfg, **tensors)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    params = (args[0], args[1], args[8])
+    got, got_metrics = compiled(*params)
+    want, want_metrics = step(*params)
+    assert_close("loss", got, want, 1e-6)
+    assert list(got_metrics) == list(want_metrics) and "vespo_phi_mean" in got_metrics
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert_close("grad", a, b, 1e-5)

@@ -29,7 +29,10 @@ TOL = {
     torch.float16: (1e-4, 1e-3, 2e-3, 1e-7 + 4 * 2**-24),
 }
 DTYPES = list(TOL)
-METRIC_KEYS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens")
+METRIC_KEYS = (
+    "kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_min", "ratio_max", "num_tokens",
+    "policy_loss",
+)  # fmt: skip
 
 
 def hypothesis_settings(**kwargs) -> settings:

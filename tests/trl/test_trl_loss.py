@@ -1,5 +1,7 @@
-"""The fused policy loss equals TRL's own ``_compute_loss`` on the same inputs, for every loss_type and importance
-sampling level it expresses: loss, every parameter's gradient, and TRL's loss metrics."""
+"""The fused policy loss equals TRL's own ``_compute_loss`` on the same inputs, for each of TRL's eight loss types,
+both importance sampling levels, ``delta``, the bias-corrected KL (TRL's default), the off-policy mask, the
+high-entropy token mask and the entropy bonus: loss, every parameter's gradient, and TRL's loss metrics; each on
+the fused path (``fused_cppo_loss`` called, no fallback)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,31 @@ import torch
 from trl import GRPOTrainer
 from trl_tiny import digit_reward, make_config, tiny_dataset
 
+import cppo.trl.loss as trl_loss
 from cppo.trl import CPPOConfig, CPPOTrainer
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CASES = [
-    (loss_type, level, beta)
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo")
-    for level in ("token", "sequence")
-    for beta in (0.0, 0.04)
+    (loss_type, level, beta) for loss_type in LOSS_TYPES for level in ("token", "sequence") for beta in (0.0, 0.04)
 ]
-METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+#: TRL's per-sequence clip extremes, which the fused kernel does not compute.
+NOT_LOGGED = {"clip_ratio/low_min", "clip_ratio/high_max"}
+#: The options beyond the loss type, each on with TRL's default bias-corrected KL (beta = 0.04).
+OPTION_CASES = {
+    "delta": dict(args=dict(delta=1.2)),
+    "bias-corrected-kl": dict(args=dict(use_bias_correction_kl=True)),
+    "off-policy-mask": dict(trainer=dict(off_policy_mask_threshold=0.05), sampling=True),
+    "off-policy-mask-old": dict(trainer=dict(off_policy_mask_threshold=0.0)),
+    "entropy-mask": dict(trainer=dict(top_entropy_quantile=0.3)),
+    "entropy-bonus": dict(trainer=dict(entropy_coef=0.05, _entropy_bonus_enabled=True)),
+    "all": dict(
+        args=dict(use_bias_correction_kl=True, delta=1.3),
+        trainer=dict(
+            off_policy_mask_threshold=0.05, top_entropy_quantile=0.5, entropy_coef=0.05, _entropy_bonus_enabled=True
+        ),
+        sampling=True,
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +69,7 @@ def inputs(trainer) -> dict:
         "old_per_token_logps": logps + 0.4 * torch.randn(6, 8, generator=g),
         "ref_per_token_logps": logps + 0.3 * torch.randn(6, 8, generator=g),
         "num_items_in_batch": torch.tensor(40),
+        "sampling_per_token_logps": logps + 0.3 * torch.randn(6, 8, generator=g),
     }  # fmt: skip
 
 
@@ -63,20 +82,54 @@ def loss_and_grads(trainer, compute, inputs) -> tuple[torch.Tensor, dict, dict]:
     return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("loss_type, level, beta", CASES)
-def test_fused_loss_equals_trls(trainer, inputs, monkeypatch, loss_type, level, beta):
-    monkeypatch.setattr(trainer, "loss_type", loss_type)
-    monkeypatch.setattr(trainer, "importance_sampling_level", level)
-    monkeypatch.setattr(trainer, "beta", beta)
+def assert_equal_to_trl(trainer, inputs, monkeypatch) -> dict:
+    """TRL's ``_compute_loss`` and CPPOTrainer's (which must run the fused loss) give the same loss, gradients and
+    metrics; returns TRL's metrics."""
+    assert trl_loss.unsupported_setting(trainer) is None and trainer.fused_loss_refused is None
     want, want_grads, want_metrics = loss_and_grads(trainer, GRPOTrainer._compute_loss, inputs)
+    calls = []
+    fused = trl_loss.fused_cppo_loss
+    monkeypatch.setattr(trl_loss, "fused_cppo_loss", lambda *a, **k: calls.append(k) or fused(*a, **k))
     got, got_grads, got_metrics = loss_and_grads(trainer, CPPOTrainer._compute_loss, inputs)
+    assert len(calls) == 1, "the fused loss did not run"
     assert want != 0.0
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    names = [m for m in METRICS if beta or m != "kl"]
-    if level == "sequence":  # TRL's clip ratios are then per sequence; the fused kernel's per token
-        names = [m for m in names if not m.startswith("clip_ratio")]
+    names = sorted(set(want_metrics) - NOT_LOGGED)
+    if trainer.importance_sampling_level == "sequence":  # TRL's clip ratios are then per sequence; ours per token
+        names = [m for m in names if "clip_ratio" not in m]
+    assert set(names) <= set(got_metrics), set(names) - set(got_metrics)
     torch.testing.assert_close([got_metrics[m] for m in names], [want_metrics[m] for m in names], atol=1e-5, rtol=1e-5)
-    assert want_metrics["clip_ratio/region_mean"] > 0 or level == "sequence"
+    return want_metrics
+
+
+@pytest.mark.parametrize("loss_type, level, beta", CASES)
+def test_fused_loss_equals_trls(trainer, inputs, monkeypatch, loss_type, level, beta):
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer, "importance_sampling_level", level)
+    monkeypatch.setattr(trainer, "beta", beta)
+    if loss_type == "cispo":
+        monkeypatch.setattr(trainer, "epsilon_high", 1.2)  # TRL's cap of the ratio itself (ScaleRL's 5.0 never bites)
+    want_metrics = assert_equal_to_trl(trainer, inputs, monkeypatch)
+    if loss_type not in ("cispo", "sapo", "vespo") and level == "token":
+        assert want_metrics["clip_ratio/region_mean"] > 0
+    if loss_type == "cispo" and level == "token":
+        assert want_metrics["cispo_clip_ratio"] > 0
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("case", OPTION_CASES)
+def test_fused_options_equal_trls(trainer, inputs, monkeypatch, loss_type, case):
+    """Each option beyond the loss type, through every loss type, with the bias-corrected KL (TRL's default) on."""
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer.args, "use_bias_correction_kl", True)
+    option = OPTION_CASES[case]
+    for name, value in option.get("args", {}).items():
+        monkeypatch.setattr(trainer.args, name, value)
+    for name, value in option.get("trainer", {}).items():
+        monkeypatch.setattr(trainer, name, value)
+    if not option.get("sampling"):
+        inputs = {k: v for k, v in inputs.items() if k != "sampling_per_token_logps"}
+    assert_equal_to_trl(trainer, inputs, monkeypatch)

@@ -184,7 +184,7 @@ def test_attention_without_the_mask_falls_back_with_one_warning_and_trains(tiny_
 def test_the_setting_is_a_bool_and_off_with_trls_own_loss(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="prefix_sharing must be true or false"):
         make_config(CPPOConfig, tmp_path, prefix_sharing="yes")
-    with pytest.warns(UserWarning, match="loss_type='sapo' is not expressed .* no prefix_sharing"):
-        args = make_config(CPPOConfig, tmp_path, loss_type="sapo")
+    with pytest.warns(UserWarning, match="use_adaptive_entropy=True .* is not expressed .* no prefix_sharing"):
+        args = make_config(CPPOConfig, tmp_path, use_adaptive_entropy=True)
         trainer = CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
     assert not trainer.prefix_sharing

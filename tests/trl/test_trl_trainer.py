@@ -70,11 +70,19 @@ def test_an_uneven_split_of_the_kept_is_refused(tiny_model, tmp_path):
 
 
 def test_a_loss_the_fused_kernel_cannot_express_warns_once_naming_it(tiny_model, tmp_path):
-    with pytest.warns(UserWarning, match=r"CPPOTrainer: delta=2.0 is not expressed by cppo_kernels.fused_cppo_loss"):
-        trainer = build(tiny_model, tmp_path, delta=2.0)
-    assert trainer.fused_loss_refused == "delta=2.0"
-    with pytest.warns(UserWarning, match="use_bias_correction_kl=True"):  # TRL's default, with beta > 0
-        build(tiny_model, tmp_path, beta=0.04, use_bias_correction_kl=True)
+    with pytest.warns(UserWarning, match=r"CPPOTrainer: use_adaptive_entropy=True \(the adaptive entropy controller\) "
+                      "is not expressed by cppo_kernels.fused_cppo_loss"):  # fmt: skip
+        trainer = build(tiny_model, tmp_path, use_adaptive_entropy=True)
+    assert trainer.fused_loss_refused.startswith("use_adaptive_entropy=True")
+
+
+def test_trls_defaults_and_every_loss_type_run_fused(tiny_model, tmp_path):
+    """TRL's default use_bias_correction_kl=True with beta > 0, delta and each of TRL's eight loss types: no
+    fallback (issue 26: 5 of 14 configurations ran fused, none with TRL's default)."""
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"):
+        trainer = build(tiny_model, tmp_path, beta=0.04, use_bias_correction_kl=True, loss_type=loss_type)
+        assert trainer.fused_loss_refused is None, loss_type
+    assert build(tiny_model, tmp_path, delta=2.0, top_entropy_quantile=0.5).fused_loss_refused is None
 
 
 @pytest.mark.parametrize(
