@@ -329,5 +329,5 @@ def test_the_transform_travels_through_the_custom_ops():
         **{"head.logit_scale": 0.5, "head.logit_softcap": 3.0}
     )
     args = (params[0].detach().requires_grad_(), params[1].detach().requires_grad_(), targets, adv, cu, None, old,
-            None, bias, op_options)  # fmt: skip
+            None, bias, None, None, op_options)  # fmt: skip (no importance weights, no sampling log-probs)
     torch.library.opcheck(torch.ops.cppo_kernels.fused_cppo_loss.default, args)
