@@ -88,6 +88,8 @@ class Phases:
         self._wrap(trainer, "_prepare_inputs", lambda: "prepare")
         self._wrap(trainer, "training_step", lambda: "step")
         self._wrap(trainer, "_get_per_token_logps_and_entropies", self._logps_phase)
+        if hasattr(trainer, "_training_passes"):  # CPPOTrainer's old / reference passes, padded or prefix-shared
+            self._wrap(trainer, "_training_passes", lambda: "old_ref")
         model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         for backbone in (model.model, None if trainer.ref_model is None else trainer.ref_model.model):
             if backbone is not None:
@@ -103,14 +105,17 @@ class Phases:
         self._started[phase] = {prefix: clock() for prefix, clock in CLOCKS.items()}
 
     def stop(self, phase: str) -> None:
+        started = self._started.pop(phase)
         for prefix, clock in CLOCKS.items():
-            self.seconds[prefix + phase] += clock() - self._started[phase][prefix]
+            self.seconds[prefix + phase] += clock() - started[prefix]
 
     def _wrap(self, trainer, name: str, phase) -> None:
         method = getattr(trainer, name)
 
         def timed(*args, **kwargs):
             key = phase()
+            if key in self._started:  # nested in a call of the same phase (CPPO's padded passes): timed once
+                return method(*args, **kwargs)
             self.start(key)
             try:
                 return method(*args, **kwargs)

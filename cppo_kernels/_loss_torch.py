@@ -19,7 +19,8 @@ allocation.
 - Gradient in the forward (``logprobs_fwd_grads``): the same forward, then, while the chunk's log-softmax is still
   in the buffer, the chunk's upstream gradients ``g`` (a callback: the loss knows them from each token alone),
   ``Q = softmax - onehot`` in place (one ``exp``), ``dhidden = (Q @ W) * (-g / temperature)`` and
-  ``dweight += Q^T @ (h * -g / temperature)``: 3 matmuls in all, against 4 for the two passes.
+  ``dweight += Q^T @ (h * -g / temperature)``: 3 matmuls in all, against 4 for the two passes; the two gradient
+  matmuls on the chunk's real tokens only (not its zero-padded tail: one short row costs a fraction of a chunk).
 - Backward (two-pass): ``[BWD_TOKENS, BWD_VOCAB]`` blocks, so all three matmuls are large: recompute the logits,
   ``Q = exp(z - lse) - onehot`` in place, ``dhidden += Q @ W_b`` and ``dweight_b += Q^T @ (-g * h)``.
   The upstream gradient ``g`` scales the small ``[tokens, H]`` operands, never the ``[tokens, V]`` block;
@@ -132,7 +133,7 @@ class _Grads:
         self.dhidden = torch.empty(hidden.shape, **f32) if needs[0] else None  # [T, H]
         self.dweight = torch.zeros(V, H, **f32) if needs[1] else None  # [V, H]
         self.dbias = torch.zeros(V, **f32) if needs[2] and bias is not None else None  # [V]
-        self.scale = torch.zeros(C, **f32)  # [C] -g / temperature, 0 on the padded tail
+        self.scale = torch.zeros(C, **f32)  # [C] -g / temperature of the chunk's tokens
         self.hs = torch.empty(C, H, dtype=w.dtype, device=hidden.device)  # [C, H] h * scale
         self.dh = torch.empty(C, H, **f32) if needs[0] else None  # [C, H] Q @ W
         self.minus_one = torch.full((C, 1), -1.0, **f32)  # [C, 1]
@@ -145,21 +146,25 @@ class _Grads:
 
     def add(self, start: int, stop: int, z: Tensor, h: Tensor, tgt: Tensor, logp: Tensor) -> None:
         """The chunk's tokens ``start:stop``: ``z [C, V]`` holds their log-softmax (rows past ``n = stop - start``:
-        padding), ``h [C, H]`` their hidden states (zero past n), ``tgt [n, 1]``, ``logp [n]``. Consumes ``z``."""
+        padding), ``h [C, H]`` their hidden states (zero past n), ``tgt [n, 1]``, ``logp [n]``. Consumes ``z``. The
+        gradient GEMMs take the ``n`` real rows only: the fixed chunk keeps the log-probs batch-invariant, and a short
+        batch (one kept completion: 40 tokens of a 256-token chunk) would otherwise pay two full-chunk GEMMs."""
         n = stop - start
-        self.scale[:n] = self.upstream(start, stop, logp) * -self.f.grad_scale
-        z[:n].exp_()  # softmax
-        z[n:].zero_()  # the padded tail contributes nothing (its scale is 0 too)
-        z[:n].scatter_add_(1, tgt, self.minus_one[:n])  # softmax - onehot
+        scale = self.scale[:n]  # [n]
+        scale.copy_(self.upstream(start, stop, logp) * -self.f.grad_scale)
+        zn = z[:n]  # [n, V] the chunk's real tokens: the padded tail is never read (the forward padded the logits)
+        zn.exp_()  # softmax
+        zn.scatter_add_(1, tgt, self.minus_one[:n])  # softmax - onehot
         if self.slope is not None:
-            z[:n].mul_(self.slope[:n])  # through the cap
-        q = z if self.w.dtype == torch.float32 else z.to(self.w.dtype)  # [C, V] the GEMM operand
+            zn.mul_(self.slope[:n])  # through the cap
+        q = zn if self.w.dtype == torch.float32 else zn.to(self.w.dtype)  # [n, V] the GEMM operand
         if self.dh is not None:
-            torch.mul(_matmul(q, self.w, self.dh)[:n], self.scale[:n, None], out=self.dhidden[start:stop])
+            torch.mul(_matmul(q, self.w, self.dh[:n]), scale[:, None], out=self.dhidden[start:stop])
         if self.dweight is not None:
-            _matmul(q.t(), torch.mul(h, self.scale[:, None], out=self.hs), self.dweight, accumulate=True)
+            hs = torch.mul(h[:n], scale[:, None], out=self.hs[:n])  # [n, H]
+            _matmul(q.t(), hs, self.dweight, accumulate=True)
         if self.dbias is not None:
-            self.dbias.addmv_(z.t(), self.scale)
+            self.dbias.addmv_(zn.t(), scale)
 
 
 def _cast_grads(dweight: Tensor | None, dbias: Tensor | None, weight: Tensor, bias: Tensor | None):

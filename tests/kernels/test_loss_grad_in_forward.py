@@ -148,6 +148,32 @@ def test_logprobs_are_bit_identical_and_batch_invariant():
     assert all(torch.equal(a[11:], b) for a, b in zip(plain, tail[:3]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_gemms_take_the_real_tokens_only(dtype, monkeypatch):
+    """A batch shorter than a chunk (one kept completion): the logits GEMM runs the fixed, zero-padded chunk (the
+    log-probs stay batch-invariant), the two gradient GEMMs only the real tokens; the gradients still equal the
+    two-pass ones, which never pad."""
+    lengths = [3, 2]  # 5 tokens in a chunk of 8
+    shapes = []
+    real = _loss_torch._matmul
+
+    def spy(a, b, out, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, out, **kwargs)
+
+    monkeypatch.setattr(_loss_torch, "_matmul", spy)
+    hidden, weight, bias, targets, adv, old, ref = _inputs(11, lengths, dtype)
+    options = dict(beta=0.04, old_logprobs=old, ref_logprobs=ref, max_completion_length=4)
+    args = (hidden, weight, bias, targets, adv, cu_seqlens(lengths))
+    loss, _, grads = _run("grad-in-forward", *args, **options)
+    assert shapes == [((8, 24), (24, 50)), ((5, 50), (50, 24)), ((50, 5), (5, 24))]  # logits, dhidden, dweight
+    want, _, want_grads = _run("two-pass", *args, **options)
+    assert_close("loss", loss, want, 1e-6)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        assert_close(name, got, exp, tol, 1e-7)
+
+
 def _spy(monkeypatch) -> list[int]:
     """Counts the calls of the gradient-in-forward pass."""
     calls = []

@@ -43,5 +43,8 @@ def test_a_small_run_writes_json_and_png(tmp_path):
     stock, cppo = result["rows"]
     assert (stock["run"], cppo["run"], cppo["kept_fraction"]) == ("stock GRPOTrainer", "CPPOTrainer P=0.5", 0.5)
     assert cppo["tokens_vs_stock"] <= 0.5 + 1e-9 and stock["tokens_policy"] > 0
+    # CPPO's old / reference passes (prefix-shared: not through TRL's log-prob method) are timed as old+ref, not
+    # left in scoring
+    assert stock["cpu_old_ref"] > 0 and cppo["cpu_old_ref"] > 0 and cppo["tokens_old_ref"] > 0
     assert result["meta"]["trl"] == "1.16.0" and result["meta"]["settings"]["group_size"] == 4
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
