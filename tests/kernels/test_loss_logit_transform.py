@@ -20,25 +20,9 @@ from cppo_kernels import (
     fused_logprobs,
     reference,
 )
-from cppo_kernels import loss as loss_module
 
 pytestmark = pytest.mark.usefixtures("small_chunks")
 
-#: Every path of fused_cppo_loss on the CPU: (backend, mode).
-PATHS = {
-    "torch-two-pass": ("torch", "two-pass"),
-    "torch-grad-in-forward": ("torch", "grad-in-forward"),
-    "triton-two-pass": ("triton", "two-pass"),
-}
-
-
-@pytest.fixture(params=list(PATHS))
-def path(request, monkeypatch) -> tuple[str, str]:
-    """One loss path per run: the backend by CPPO_KERNELS_BACKEND, the mode through the CPU rule of that backend."""
-    backend, mode = PATHS[request.param]
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", backend)
-    monkeypatch.setitem(loss_module.MODE_RULES, ("cpu", backend, None), mode)
-    return backend, mode
 
 
 def _head(dtype, *, seed: int, lengths: list[int], H: int, V: int, bias: bool, weight_scale: float = 3.0):
@@ -62,7 +46,7 @@ def _head(dtype, *, seed: int, lengths: list[int], H: int, V: int, bias: bool, w
     loss_agg=st.sampled_from(["token-mean", "seq-mean-token-mean"]),
 )
 def test_loss_with_logit_transform_matches_reference(
-    path, seed, lengths, H, V, dtype, temperature, logit_scale, logit_softcap, with_bias, with_old, beta, loss_agg
+    loss_path, seed, lengths, H, V, dtype, temperature, logit_scale, logit_softcap, with_bias, with_old, beta, loss_agg
 ):
     """Loss, metrics and the gradients of hidden, weight and bias (through the scale and the cap) equal the float64
     oracle's, on each path; the cap at 0.5 saturates most logits (slopes near 0), at 30 it barely bends them."""
@@ -89,7 +73,7 @@ def test_loss_with_logit_transform_matches_reference(
         old_logprobs=None if old is None else old.double(), ref_logprobs=None if ref is None else ref.double(),
         bias=b64, config=LossConfig(**options), **head,
     )  # fmt: skip
-    loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if path[0] == "torch" else 2]
+    loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if loss_path[0] == "torch" else 2]
     assert_close("loss", loss, want, loss_tol)
     for key in ("kl", "entropy", "ratio_mean", "clip_fraction_low", "clip_fraction_high"):
         atol = loss_tol * float(logp64.abs().max()) if key == "kl" and T else 1e-6
@@ -159,7 +143,7 @@ def test_backward_through_the_cap_matches_the_oracle(module, softcap):
             assert_close(name, a, b, 1e-4, 1e-6)
 
 
-def test_identity_transform_is_the_plain_head(path):
+def test_identity_transform_is_the_plain_head(loss_path):
     """``logit_scale=1`` without a cap is exactly the head without a transform (the same bits), and a scale folds
     into the temperature: scale 2 at temperature 1 is temperature 0.5 (within rounding)."""
     hidden, weight, bias, targets, adv, _ = _head(torch.float32, seed=5, lengths=[6, 3], H=16, V=40, bias=True)
@@ -172,7 +156,7 @@ def test_identity_transform_is_the_plain_head(path):
     assert_close("logp", a, b, 1e-6, 1e-6)
 
 
-def test_the_module_holds_the_transform(path):
+def test_the_module_holds_the_transform(loss_path):
     hidden, weight, bias, targets, adv, _ = _head(torch.float32, seed=6, lengths=[5, 4], H=16, V=40, bias=False)
     cu = cu_seqlens([5, 4])
     old = torch.zeros(9) - 3.0  # a ratio that depends on the log-probs

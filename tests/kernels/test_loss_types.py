@@ -12,25 +12,9 @@ from hypothesis import strategies as st
 from loss_cases import TOL, assert_close, cu_seqlens, grads, hypothesis_settings, problem
 
 from cppo_kernels import LossConfig, cppo_loss_from_logits, fused_cppo_loss, reference
-from cppo_kernels import loss as loss_module
 
 pytestmark = pytest.mark.usefixtures("small_chunks")
 
-PATHS = {
-    "torch-two-pass": ("torch", "two-pass"),
-    "torch-grad-in-forward": ("torch", "grad-in-forward"),
-    "triton-two-pass": ("triton", "two-pass"),
-}
-
-
-@pytest.fixture(params=list(PATHS))
-def path(request, monkeypatch) -> tuple[str, str]:
-    """Runs a test once per loss path (the backend by CPPO_KERNELS_BACKEND, the mode as that backend's CPU rule, so
-    that options needing the whole sequence still take the two-pass path)."""
-    backend, mode = PATHS[request.param]
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", backend)
-    monkeypatch.setitem(loss_module.MODE_RULES, ("cpu", backend, None), mode)
-    return backend, mode
 
 
 #: The surrogate-specific options drawn with each surrogate (bounds included: tiny and large tau, k = 0, lambda = 0).
@@ -74,7 +58,7 @@ def _old_logprobs(logp64: torch.Tensor, spread: float, g: torch.Generator) -> to
     zero_advantages=st.booleans(),
 )
 def test_options_match_the_oracle(
-    path, seed, lengths, dtype, surrogate, importance_sampling, loss_agg, beta, bias_corrected, spread, weights,
+    loss_path, seed, lengths, dtype, surrogate, importance_sampling, loss_agg, beta, bias_corrected, spread, weights,
     off_policy, with_sampling, top_entropy_quantile, entropy_coef, zero_advantages,
 ):  # fmt: skip
     hidden, weight, bias, targets, adv, g = problem(seed, lengths, 16, 40, dtype, logit_scale=3.0, bias=True)
@@ -112,7 +96,7 @@ def test_options_match_the_oracle(
         *params64[:2], targets, adv.double(), bias=params64[2], config=LossConfig(**options), weights_per_seq=per_seq,
         **{**double, "cu_seqlens": cu},
     )  # fmt: skip
-    backend, _ = path
+    backend, _ = loss_path
     loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if backend == "torch" else 2]
     scale = max(1.0, float(want_metrics["policy_loss"].abs()))
     assert_close("loss", loss, want, loss_tol * scale, 1e-6)
@@ -159,7 +143,7 @@ def test_logits_path_matches_the_oracle(surrogate):
     assert_close("dlogits", got, exp, 1e-4)
 
 
-def test_entropy_bonus_gradient_flows_through_the_entropy(path):
+def test_entropy_bonus_gradient_flows_through_the_entropy(loss_path):
     """With every policy term masked off (A = 0) the loss is the entropy bonus alone, and its gradient is the
     entropy's: nonzero, and the oracle's."""
     hidden, weight, bias, targets, _, _ = problem(5, [6, 3], 16, 40, torch.float32, logit_scale=3.0, bias=True)
@@ -179,7 +163,7 @@ def test_entropy_bonus_gradient_flows_through_the_entropy(path):
         assert_close(name, a, b, 1e-4)
 
 
-def test_all_masked_rows_give_zero_not_nan(path):
+def test_all_masked_rows_give_zero_not_nan(loss_path):
     """The off-policy mask drops every sequence (all A < 0, sampling far above the policy): the policy loss is 0
     with zero gradients; an all-empty batch is 0 with every option on."""
     hidden, weight, _, targets, _, _ = problem(9, [4, 5], 16, 40, torch.float32, logit_scale=3.0, bias=False)
@@ -199,7 +183,7 @@ def test_all_masked_rows_give_zero_not_nan(path):
 
 @pytest.mark.parametrize("surrogate", ["clip", "cispo", "sapo", "vespo"])
 @pytest.mark.parametrize("magnitude", [1e38, 3.4e38])
-def test_huge_finite_advantages_give_a_finite_loss(path, surrogate, magnitude):
+def test_huge_finite_advantages_give_a_finite_loss(loss_path, surrogate, magnitude):
     """Issue 27: advantages of 1e38 and above (finite) gave an infinite or NaN loss; every term is now bounded: the
     loss and its gradients are finite, with KL, importance weights and the entropy bonus on too."""
     hidden, weight, _, targets, _, g = problem(2, [5, 6], 16, 40, torch.float32, logit_scale=3.0, bias=False)
@@ -238,7 +222,7 @@ def test_bad_new_inputs_raise_one_line():
             fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, **options)
 
 
-def test_entropy_bonus_through_the_logit_transform(path):
+def test_entropy_bonus_through_the_logit_transform(loss_path):
     """The entropy gradient chains through the model's logit scale and tanh cap (merged with i26-head's transform):
     loss and gradients of the oracle, every option that needs the entropy on."""
     hidden, weight, bias, targets, adv, g = problem(6, [5, 7], 16, 40, torch.float32, logit_scale=3.0, bias=True)

@@ -49,6 +49,26 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(_loss_torch, "BWD_VOCAB", 64)
 
 
+#: Every path of fused_cppo_loss on the CPU: (backend, mode).
+LOSS_PATHS = {
+    "torch-two-pass": ("torch", "two-pass"),
+    "torch-grad-in-forward": ("torch", "grad-in-forward"),
+    "triton-two-pass": ("triton", "two-pass"),
+}
+
+
+@pytest.fixture(params=list(LOSS_PATHS))
+def loss_path(request, monkeypatch) -> tuple[str, str]:
+    """Runs a test once per loss path: the backend by CPPO_KERNELS_BACKEND, the mode as that backend's CPU rule (so
+    that options needing the whole sequence still take the two-pass path). Registered in tests/kernels/conftest.py."""
+    from cppo_kernels import loss as loss_module
+
+    backend, mode = LOSS_PATHS[request.param]
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", backend)
+    monkeypatch.setitem(loss_module.MODE_RULES, ("cpu", backend, None), mode)
+    return backend, mode
+
+
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, atol: float = 1e-7) -> None:
     got, want = got.detach().double(), want.detach().double()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
