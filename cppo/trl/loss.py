@@ -37,7 +37,6 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable
 
@@ -51,7 +50,7 @@ from ..step import LogitTransform, check_logit_transform
 from .sharding import gathered_head
 
 __all__ = [
-    "LOSS_AGG", "SURROGATE", "unsupported_setting", "takes_importance_weights", "install_hidden_forward",
+    "LOSS_AGG", "SURROGATE", "unsupported_setting", "install_hidden_forward",
     "model_logit_transform", "padded_hidden", "fused_policy_loss",
 ]  # fmt: skip
 
@@ -91,10 +90,6 @@ def unsupported_setting(trainer) -> str | None:
             "has no load_balancing_loss_func)",
         ),
         (
-            _vllm_correction(trainer) and not takes_importance_weights(),
-            "vllm_importance_sampling_correction=True (this cppo_kernels.fused_cppo_loss takes no importance_weights)",
-        ),
-        (
             _fsdp_version(trainer) == 1,
             "FSDP version 1 (its LM head is a flat-parameter shard outside the forward: use FSDP2)",
         ),
@@ -106,15 +101,6 @@ def _fsdp_version(trainer) -> int | None:
     """accelerate's FSDP plugin version (1 or 2), None without FSDP."""
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     return getattr(plugin, "fsdp_version", None) if getattr(trainer, "is_fsdp_enabled", False) else None
-
-
-def takes_importance_weights() -> bool:
-    """Whether the installed ``fused_cppo_loss`` takes ``importance_weights`` (a detached per-token or per-sequence
-    factor on the policy term): vLLM's importance-sampling correction runs fused only then."""
-    try:
-        return "importance_weights" in inspect.signature(fused_cppo_loss).parameters
-    except (TypeError, ValueError):  # a callable without a signature
-        return False
 
 
 def _vllm_correction(trainer) -> bool:

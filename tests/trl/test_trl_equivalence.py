@@ -11,7 +11,6 @@ from trl_tiny import digit_reward, fake_vllm, losses, make_config, save_tiny_moe
 
 import cppo.trl.loss as trl_loss
 from cppo.trl import CPPOConfig, CPPOTrainer
-from cppo.trl.loss import takes_importance_weights
 
 CASES = {
     # the fused loss for every loss_type it expresses; beta > 0 and num_iterations=2 run both deferred passes
@@ -83,10 +82,6 @@ def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case):
         assert assert_same_training(tiny_model, tmp_path, **CASES[case])[0].fused_loss_refused is None
 
 
-@pytest.mark.skipif(
-    not takes_importance_weights(),
-    reason="cppo_kernels.fused_cppo_loss has no importance_weights keyword yet (issue 26): TRL's own loss would run",
-)
 @pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", 0.45, 3.0)])
 def test_p0_with_vllm_importance_sampling_trains_as_stock_trl(tiny_model, tmp_path, mode, clip_min, clip_max):
     """vLLM's importance-sampling correction (sampling log-probs from a stand-in): TRL computes the ratio from the

@@ -18,14 +18,12 @@ def trainer(tiny_model, tmp_path_factory) -> CPPOTrainer:
     return CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
 
 
-@pytest.mark.parametrize("keyword", [True, False])
-def test_vllm_correction_is_fused_once_the_loss_takes_importance_weights(trainer, monkeypatch, keyword):
-    monkeypatch.setattr(trl_loss, "takes_importance_weights", lambda: keyword)
+def test_vllm_correction_is_fused(trainer, monkeypatch):
     monkeypatch.setattr(trainer, "use_vllm", True)
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         monkeypatch.setattr(trainer, "vllm_importance_sampling_mode", mode)
         refused = trl_loss.unsupported_setting(trainer)
-        assert refused is None if keyword else refused.startswith("vllm_importance_sampling_correction=True"), refused
+        assert refused is None, refused
     monkeypatch.setattr(trainer, "vllm_importance_sampling_correction", False)
     assert trl_loss.unsupported_setting(trainer) is None
 

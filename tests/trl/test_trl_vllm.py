@@ -80,14 +80,12 @@ def test_kept_rows_ratio_equals_stock_trl(tiny_model, tmp_path, mode, clip_min, 
 
 
 def test_pruned_run_with_the_correction_trains_through_the_fused_loss(tiny_model, tmp_path, monkeypatch):
-    if not trl_loss.takes_importance_weights():
-        pytest.skip("cppo_kernels.fused_cppo_loss has no importance_weights keyword yet (issue 26): TRL's loss runs")
     _, cppo = trainers(tiny_model, tmp_path, beta=0.04, vllm_importance_sampling_mode="token_mask", max_steps=2)
     assert cppo.fused_loss_refused is None
     calls = []
     fused = trl_loss.fused_cppo_loss
 
-    def spy(*args, **kwargs):  # installed after the trainer decided its loss path (from fused_cppo_loss's signature)
+    def spy(*args, **kwargs):  # installed after the trainer decided its loss path
         calls.append(kwargs.get("importance_weights"))
         return fused(*args, **kwargs)
 
@@ -99,11 +97,10 @@ def test_pruned_run_with_the_correction_trains_through_the_fused_loss(tiny_model
 
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
 def test_the_kept_rows_ratio_is_what_the_fused_loss_gets_as_importance_weights(tiny_model, tmp_path, monkeypatch, mode):
-    """The wiring alone (it runs whether or not the installed ``fused_cppo_loss`` takes the keyword): the micro-batch's
+    """The wiring: the micro-batch's
     ratio reaches ``fused_cppo_loss`` as ``importance_weights``, ``[B, C]`` per token or ``[B]`` per sequence, without
     gradient. The loss itself is the kernel's (its equality with TRL: the P = 0 tests above and in
-    test_trl_equivalence.py, run once the keyword exists)."""
-    monkeypatch.setattr(trl_loss, "takes_importance_weights", lambda: True)
+    test_trl_equivalence.py)."""
     _, cppo = trainers(tiny_model, tmp_path, beta=0.04, vllm_importance_sampling_mode=mode)
     assert cppo.fused_loss_refused is None
     seen = []
