@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+import traceback
 
 import yaml
 
@@ -125,7 +126,7 @@ def _train(args) -> int:
     if args.dry_run:
         return _dry_run(args, config)
     info = distributed.init_distributed(device=config.device)  # torchrun's process group, or one process
-    run = None
+    run = trainer = None
     try:
         existing = "resume" if args.resume else "overwrite" if args.overwrite else "refuse"
         run = open_run(config.output_dir, report_to=config.report_to, info=info, existing=existing)
@@ -143,9 +144,18 @@ def _train(args) -> int:
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
         if trainer.last_checkpoint:  # the last line: where the run went and how to evaluate it
             distributed.print_main(_eval_hint(trainer.last_checkpoint), file=sys.stderr, info=info)
+    except BaseException as e:
+        # the frames of a failed run hold the trainer and its DDP module: release them too (see below)
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if run is not None:
             run.close()
+        # the DDP module's reducer holds the process group: released here, while the group is still registered,
+        # so the group is destroyed by destroy_process_group (which lets go of the GIL) and not by the reducer's
+        # deallocation (which holds the GIL while joining the Gloo threads, one of which may still need the GIL
+        # to free the tensors of the last all-reduce: a process that never exits)
+        trainer = None  # noqa: F841
         distributed.close_distributed()
     return 0
 

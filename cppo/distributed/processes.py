@@ -26,6 +26,7 @@ runs when the ranks report different metric names, to name them in the error.
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import os
 import zlib
@@ -131,8 +132,12 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
 
 
 def close_distributed() -> None:
-    """Destroys the process group if one is initialised."""
+    """Destroys the process group if one is initialised. Call it after the last reference to a DDP module is gone:
+    a DDP reducer that outlives the group destroys it on deallocation while holding the GIL, which can deadlock
+    with a Gloo thread that needs the GIL to free the last all-reduce's tensors. Reference cycles that still hold
+    such a module are collected first."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -247,11 +247,6 @@ def test_two_process_training_equals_one_process(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=False,
-    reason="known open bug (2026-12-02): the resumed two-process run sometimes saves its last checkpoint and then "
-    "does not exit (killed at the 300 s deadline); seen on main after the issue 26-30 merges, not yet understood",
-)
 def test_cli_resume_under_torchrun(tmp_path):
     """``torchrun -m cppo train``: an uninterrupted 2-step run, then ``--resume`` from its step-1 checkpoint gives
     the same step-2 weights; only rank 0 writes metrics; evaluation is split over the ranks."""
