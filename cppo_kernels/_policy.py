@@ -21,12 +21,16 @@ bounded term has the bound's value and no gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .config import LossConfig
+
+#: ``entropy_threshold_fn``: the call's detached fp32 token entropies ``[T]`` -> the entropy mask's cut.
+ThresholdFn = Callable[[Tensor], "Tensor | float"]
 
 __all__ = [
     "LOG_RATIO_BOUND",
@@ -257,15 +261,43 @@ def _quantile(x: Tensor, q: float) -> Tensor:
     return torch.lerp(ordered[low], ordered[high], pos - low)
 
 
-def entropy_mask(entropy: Tensor, cfg: LossConfig) -> Tensor | None:
+def entropy_mask(entropy: Tensor, cfg: LossConfig, threshold_fn: ThresholdFn | None = None) -> Tensor | None:
     """``[T]`` float 0/1: the tokens whose entropy is at least the ``1 - top_entropy_quantile`` quantile of the
-    call's tokens (TRL's ``get_high_entropy_mask``); None with ``top_entropy_quantile=1``."""
+    call's tokens (TRL's ``get_high_entropy_mask``), or at least what ``threshold_fn`` returns for them (e.g. that
+    quantile over every process's tokens); None with ``top_entropy_quantile=1``."""
     if cfg.top_entropy_quantile >= 1.0:
         return None
     h = entropy.detach().float()  # [T]
+    if threshold_fn is not None:  # called on every call, an empty one included: a gathering caller stays in step
+        return (h >= _threshold(threshold_fn(h))).to(torch.float32)
     if h.numel() == 0:
         return h
     return (h >= _quantile(h, 1.0 - cfg.top_entropy_quantile)).to(torch.float32)
+
+
+def _threshold(cut) -> Tensor:
+    """An ``entropy_threshold_fn``'s result as an fp32 scalar, or a ValueError saying what came back."""
+    value = torch.as_tensor(cut.detach() if isinstance(cut, Tensor) else cut, dtype=torch.float32)
+    if value.numel() != 1 or not bool(torch.isfinite(value).all()):
+        shown = tuple(value.shape) if value.numel() != 1 else float(value)
+        raise ValueError(
+            f"entropy_threshold_fn must return one finite number (a float, a 1-element tensor), got {shown}"
+        )
+    return value.reshape(())
+
+
+def check_threshold_fn(fn, cfg: LossConfig) -> None:
+    """``entropy_threshold_fn`` is None, or a callable given with ``top_entropy_quantile < 1`` (else it would
+    change nothing: a ValueError, not a silent no-op)."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise ValueError(f"entropy_threshold_fn must be callable (entropies [T] -> cut), got {type(fn).__name__}")
+    if cfg.top_entropy_quantile >= 1.0:
+        raise ValueError(
+            "entropy_threshold_fn sets the cut of the entropy mask, which top_entropy_quantile=1.0 turns off: give "
+            "top_entropy_quantile < 1, or no entropy_threshold_fn"
+        )
 
 
 def off_policy_mask(logp: Tensor, batch: Batch, cfg: LossConfig) -> Tensor | None:
@@ -298,11 +330,13 @@ def vespo_weights(log_ratio: Tensor, batch: Batch, cfg: LossConfig) -> Tensor:
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def token_mask(logp: Tensor, entropy: Tensor | None, batch: Batch, cfg: LossConfig) -> tuple[Tensor | None, ...]:
+def token_mask(
+    logp: Tensor, entropy: Tensor | None, batch: Batch, cfg: LossConfig, threshold_fn: ThresholdFn | None = None
+) -> tuple[Tensor | None, ...]:
     """``(weight, entropy_mask)``: the detached ``[T]`` factor of the policy terms (off-policy mask, entropy mask,
     and the importance weights but for VESPO, which takes them into its gamma weights), or None when it is 1; and
     the entropy mask alone (None without ``top_entropy_quantile``)."""
-    ent = None if entropy is None else entropy_mask(entropy, cfg)
+    ent = None if entropy is None else entropy_mask(entropy, cfg, threshold_fn)
     factors = [off_policy_mask(logp, batch, cfg), ent]
     if cfg.surrogate != "vespo":
         factors.append(batch.weight)
@@ -336,6 +370,7 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     weights_per_seq: bool = False,
     sampling_logprobs: Tensor | None = None,
+    entropy_threshold_fn: ThresholdFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The CPPO/GRPO policy loss from per-token log-probs in the packed layout (inputs already validated), with
     gradients by autograd to ``logp`` (and to ``entropy`` with ``entropy_coef``) only.
@@ -358,13 +393,13 @@ def policy_loss(
     if cfg.importance_sampling == "sequence":
         log_ratio = _seq_mean(token_log_ratio, batch)[batch.seq_of]
     phi = vespo_weights(token_log_ratio, batch, cfg) if cfg.surrogate == "vespo" else None  # [S]
-    weight, ent_mask = token_mask(logp, entropy, batch, cfg)
+    weight, ent_mask = token_mask(logp, entropy, batch, cfg, entropy_threshold_fn)
     per_token, ratio, kl = token_terms(
         logp, batch.adv, batch.old, batch.ref, cfg, log_ratio, weight=weight,
         phi=None if phi is None else phi[batch.seq_of],
     )  # fmt: skip
     loss = aggregate(per_token, batch, cfg)
-    out = metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi)
+    out = metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi, ent_mask=ent_mask)
     if cfg.entropy_coef != 0.0:
         loss = loss - entropy_bonus(entropy, ent_mask, cfg)
     return loss, out
@@ -381,12 +416,16 @@ def metrics(
     *,
     policy: Tensor,
     phi: Tensor | None = None,
+    ent_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Detached fp32 scalars: the mean ``kl`` (0 without reference log-probs; bias-corrected with
     ``use_bias_correction_kl``), the fractions of tokens whose ratio is clipped below (``A < 0``) and above
     (``A > 0``), ``ratio_mean/min/max`` (1 when there are no tokens), ``num_tokens``, ``policy_loss`` (the loss
     without the entropy bonus), the mean ``entropy`` when the loss computes it, ``cispo_clip_fraction`` (ratio
-    above ``epsilon_high`` with ``A > 0``) for CISPO and ``vespo_phi_mean`` (mean over sequences) for VESPO."""
+    above ``epsilon_high`` with ``A > 0``) for CISPO, ``vespo_phi_mean`` (mean over sequences) for VESPO, and
+    with the entropy mask ``ent_mask`` (``top_entropy_quantile < 1``) the fraction of tokens it keeps,
+    ``entropy_mask_fraction``, and their mean entropy, ``entropy_masked_mean`` (0 without such tokens: what the
+    entropy bonus rewards, and TRL's adaptive entropy controller measures)."""
     num_tokens = logp.numel()
     denom = max(num_tokens, 1)
     r = ratio.detach()  # [T]
@@ -406,4 +445,8 @@ def metrics(
         out["cispo_clip_fraction"] = ((r > cfg.eps_high) & (adv > 0)).sum() / denom
     if phi is not None:  # [S]
         out["vespo_phi_mean"] = phi.sum() / max(phi.numel(), 1)
+    if ent_mask is not None:  # [T]
+        kept = ent_mask.sum()
+        out["entropy_mask_fraction"] = kept / denom
+        out["entropy_masked_mean"] = (entropy.detach() * ent_mask).sum() / kept.clamp(min=1.0)
     return {k: v.to(torch.float32) for k, v in out.items()}

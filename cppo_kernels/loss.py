@@ -45,13 +45,13 @@ from ._loss_modes import (
     resolve_mode,  # noqa: F401  (the mode rule, read here by callers and tests)
     wants_grad,
 )
-from ._policy import batch_constants, metrics, policy_loss
+from ._policy import ThresholdFn, batch_constants, check_threshold_fn, metrics, policy_loss
 from .config import LossConfig, check_choice, loss_config
 
 __all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
 
 
-def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig):
+def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig, threshold_fn=None):
     """:func:`cppo_kernels._policy.policy_loss` on the packed per-token log-probs."""
     return policy_loss(
         logp,
@@ -64,6 +64,7 @@ def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfi
         importance_weights=p.importance_weights,
         weights_per_seq=p.weights_per_seq,
         sampling_logprobs=p.sampling_logprobs,
+        entropy_threshold_fn=threshold_fn,
     )
 
 
@@ -87,6 +88,7 @@ def fused_cppo_loss(
     sampling_logprobs: Tensor | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_threshold_fn: ThresholdFn | None = None,
     config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
@@ -165,6 +167,11 @@ def fused_cppo_loss(
             ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``.
         logit_softcap: the model's final tanh cap (finite, > 0), Gemma 2/3's ``final_logit_softcapping``; None:
             no cap. Gradients flow through it.
+        entropy_threshold_fn: with ``top_entropy_quantile < 1``, the entropy mask's cut from the call's detached
+            fp32 token entropies ``[T]`` (a float or 1-element tensor, finite), called once per call, an empty one
+            included; default: their ``1 - top_entropy_quantile`` quantile (linear interpolation). A caller on
+            several processes passes one that gathers every process's entropies first (TRL's ``get_high_entropy_mask``).
+            Eager only: ``torch.compile`` breaks the graph there (``fullgraph=True`` stops, naming this option).
         config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
             its default (else ``ValueError``).
         temperature, ..., entropy_coef: the loss options, each documented in :class:`LossConfig`.
@@ -180,7 +187,9 @@ def fused_cppo_loss(
         ``A < 0`` / above with ``A > 0``), ``ratio_mean``, ``ratio_min``, ``ratio_max`` (1 without tokens),
         ``num_tokens``, ``policy_loss`` (the loss without the entropy bonus), ``entropy`` (mean) when the loss
         computes it (``compute_entropy``, ``top_entropy_quantile``, ``entropy_coef``), ``cispo_clip_fraction``
-        with CISPO and ``vespo_phi_mean`` with VESPO. Empty sequences and empty batches give 0, never NaN.
+        with CISPO, ``vespo_phi_mean`` with VESPO, and with ``top_entropy_quantile < 1`` the fraction of tokens the
+        entropy mask keeps (``entropy_mask_fraction``) and their mean entropy (``entropy_masked_mean``). Empty
+        sequences and empty batches give 0, never NaN.
     """
     cfg = loss_config(
         config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
@@ -193,9 +202,16 @@ def fused_cppo_loss(
         entropy_coef=entropy_coef,
     )  # fmt: skip
     check_mode(mode, cfg)
+    check_threshold_fn(entropy_threshold_fn, cfg)
     head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
         from ._ops import compiled_loss
+
+        if entropy_threshold_fn is not None:
+            raise ValueError(
+                "entropy_threshold_fn is not supported under torch.compile (a Python callable cannot enter the "
+                "cppo_kernels::fused_cppo_loss op): call the loss eagerly, or leave the cut to the call's quantile"
+            )
 
         return compiled_loss(
             hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
@@ -205,7 +221,7 @@ def fused_cppo_loss(
     return eager_loss(
         hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
-        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
+        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, entropy_threshold_fn=entropy_threshold_fn, **head,
     )  # fmt: skip
 
 
@@ -213,6 +229,7 @@ def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
     mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
     importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
+    entropy_threshold_fn: ThresholdFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``, the head's transform
     ``logit_scale`` / ``logit_softcap``): validation, packing, the mode's autograd Function. Also the real
@@ -242,7 +259,7 @@ def eager_loss(
     logp, entropy = FusedLogProbs.apply(
         h, *head, tgt, cfg.temperature, cfg.needs_entropy, backend, transform, entropy_grad
     )  # fmt: skip
-    return _policy_loss(p, logp, entropy, cfg)
+    return _policy_loss(p, logp, entropy, cfg, entropy_threshold_fn)
 
 
 @torch.no_grad()
@@ -327,6 +344,7 @@ def cppo_loss_from_logits(
     ref_logprobs: Tensor | None = None,
     importance_weights: Tensor | None = None,
     sampling_logprobs: Tensor | None = None,
+    entropy_threshold_fn: ThresholdFn | None = None,
     config: LossConfig | None = None,
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
@@ -358,7 +376,7 @@ def cppo_loss_from_logits(
     Args:
         logits: ``[T, V]`` (packed) or ``[B, L, V]`` (padded), floating, finite where counted.
         targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs: as in :func:`fused_cppo_loss`.
-        config, temperature, ..., compute_entropy: the options, as in :func:`fused_cppo_loss`.
+        entropy_threshold_fn, config, temperature, ..., entropy_coef: as in :func:`fused_cppo_loss`.
 
     Returns:
         ``(loss, metrics)`` as :func:`fused_cppo_loss`, the loss with gradients to ``logits``.
@@ -378,8 +396,9 @@ def cppo_loss_from_logits(
         ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False, importance_weights=importance_weights,
         sampling_logprobs=sampling_logprobs,
     )  # fmt: skip
+    check_threshold_fn(entropy_threshold_fn, cfg)
     logp, entropy = _logits_logprobs(p, checks, cfg)
-    return _policy_loss(p, logp, entropy, cfg)
+    return _policy_loss(p, logp, entropy, cfg, entropy_threshold_fn)
 
 
 def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor, Tensor | None]:

@@ -308,6 +308,7 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     weights_per_seq: bool = False,
     sampling_logprobs: Tensor | None = None,
+    entropy_threshold: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The CPPO/GRPO loss and metrics from packed per-token log-probs, one sequence at a time.
 
@@ -324,14 +325,17 @@ def policy_loss(
     bounded. Aggregated over the tokens (token-mean), over each sequence then the sequences (seq-mean-token-mean),
     summed and divided by ``S * max_completion_length`` (seq-mean-token-sum-norm) or by ``S``
     (seq-mean-token-sum); minus ``entropy_coef`` times the mean entropy of the flagged tokens. An empty sequence or
-    batch gives 0.
+    batch gives 0. ``entropy_threshold``: the entropy flag's cut itself instead of the call's quantile (what a
+    caller's ``entropy_threshold_fn`` returned, e.g. the quantile over every process's tokens).
     """
     cfg = config
     bounds = cu_seqlens.tolist()
     num_tokens, num_seqs = logp.numel(), advantages.numel()
     ent_flag = torch.ones(num_tokens, dtype=logp.dtype)
     if cfg.top_entropy_quantile < 1.0 and num_tokens:
-        cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
+        cut = entropy_threshold
+        if cut is None:
+            cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
         ent_flag = (entropy.detach().double() >= cut).to(logp.dtype)
     terms, seq_terms, ratios, kls, phis = [logp[:0]], [], [], [], []
     clipped_low = clipped_high = cispo_clipped = 0
@@ -398,6 +402,10 @@ def policy_loss(
         metrics["cispo_clip_fraction"] = cispo_clipped / max(num_tokens, 1) * one
     if cfg.surrogate == "vespo":
         metrics["vespo_phi_mean"] = sum(phis) / max(num_seqs, 1) * one
+    if cfg.top_entropy_quantile < 1.0:
+        count = float(ent_flag.sum())
+        metrics["entropy_mask_fraction"] = count / max(num_tokens, 1) * one
+        metrics["entropy_masked_mean"] = (entropy.detach() * ent_flag).sum() / max(count, 1.0)
     return loss, metrics
 
 
@@ -426,6 +434,7 @@ def fused_cppo_loss(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     config: LossConfig = LossConfig(),
+    entropy_threshold: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`token_logprobs` (full logits, the model's ``logit_scale`` and ``logit_softcap``) then
     :func:`policy_loss`, in the packed (``cu_seqlens``) or padded (``mask [B, L]``) layout of
@@ -450,4 +459,5 @@ def fused_cppo_loss(
         importance_weights=importance_weights,
         weights_per_seq=weights_per_seq,
         sampling_logprobs=sampling_logprobs,
+        entropy_threshold=entropy_threshold,
     )

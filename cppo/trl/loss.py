@@ -15,9 +15,13 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
   ``vespo_k_*`` / ``vespo_lambda_*``, ``beta`` (k3 against ``ref_per_token_logps``) with
   ``use_bias_correction_kl`` (TRL's default), ``temperature``;
 - ``off_policy_mask_threshold`` (from ``sampling_per_token_logps``, else the old log-probs, as TRL),
-  ``top_entropy_quantile`` (on one process: TRL's quantile spans every process's tokens) and a static
-  ``entropy_coef`` (the bonus is a mean over the kept tokens divided by the accumulation steps only, whatever the
-  loss type's normaliser: the coefficient handed to the fused loss undoes the loss type's scale);
+  ``top_entropy_quantile`` (on several processes the cut is the quantile of every process's tokens, gathered as
+  TRL's ``get_high_entropy_mask`` does, through the fused loss's ``entropy_threshold_fn``), ``entropy_coef`` (the
+  bonus is a mean over the kept tokens divided by the accumulation steps only, whatever the loss type's
+  normaliser: the coefficient handed to the fused loss undoes the loss type's scale) and ``use_adaptive_entropy``
+  (TRL's controller: the coefficient applied while the last window's entropy is at most ``entropy_target``, then
+  moved by ``entropy_coef_delta`` from the window's entropy over every process, on TRL's own state, which TRL's
+  checkpoints save);
 - TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (clip family),
   ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus (means over all processes);
   ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
@@ -74,16 +78,8 @@ ITEM_NORMALISED = ("dapo", "cispo", "vespo")
 def unsupported_setting(trainer) -> str | None:
     """The first setting of ``trainer`` (a ``GRPOTrainer``) that ``fused_cppo_loss`` cannot express, as
     ``name=value``; None when the fused loss computes TRL's loss exactly."""
-    quantile = trainer.top_entropy_quantile < 1.0
-    multi = quantile and trainer.accelerator.num_processes > 1  # only then: the accelerator is read
     checks = (
         (trainer.loss_type not in LOSS_AGG, f"loss_type={trainer.loss_type!r}"),
-        (
-            multi,
-            f"top_entropy_quantile={trainer.top_entropy_quantile} on several processes (TRL's quantile spans every "
-            "process's tokens)",
-        ),
-        (trainer.use_adaptive_entropy, "use_adaptive_entropy=True (the adaptive entropy controller)"),
         (
             trainer.aux_loss_enabled and aux_loss_function(trainer.model) is None,
             f"router_aux_loss_coef={trainer.router_aux_loss_coef} ({type(trainer.model).__name__}'s modeling module "
@@ -228,8 +224,9 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             use_bias_correction_kl=trainer.beta != 0.0 and bool(args.use_bias_correction_kl),
             off_policy_mask_threshold=trainer.off_policy_mask_threshold,
             top_entropy_quantile=float(trainer.top_entropy_quantile), entropy_coef=_entropy_coef(trainer, scale),
-            **trainer.logit_transform.kwargs(), **weights,
+            entropy_threshold_fn=_gathered_cut(trainer), **trainer.logit_transform.kwargs(), **weights,
         )  # fmt: skip
+    _adapt_entropy_coef(trainer, metrics)
     _log_metrics(trainer, metrics, scale, completion_ids.shape[0])
     loss = loss * scale
     if aux_loss is None:
@@ -246,9 +243,59 @@ def _entropy_coef(trainer, scale: Tensor | float) -> float:
     ``scale``: the coefficient divides that scale out (0 for a micro-batch without tokens: no entropy to reward)."""
     if not trainer._entropy_bonus_enabled:
         return 0.0
+    coef = trainer.entropy_coef
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        coef = 0.0  # TRL's gate, from the end of the previous optimizer step
     accumulation = trainer.current_gradient_accumulation_steps if trainer.model.training else 1
     scale = float(scale)
-    return 0.0 if scale == 0.0 else float(trainer.entropy_coef) / (accumulation * scale)
+    return 0.0 if scale == 0.0 else float(coef) / (accumulation * scale)
+
+
+def _gathered_cut(trainer) -> Callable[[Tensor], Tensor | float] | None:
+    """On several processes with ``top_entropy_quantile < 1``: the entropy mask's cut as TRL's
+    ``get_high_entropy_mask`` takes it, the quantile of every process's counted tokens (padded across processes with
+    a negative sentinel, gathered, the sentinel dropped); None on one process (the call's own quantile is that)."""
+    if trainer.top_entropy_quantile >= 1.0 or trainer.accelerator.num_processes == 1:
+        return None
+    accelerator, pad = trainer.accelerator, -1e9
+
+    def cut(local: Tensor) -> Tensor | float:
+        padded = accelerator.pad_across_processes(local.to(accelerator.device), dim=0, pad_index=pad)
+        gathered = accelerator.gather(padded)
+        gathered = gathered[gathered != pad]
+        if gathered.numel() == 0:  # no process has a token: the mask has nothing to cut
+            return 0.0
+        return torch.quantile(gathered, 1.0 - trainer.top_entropy_quantile)
+
+    return cut
+
+
+def _adapt_entropy_coef(trainer, metrics: dict[str, Tensor]) -> None:
+    """TRL's adaptive entropy controller (``use_adaptive_entropy``, training only): the micro-batch's entropy sum
+    and token count over the tokens the bonus acts on (the entropy mask's, with ``top_entropy_quantile``) are added
+    to the window; at the optimizer step the window's totals over every process move ``entropy_coef`` by
+    ``entropy_coef_delta`` towards ``entropy_target`` (within its bounds) and set the gate of the next window."""
+    if not (trainer.use_adaptive_entropy and trainer.model.training):
+        return
+    count = metrics["num_tokens"]
+    mean = metrics["entropy"]
+    if "entropy_mask_fraction" in metrics:  # the tokens at or above the cut
+        count = torch.round(metrics["entropy_mask_fraction"] * count)
+        mean = metrics["entropy_masked_mean"]
+    stats = torch.stack([mean * count, count]).to(trainer.accelerator.device)
+    window = trainer._entropy_window_stats
+    trainer._entropy_window_stats = stats if window is None else window + stats
+    if not trainer.accelerator.sync_gradients:
+        return
+    totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+    world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+    args = trainer.args
+    if world_entropy <= args.entropy_target:
+        trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+    else:
+        trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+    trainer._last_world_entropy = world_entropy
+    trainer._entropy_window_stats = None
 
 
 def _log_metrics(trainer, metrics: dict[str, Tensor], scale: Tensor | float, num_seqs: int) -> None:

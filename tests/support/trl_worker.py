@@ -15,6 +15,7 @@ from torchrun_harness import RankRecorder
 from trl import GRPOConfig, GRPOTrainer
 from trl_tiny import digit_reward, losses, make_config, save_tiny_model, tiny_dataset, weights
 
+import cppo.trl.loss as cppo_loss
 import cppo.trl.packing
 import cppo.trl.trainer
 from cppo.trl import CPPOConfig, CPPOTrainer
@@ -49,6 +50,46 @@ def p0_equals_stock(model: str, out: pathlib.Path) -> None:
     torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
     for name, value in weights(stock).items():
         torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+
+
+def entropy_quantile_equals_stock(model: str, out: pathlib.Path) -> None:
+    """``top_entropy_quantile`` on two processes, fused: the cut is the quantile of both processes' tokens, as TRL's
+    ``get_high_entropy_mask`` takes it, so the run equals stock TRL; a cut over each process's own tokens (the
+    gather switched off) trains differently, so the equality says the gather ran."""
+    options = dict(top_entropy_quantile=0.5)
+    stock = train(GRPOTrainer, GRPOConfig, model, out / "quantile-stock", **options)
+    cppo = train(CPPOTrainer, CPPOConfig, model, out / "quantile-cppo", **options)
+    assert cppo.fused_loss_refused is None
+    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
+    for name, value in weights(stock).items():
+        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+    gathered = cppo_loss._gathered_cut
+    cppo_loss._gathered_cut = lambda trainer: None
+    try:
+        own = train(CPPOTrainer, CPPOConfig, model, out / "quantile-own", **options)
+    finally:
+        cppo_loss._gathered_cut = gathered
+    gap = max(abs(a - b) for a, b in zip(losses(own), losses(stock), strict=True))
+    assert gap > 1e-4, (losses(own), losses(stock))
+
+
+def adaptive_entropy_equals_stock(model: str, out: pathlib.Path) -> None:
+    """``use_adaptive_entropy`` with the entropy mask on two processes, fused: the window's entropy is reduced over
+    both processes, so the coefficient, its gate and the weights follow stock TRL's."""
+    options = dict(
+        use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=100.0, entropy_coef_delta=0.05,
+        top_entropy_quantile=0.5, max_steps=3,
+    )  # fmt: skip
+    stock = train(GRPOTrainer, GRPOConfig, model, out / "adaptive-stock", **options)
+    cppo = train(CPPOTrainer, CPPOConfig, model, out / "adaptive-cppo", **options)
+    assert cppo.fused_loss_refused is None
+    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
+    for name, value in weights(stock).items():
+        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+    coefs = metric(cppo, "entropy_coef")
+    assert coefs == metric(stock, "entropy_coef") and len(coefs) == 3 and coefs[0] < coefs[1] < coefs[2], coefs
+    assert abs(cppo._last_world_entropy - stock._last_world_entropy) <= 1e-5 * abs(stock._last_world_entropy)
+    same_on_every_rank(torch.tensor([cppo._last_world_entropy], dtype=torch.float64))
 
 
 def prunes(model: str, out: pathlib.Path, scope: str, rate: float, kept: int) -> None:
@@ -147,6 +188,8 @@ CHECKS = {
     "straddle": straddling_groups_need_global,
     "placeholder": one_rank_keeps_nothing,
     "uneven_packing": uneven_packing,
+    "entropy_quantile": entropy_quantile_equals_stock,
+    "adaptive_entropy": adaptive_entropy_equals_stock,
 }
 
 

@@ -1,7 +1,7 @@
 """``accelerate launch --num_processes 2`` on CPU (gloo): the drop-in under two processes (tests/support/trl_worker.py):
 equal to stock TRL at P = 0, the 'batch' and 'global' scopes' counts, DDP keeping the ranks in step, half a group per
-process, a process left with no kept completion, and processes packing their rows into different numbers of
-forwards."""
+process, a process left with no kept completion, processes packing their rows into different numbers of forwards,
+and TRL's entropy settings whose statistics span the processes."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ def launch(out: pathlib.Path, checks: tuple[str, ...], *, timeout: int):
 def test_two_processes_under_accelerate_launch(tmp_path):
     proc = launch(tmp_path, CHECKS, timeout=300)
     assert_ranks_ok(tmp_path, [(name, rank) for name in CHECKS for rank in (0, 1)], proc)
+
+
+@pytest.mark.distributed
+def test_trls_entropy_settings_under_two_processes_equal_stock_trl(tmp_path):
+    """The entropy mask's cut over both processes' tokens and the adaptive entropy controller's window reduced over
+    both: fused, and equal to stock TRL under the same launch."""
+    checks = ("entropy_quantile", "adaptive_entropy")
+    proc = launch(tmp_path, checks, timeout=300)
+    assert_ranks_ok(tmp_path, [(name, rank) for name in checks for rank in (0, 1)], proc)
 
 
 @pytest.mark.distributed

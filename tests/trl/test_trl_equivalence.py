@@ -44,8 +44,29 @@ CASES = {
         top_entropy_quantile=0.5,
         entropy_coef=0.01,
     ),
-    # TRL's own loss (the adaptive entropy controller is not expressed by the fused loss)
-    "fallback": dict(loss_type="dapo", beta=0.04, use_adaptive_entropy=True),
+    # TRL's adaptive entropy controller: a target above the tiny model's entropy, so the bonus is applied from the
+    # second step on and the coefficient moves every step; alone and with the entropy mask
+    "adaptive-entropy": dict(
+        loss_type="dapo",
+        beta=0.04,
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_target=100.0,
+        entropy_coef_delta=0.05,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+    ),  # fmt: skip
+    "adaptive-entropy-quantile": dict(
+        loss_type="grpo",
+        beta=0.04,
+        use_adaptive_entropy=True,
+        entropy_target=100.0,
+        entropy_coef_delta=0.05,
+        top_entropy_quantile=0.5,
+        num_iterations=2,
+    ),  # fmt: skip
+    # TRL's own loss on the kept rows, where the fused loss is refused (FSDP version 1, simulated)
+    "fallback": dict(loss_type="dapo", beta=0.04),
 }
 
 
@@ -73,13 +94,20 @@ def assert_same_training(tiny_model, tmp_path, vllm: bool = False, **options) ->
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case):
+def test_p0_trains_as_stock_trl(tiny_model, tmp_path, case, monkeypatch):
     if case == "fallback":
-        with pytest.warns(UserWarning, match="use_adaptive_entropy=True .* is not expressed"):
+        monkeypatch.setattr(trl_loss, "_fsdp_version", lambda trainer: 1)
+        with pytest.warns(UserWarning, match="FSDP version 1 .* is not expressed"):
             cppo, _ = assert_same_training(tiny_model, tmp_path, **CASES[case])
-        assert cppo.fused_loss_refused.startswith("use_adaptive_entropy=True")
-    else:
-        assert assert_same_training(tiny_model, tmp_path, **CASES[case])[0].fused_loss_refused is None
+        assert cppo.fused_loss_refused.startswith("FSDP version 1")
+        return
+    cppo, stock = assert_same_training(tiny_model, tmp_path, **CASES[case])
+    assert cppo.fused_loss_refused is None
+    if case.startswith("adaptive"):  # the controller moved, as TRL's did, and its gate opened
+        coefs = [h["entropy_coef"] for h in cppo.state.log_history if "entropy_coef" in h]
+        assert coefs == [h["entropy_coef"] for h in stock.state.log_history if "entropy_coef" in h]
+        assert len(coefs) == 3 and coefs[0] < coefs[1] < coefs[2], coefs
+        assert cppo._last_world_entropy == pytest.approx(stock._last_world_entropy, rel=1e-5)
 
 
 VLLM_IS_CASES = [

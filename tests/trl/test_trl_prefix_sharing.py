@@ -181,10 +181,11 @@ def test_attention_without_the_mask_falls_back_with_one_warning_and_trains(tiny_
     assert torch.isfinite(torch.tensor(losses(trainer))).all() and len(losses(trainer)) == 1
 
 
-def test_the_setting_is_a_bool_and_off_with_trls_own_loss(tiny_model, tmp_path):
+def test_the_setting_is_a_bool_and_off_with_trls_own_loss(tiny_model, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="prefix_sharing must be true or false"):
         make_config(CPPOConfig, tmp_path, prefix_sharing="yes")
-    with pytest.warns(UserWarning, match="use_adaptive_entropy=True .* is not expressed .* no prefix_sharing"):
-        args = make_config(CPPOConfig, tmp_path, use_adaptive_entropy=True)
+    monkeypatch.setattr("cppo.trl.loss._fsdp_version", lambda trainer: 1)  # FSDP version 1, simulated
+    with pytest.warns(UserWarning, match="FSDP version 1 .* is not expressed .* no prefix_sharing"):
+        args = make_config(CPPOConfig, tmp_path)
         trainer = CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
     assert not trainer.prefix_sharing

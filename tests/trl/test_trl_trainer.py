@@ -69,11 +69,19 @@ def test_an_uneven_split_of_the_kept_is_refused(tiny_model, tmp_path):
         build(tiny_model, tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, pruning_rate=0.875)
 
 
-def test_a_loss_the_fused_kernel_cannot_express_warns_once_naming_it(tiny_model, tmp_path):
-    with pytest.warns(UserWarning, match=r"CPPOTrainer: use_adaptive_entropy=True \(the adaptive entropy controller\) "
-                      "is not expressed by cppo_kernels.fused_cppo_loss"):  # fmt: skip
-        trainer = build(tiny_model, tmp_path, use_adaptive_entropy=True)
-    assert trainer.fused_loss_refused.startswith("use_adaptive_entropy=True")
+def test_a_loss_the_fused_kernel_cannot_express_warns_once_naming_it(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("cppo.trl.loss._fsdp_version", lambda trainer: 1)  # FSDP version 1, simulated
+    with pytest.warns(UserWarning, match=r"CPPOTrainer: FSDP version 1 \(its LM head is a flat-parameter shard "
+                      r"outside the forward: use FSDP2\) is not expressed by cppo_kernels"):  # fmt: skip
+        trainer = build(tiny_model, tmp_path)
+    assert trainer.fused_loss_refused.startswith("FSDP version 1")
+
+
+def test_the_entropy_settings_run_fused(tiny_model, tmp_path):
+    """TRL's adaptive entropy controller and the entropy mask (on one process here; two: tests/support/trl_worker.py)
+    are expressed by the fused loss: nothing of TRL's entropy settings falls back."""
+    for options in (dict(use_adaptive_entropy=True), dict(use_adaptive_entropy=True, top_entropy_quantile=0.2)):
+        assert build(tiny_model, tmp_path, **options).fused_loss_refused is None, options
 
 
 def test_trls_defaults_and_every_loss_type_run_fused(tiny_model, tmp_path):
