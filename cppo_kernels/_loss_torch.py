@@ -13,9 +13,10 @@ allocation.
 
 - Forward: a fixed chunk of :func:`chunk_tokens` tokens (256 on the CPU) at a time against the whole vocabulary:
   1 matmul into a ``[chunk, V]`` buffer and an in-place ``log_softmax`` (row-local, so about one pass over
-  memory). Every logit matmul runs on a full ``[chunk, H]`` block (the tail is zero-padded): BLAS picks different
-  kernels for different row counts, and a fixed shape is what makes a token's log-prob independent of the tokens
-  it is batched with, bit for bit.
+  memory). Every logit matmul runs on a block of fixed height, zero-padded: BLAS may pick different kernels for
+  different row counts, and fixed shapes are what make a token's log-prob independent of the tokens it is batched
+  with, bit for bit. Full chunks are ``[chunk, H]``; the rest goes in ``[TAIL_TOKENS, H]`` blocks on the CPU where
+  a probe finds this BLAS giving a row the same bits at both heights (:func:`tail_rows`), else in a padded chunk.
 - Gradient in the forward (``logprobs_fwd_grads``): the same forward, then, while the chunk's log-softmax is still
   in the buffer, the chunk's upstream gradients ``g`` (a callback: the loss knows them from each token alone),
   ``Q = softmax - onehot`` in place (one ``exp``), ``dhidden = (Q @ W) * (-g / temperature)`` and
@@ -42,6 +43,12 @@ __all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens"]
 #: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 156 MB at V = 151,936). 256 measured
 #: as fast as 512 and 128 at T = 2048, H = 896 on 2 cores (the three matmuls at 1.8 plain-matmul equivalents).
 FWD_TOKENS = 256
+#: GEMM rows of the forward's last, partial chunk on the CPU: a short call (one kept completion, ~40 tokens) pays a
+#: 64-row logits GEMM, not a 256-row one (0.05 s against 0.2 s at V = 49,152, H = 576). Only where the BLAS gives
+#: each row the same bits at both heights (probed once per weight shape, dtype and thread count:
+#: :func:`tail_rows`), so a token's log-prob still does not depend on its batch; else the tail is padded to the
+#: full chunk.
+TAIL_TOKENS = 64
 #: Tokens per forward chunk on CUDA (``[1024, V]`` fp32: 622 MB at V = 151,936): large enough for cuBLAS and few
 #: launches; not yet timed on a GPU (the GPU kit may retune it).
 CUDA_FWD_TOKENS = 1024
@@ -55,6 +62,32 @@ BWD_VOCAB = 4096
 def chunk_tokens(device: torch.device) -> int:
     """Tokens per forward chunk on ``device``: a constant per device type."""
     return CUDA_FWD_TOKENS if device.type == "cuda" else FWD_TOKENS
+
+
+#: :func:`tail_rows`'s probes: (weight shape, dtype, bias?, cap?, chunk, tail, threads) -> rows invariant.
+_TAIL_PROBES: dict[tuple, bool] = {}
+
+
+def tail_rows(w: Tensor, bias: Tensor | None, f: LogitFactors, C: int) -> int:
+    """The GEMM height of the forward's partial last chunk: :data:`TAIL_TOKENS` on the CPU when the logits of random
+    rows against ``w`` come out bit-identical from a ``TAIL_TOKENS``-row and a ``C``-row GEMM (probed once per
+    weight shape, dtype, bias, cap and thread count), else ``C`` (the tail zero-padded to a full chunk)."""
+    if w.device.type != "cpu" or not 0 < TAIL_TOKENS < C:
+        return C
+    key = (tuple(w.shape), w.dtype, bias is None, f.cap_out is None, C, TAIL_TOKENS, torch.get_num_threads())
+    if key not in _TAIL_PROBES:
+        h = torch.randn(C, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)  # [C, H]
+        full = _logits_into(torch.empty(C, w.shape[0]), h, w, bias, f)  # [C, V]
+        part = _logits_into(torch.empty(TAIL_TOKENS, w.shape[0]), h[:TAIL_TOKENS], w, bias, f)  # [TAIL, V]
+        _TAIL_PROBES[key] = torch.equal(full[:TAIL_TOKENS], part)
+    return TAIL_TOKENS if _TAIL_PROBES[key] else C
+
+
+def _chunks(T: int, C: int, tail: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, rows)`` of the forward's chunks: full chunks of ``C`` tokens, then the rest in GEMMs of
+    ``tail`` rows (the last zero-padded)."""
+    full = T // C * C
+    return [(s, s + C, C) for s in range(0, full, C)] + [(s, min(s + tail, T), tail) for s in range(full, T, tail)]
 
 
 def _fp32(x: Tensor) -> Tensor:
@@ -142,7 +175,7 @@ class _Grads:
     def keep_slope(self, z: Tensor) -> None:
         """Before the log-softmax overwrites the chunk's capped logits ``z [C, V]``: the cap's slope at them."""
         if self.slope is not None:
-            _cap_slope(z, self.f, self.slope)
+            _cap_slope(z, self.f, self.slope[: z.shape[0]])
 
     def add(self, start: int, stop: int, z: Tensor, h: Tensor, tgt: Tensor, logp: Tensor) -> None:
         """The chunk's tokens ``start:stop``: ``z [C, V]`` holds their log-softmax (rows past ``n = stop - start``:
@@ -188,16 +221,18 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
     grads = None if upstream is None else _Grads(hidden, w, bias, upstream, f, needs)
     if T == 0:
         return logp, lse, entropy, grads
-    hbuf = torch.zeros(C, H, dtype=w.dtype, device=device)  # [C, H]
-    z = torch.empty(C, V, **f32)  # [C, V]
+    chunks = _chunks(T, C, tail_rows(w, b, f, C) if T % C else C)  # (start, stop, GEMM rows)
+    M = max(m for _, _, m in chunks)  # the tallest GEMM
+    hbuf = torch.zeros(M, H, dtype=w.dtype, device=device)  # [M, H]
+    zbuf = torch.empty(M, V, **f32)  # [M, V]
     scratch = torch.empty(min(ENTROPY_ROWS, T), V, **f32) if compute_entropy else None  # [rows, V]
-    for start in range(0, T, C):
-        stop = min(start + C, T)
+    for start, stop, m in chunks:
         n = stop - start
-        hbuf[:n].copy_(hidden[start:stop])
-        if n < C:
-            hbuf[n:].zero_()
-        _logits_into(z, hbuf, w, b, f)
+        h, z = hbuf[:m], zbuf[:m]  # [m, H], [m, V]
+        h[:n].copy_(hidden[start:stop])
+        if n < m:
+            h[n:].zero_()
+        _logits_into(z, h, w, b, f)
         if grads is not None:
             grads.keep_slope(z)
         zc = z[:n]  # [n, V]
@@ -210,7 +245,7 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
         if entropy is not None:
             entropy[start:stop] = _entropy(zc, scratch)
         if grads is not None:
-            grads.add(start, stop, z, hbuf, tgt, logp_c)
+            grads.add(start, stop, z, h, tgt, logp_c)
     return logp, lse, entropy, grads
 
 

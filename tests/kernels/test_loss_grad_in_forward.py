@@ -148,6 +148,40 @@ def test_logprobs_are_bit_identical_and_batch_invariant():
     assert all(torch.equal(a[11:], b) for a, b in zip(plain, tail[:3]))
 
 
+@pytest.mark.parametrize("verdict", ["probed", "forced padding"])
+def test_a_partial_chunk_keeps_a_tokens_bits(verdict, monkeypatch):
+    """The rest after the full chunks runs in GEMMs of TAIL_TOKENS rows where the probe finds this BLAS giving a
+    row the same bits at both heights, else in one zero-padded chunk (forced here): either way a token's log-prob,
+    entropy and LSE, in both forwards, are bit for bit those it has inside a full chunk."""
+    monkeypatch.setattr(_loss_torch, "TAIL_TOKENS", 4)
+    monkeypatch.setattr(_loss_torch, "_TAIL_PROBES", {})
+    if verdict == "forced padding":
+        monkeypatch.setattr(_loss_torch, "tail_rows", lambda w, bias, f, C: C)
+    hidden, weight, bias, targets, _, _, _ = _inputs(7, [9, 13, 5], torch.float32)  # 27 tokens: 3 chunks of 8 + 3
+    # (this machine's BLAS: rows bit-identical at 4 and 8 rows, not at 2 or 3: the probe decides, never a guess)
+    grads = dict(needs_hidden_grad=True, needs_weight_grad=True, needs_bias_grad=True, compute_entropy=True)
+    whole = _loss_torch.logprobs_fwd(hidden, weight, targets, bias, compute_entropy=True)
+    heights, real = [], _loss_torch._logits_into
+
+    def spy(z, h, *args):
+        heights.append(z.shape[0])
+        return real(z, h, *args)
+
+    monkeypatch.setattr(_loss_torch, "_logits_into", spy)
+    for lo, hi in ((0, 5), (3, 10), (16, 27), (0, 27)):  # in full chunks there, in partial ones here
+        part = _loss_torch.logprobs_fwd(hidden[lo:hi], weight, targets[lo:hi], bias, compute_entropy=True)
+        assert all(torch.equal(a[lo:hi], b) for a, b in zip(whole, part)), (lo, hi)
+        fused = _loss_torch.logprobs_fwd_grads(
+            hidden[lo:hi], weight, targets[lo:hi], bias, lambda a, b, lp: torch.ones_like(lp), **grads
+        )
+        assert all(torch.equal(a[lo:hi], b) for a, b in zip(whole, fused[:3])), (lo, hi)
+    short = verdict == "probed" and all(_loss_torch._TAIL_PROBES.values())
+    assert verdict == "forced padding" or len(_loss_torch._TAIL_PROBES) == 1  # probed once, by the first call
+    tails = {5: [4, 4], 7: [4, 4], 3: [4]} if short else {5: [8], 7: [8], 3: [8]}
+    per_call = [tails[5], tails[7], [8, *tails[3]], [8, 8, 8, *tails[3]]]  # 5, 7, 8 + 3 and 3 x 8 + 3 tokens
+    assert heights == [h for call in per_call for h in call * 2], heights  # each twice: both forwards
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradient_gemms_take_the_real_tokens_only(dtype, monkeypatch):
     """A batch shorter than a chunk (one kept completion): the logits GEMM runs the fixed, zero-padded chunk (the
