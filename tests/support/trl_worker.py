@@ -44,12 +44,19 @@ def same_on_every_rank(value: torch.Tensor) -> None:
         torch.testing.assert_close(other, gathered[0], atol=0, rtol=0)
 
 
-def p0_equals_stock(model: str, out: pathlib.Path) -> None:
-    stock = train(GRPOTrainer, GRPOConfig, model, out / "stock")
-    cppo = train(CPPOTrainer, CPPOConfig, model, out / "cppo")
+def trains_as_stock(model: str, out: pathlib.Path, **options) -> tuple[CPPOTrainer, GRPOTrainer]:
+    """Stock GRPOTrainer and CPPOTrainer (P = 0, the fused loss) with ``options``: the same losses and weights."""
+    stock = train(GRPOTrainer, GRPOConfig, model, out / "stock", **options)
+    cppo = train(CPPOTrainer, CPPOConfig, model, out / "cppo", **options)
+    assert cppo.fused_loss_refused is None, cppo.fused_loss_refused
     torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
     for name, value in weights(stock).items():
         torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+    return cppo, stock
+
+
+def p0_equals_stock(model: str, out: pathlib.Path) -> None:
+    trains_as_stock(model, out)
 
 
 def entropy_quantile_equals_stock(model: str, out: pathlib.Path) -> None:
@@ -57,12 +64,7 @@ def entropy_quantile_equals_stock(model: str, out: pathlib.Path) -> None:
     ``get_high_entropy_mask`` takes it, so the run equals stock TRL; a cut over each process's own tokens (the
     gather switched off) trains differently, so the equality says the gather ran."""
     options = dict(top_entropy_quantile=0.5)
-    stock = train(GRPOTrainer, GRPOConfig, model, out / "quantile-stock", **options)
-    cppo = train(CPPOTrainer, CPPOConfig, model, out / "quantile-cppo", **options)
-    assert cppo.fused_loss_refused is None
-    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
-    for name, value in weights(stock).items():
-        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+    _, stock = trains_as_stock(model, out / "quantile", **options)
     gathered = cppo_loss._gathered_cut
     cppo_loss._gathered_cut = lambda trainer: None
     try:
@@ -80,12 +82,7 @@ def adaptive_entropy_equals_stock(model: str, out: pathlib.Path) -> None:
         use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=100.0, entropy_coef_delta=0.05,
         top_entropy_quantile=0.5, max_steps=3,
     )  # fmt: skip
-    stock = train(GRPOTrainer, GRPOConfig, model, out / "adaptive-stock", **options)
-    cppo = train(CPPOTrainer, CPPOConfig, model, out / "adaptive-cppo", **options)
-    assert cppo.fused_loss_refused is None
-    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
-    for name, value in weights(stock).items():
-        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+    cppo, stock = trains_as_stock(model, out / "adaptive", **options)
     coefs = metric(cppo, "entropy_coef")
     assert coefs == metric(stock, "entropy_coef") and len(coefs) == 3 and coefs[0] < coefs[1] < coefs[2], coefs
     assert abs(cppo._last_world_entropy - stock._last_world_entropy) <= 1e-5 * abs(stock._last_world_entropy)
