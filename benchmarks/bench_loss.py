@@ -12,9 +12,9 @@ Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given
 - ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo), gradients in its forward;
 - ``liger-triton`` (CUDA only): the logits matmul + Liger's ``triton_grpo_loss`` on those logits;
 - ``...-sapo``: each fused method again with TRL's ``sapo`` loss type (:data:`KIT_LOSS_TYPE`), beside dapo;
-- with ``--loss-types``, instead: each of :data:`LOSS_TYPES` on both fused paths (VESPO on the two-pass one only:
-  its per-sequence weight needs the whole sequence), and each one's time and working memory over dapo's on the
-  same path (``vs_dapo``);
+- with ``--loss-types``, instead: each of :data:`LOSS_TYPES` on both fused paths (VESPO's per-sequence weight needs
+  the whole sequence: on the gradient-in-forward path only where a sequence fits its chunk, ``--seq-len`` at most
+  256 on the CPU), and each one's time and working memory over dapo's on the same path (``vs_dapo``);
 - ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
   time is also reported as a multiple of it ("matmul-equivalents"), in wall time and in process CPU time
   (``time.process_time``, all threads; far less sensitive than wall time to other processes sharing the cores; on
@@ -56,6 +56,7 @@ from bench_out import out_file
 
 from cppo.fileio import atomic_path, run_metadata, write_json
 from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
+from cppo_kernels._loss_torch import chunk_tokens
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
 #: TRL 1.16's loss types on the fused loss: the options each sets beyond :data:`OPTIONS` (dapo: none).
@@ -76,7 +77,13 @@ def loss_type_of(name: str) -> str:
     return suffix if suffix in LOSS_TYPES else "dapo"
 
 
-SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences
+SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences (``--seq-len``)
+
+
+def set_seq_len(n: int) -> None:
+    """Every sequence of the run ``n`` tokens (``--seq-len``)."""
+    global SEQ_LEN
+    SEQ_LEN = n
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +151,7 @@ class Method(NamedTuple):
 
 def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...]) -> dict[str, Method]:
     """``fused_cppo_loss`` on both paths (gradient-in-forward, two-pass), once per loss type: dapo named as the path,
-    the others ``<path>-<type>`` (VESPO only two-pass: its per-sequence weight needs the whole sequence)."""
+    the others ``<path>-<type>`` (VESPO gradient-in-forward only where its sequences fit a chunk)."""
     h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
 
     def fused(backend: str, mode: str, loss_type: str) -> Callable[[], torch.Tensor]:
@@ -162,10 +169,13 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
         f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": ("torch", "grad-in-forward", True),
         f"fused-two-pass-{'triton' if cuda else 'torch'}": ("triton" if cuda else "torch", "two-pass", False),
     }
+    # VESPO's weight needs its whole sequence: gradient-in-forward runs it in chunks of whole sequences, on the CPU
+    # when a sequence fits one chunk (--seq-len at most 256), else only two-pass
+    whole = not cuda and SEQ_LEN <= chunk_tokens(device)
     methods = {}
     for name, (backend, mode, in_forward) in paths.items():
         for loss_type in loss_types:
-            if loss_type == "vespo" and mode == "grad-in-forward":
+            if loss_type == "vespo" and mode == "grad-in-forward" and not whole:
                 continue
             label = name if loss_type == "dapo" else f"{name}-{loss_type}"
             methods[label] = Method(fused(backend, mode, loss_type), in_forward)
@@ -421,7 +431,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=count(0), default=None, help="untimed rounds (default 0 on CPU, 2 on CUDA)")
     ap.add_argument("--out", type=pathlib.Path, help="the JSON; the PNG next to it (default: in benchmarks/runs/)")
     ap.add_argument("--loss-types", action="store_true", help="TRL's loss types on the fused paths, against dapo")
+    ap.add_argument("--seq-len", type=count(1), default=SEQ_LEN, help=f"tokens per sequence (default {SEQ_LEN})")
     args = ap.parse_args()
+    set_seq_len(args.seq_len)
     if args.out is not None:
         check_output_file(ap, "--out", args.out)
     if args.tokens is not None and args.tokens % SEQ_LEN:
@@ -448,6 +460,7 @@ def main() -> None:
         "repeats": args.repeats,
         "warmup": warmup,
         "options": OPTIONS,
+        "seq_len": SEQ_LEN,
         "loss_types": LOSS_TYPES if args.loss_types else {"dapo": {}, KIT_LOSS_TYPE: LOSS_TYPES[KIT_LOSS_TYPE]},
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,16 @@ from torch import Tensor
 
 from . import _loss_torch
 from ._loss_inputs import check_logits
-from ._policy import Batch, aggregate, token_grad, token_terms, token_weights
+from ._policy import (
+    Batch,
+    aggregate,
+    policy_terms,
+    sequence_slice,
+    token_grad,
+    token_terms,
+    token_weights,
+    vespo_weights,
+)  # fmt: skip
 from .config import LossConfig
 
 
@@ -102,6 +111,11 @@ def _needs(ctx, bias: Tensor | None) -> dict[str, Any]:
     )
 
 
+def backend_chunk(hidden: Tensor) -> int:
+    """The forward chunk of the gradient-in-forward backend (:mod:`cppo_kernels._loss_torch`) on hidden's device."""
+    return _loss_torch.chunk_tokens(hidden.device)
+
+
 class GradInForward(torch.autograd.Function):
     """(hidden [T, H], weight [V, H], bias [V]) -> (loss, logp, ratio, kl or None, entropy or None): the loss of
     token-level importance sampling, its gradients computed in the forward pass.
@@ -126,12 +140,27 @@ class GradInForward(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=hidden.device)
         per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
         kl = None if batch.ref is None else torch.empty(T, **f32)  # [T]
+        phi = torch.zeros(batch.num_seqs, **f32) if cfg.surrogate == "vespo" else None  # [S]
         weights = token_weights(batch, cfg)  # [T]
+        chunks = None
+        if cfg.sequence_rule is not None:  # chunks of whole sequences: (start, stop) -> (first, end sequence)
+            seqs = {
+                (a, b): (s0, s1) for a, b, s0, s1 in _loss_torch.sequence_chunks(batch.lengths, backend_chunk(hidden))
+            }
+            chunks = list(seqs)
 
         def chunk_upstream(start: int, stop: int, logp: Tensor) -> Tensor:
             rows = slice(start, stop)
             old, ref, w = (None if x is None else x[rows] for x in (batch.old, batch.ref, batch.weight))
-            if cfg.plain and w is None:
+            if chunks is not None:  # autograd through the chunk's sequences' terms (VESPO's phi, sequence ratios)
+                s0, s1 = seqs[start, stop]
+                with torch.enable_grad():
+                    x = logp.detach().requires_grad_()
+                    *terms, seq_phi, _ = policy_terms(x, sequence_slice(batch, s0, s1, start, stop), cfg)
+                    (upstream[rows],) = torch.autograd.grad(terms[0], x, grad_outputs=weights[rows])
+                if phi is not None:
+                    phi[s0:s1] = seq_phi.detach()
+            elif cfg.plain and w is None:
                 terms = token_terms(logp, batch.adv[rows], old, ref, cfg)
                 upstream[rows] = token_grad(logp, batch.adv[rows], old, ref, cfg) * weights[rows]
             else:  # autograd through the elementwise terms: each token's own derivative
@@ -149,9 +178,11 @@ class GradInForward(torch.autograd.Function):
             hidden, weight, targets, bias, chunk_upstream, temperature=cfg.temperature,
             compute_entropy=cfg.compute_entropy, logit_scale=transform[0], softcap=transform[1],
             needs_hidden_grad=needs[0], needs_weight_grad=needs[1],
-            needs_bias_grad=bias is not None and needs[2],
+            needs_bias_grad=bias is not None and needs[2], chunks=chunks,
         )  # fmt: skip
         check_logits(lse, logp, hidden, weight, bias)
+        if phi is not None and T == 0:  # no chunk ran: the empty sequences' gamma weights, as the two-pass path's
+            phi = vespo_weights(logp, batch, cfg)
         ctx.grads = grads
         ctx.save_for_backward(hidden, weight, bias, targets, lse, upstream)
         ctx.temperature = cfg.temperature
@@ -159,8 +190,8 @@ class GradInForward(torch.autograd.Function):
         ctx.backend = backend
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(x for x in (logp, ratio, kl, entropy) if x is not None))
-        return aggregate(per_token, batch, cfg), logp, ratio, kl, entropy
+        ctx.mark_non_differentiable(*(x for x in (logp, ratio, kl, entropy, phi) if x is not None))
+        return aggregate(per_token, batch, cfg), logp, ratio, kl, entropy, phi
 
     @staticmethod
     @_first_order

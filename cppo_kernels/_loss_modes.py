@@ -26,8 +26,10 @@ MODES = ("auto", "two-pass", "grad-in-forward")
 #: kernels, and gradient-in-forward (cuBLAS) for the torch backend, until the GPU kit's first run
 #: (benchmarks/gpu_check.py) times both at its shapes and sets these CUDA rows to the faster mode per class.
 #: The interpreter (Triton on CPU: the tests) runs the Triton two-pass kernels. Whatever the rule, the options of
-#: :attr:`LossConfig.two_pass_rule` (sequence-level ratios, VESPO, the off-policy and entropy masks, the entropy
-#: bonus) run two-pass: they need a whole sequence or the whole call before any token's gradient is known.
+#: :attr:`LossConfig.call_rule` (the entropy mask and bonus) run two-pass: they need the whole call before any
+#: token's gradient is known; those of :attr:`LossConfig.sequence_rule` (sequence-level ratios, VESPO, the
+#: off-policy mask) run gradient-in-forward in chunks of whole sequences on the CPU when every sequence fits one
+#: chunk (:func:`cppo_kernels._loss_torch.chunk_tokens`), two-pass otherwise.
 MODE_RULES: dict[tuple[str, str, str | None], str] = {
     ("cpu", "torch", None): "grad-in-forward",
     ("cpu", "triton", None): "two-pass",
@@ -48,24 +50,40 @@ def resolve_mode(mode: str, hidden: Tensor) -> str:
 
 
 def check_mode(mode: str, cfg: LossConfig) -> None:
-    """``mode`` is one of :data:`MODES`, and gradient-in-forward comes with options whose gradient is known token by
-    token (:attr:`LossConfig.two_pass_rule`: none of them needs a whole sequence or the whole call)."""
+    """``mode`` is one of :data:`MODES`, and gradient-in-forward comes without options that need the whole call
+    (:attr:`LossConfig.call_rule`); whether its sequences fit a chunk is :func:`call_mode`'s to check."""
     check_choice("mode", mode, MODES)
-    rule = cfg.two_pass_rule
+    rule = cfg.call_rule
     if mode == "grad-in-forward" and rule is not None:
         raise ValueError(
-            f"mode='grad-in-forward' cannot run {rule}: it needs a whole sequence or the whole call before any "
-            "token's gradient is known, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
+            f"mode='grad-in-forward' cannot run {rule}: it needs the whole call before any token's gradient is "
+            "known, so its gradients take the two-pass path (mode='auto' or 'two-pass')"
         )
 
 
-def call_mode(mode: str, cfg: LossConfig, hidden: Tensor, head: tuple[Tensor, Tensor | None]) -> str:
-    """The mode a call runs: gradient-in-forward when ``mode`` resolves to it, every token's gradient is its own
-    (no :attr:`LossConfig.two_pass_rule`) and gradients are wanted (grad mode on, hidden, weight or bias requiring
-    grad); two-pass otherwise."""
-    token_level = cfg.two_pass_rule is None
-    if token_level and resolve_mode(mode, hidden) == "grad-in-forward" and wants_grad(hidden, *head):
+def call_mode(
+    mode: str, cfg: LossConfig, hidden: Tensor, head: tuple[Tensor, Tensor | None], lengths: Tensor | None = None
+) -> str:
+    """The mode a call runs: gradient-in-forward when ``mode`` resolves to it, gradients are wanted (grad mode on,
+    hidden, weight or bias requiring grad), no option needs the whole call and, with an option of
+    :attr:`LossConfig.sequence_rule`, the call is on the CPU and each sequence (``lengths [S]``) fits one chunk;
+    two-pass otherwise (an explicit ``mode="grad-in-forward"`` whose sequences do not fit: a ValueError)."""
+    if resolve_mode(mode, hidden) != "grad-in-forward" or not wants_grad(hidden, *head) or cfg.call_rule:
+        return "two-pass"
+    if cfg.sequence_rule is None:
         return "grad-in-forward"
+    from ._loss_torch import chunk_tokens
+
+    chunk = chunk_tokens(hidden.device)
+    longest = int(lengths.max()) if lengths is not None and lengths.numel() else 0
+    if hidden.device.type == "cpu" and longest <= chunk:
+        return "grad-in-forward"
+    if mode == "grad-in-forward":
+        raise ValueError(
+            f"mode='grad-in-forward' runs {cfg.sequence_rule} in chunks of whole sequences, on the CPU only, each "
+            f"sequence at most {chunk} tokens: got a {hidden.device.type} call whose longest sequence has {longest} "
+            "(mode='auto' or 'two-pass')"
+        )
     return "two-pass"
 
 

@@ -15,8 +15,9 @@ allocation.
   1 matmul into a ``[chunk, V]`` buffer and an in-place ``log_softmax`` (row-local, so about one pass over
   memory). Every logit matmul runs on a block of fixed height, zero-padded: BLAS may pick different kernels for
   different row counts, and fixed shapes are what make a token's log-prob independent of the tokens it is batched
-  with, bit for bit. Full chunks are ``[chunk, H]``; the rest goes in ``[TAIL_TOKENS, H]`` blocks on the CPU where
-  a probe finds this BLAS giving a row the same bits at both heights (:func:`tail_rows`), else in a padded chunk.
+  with, bit for bit. Full chunks are ``[chunk, H]``; a partial one is rounded up to a multiple of ``TAIL_TOKENS``
+  rows on the CPU where a probe finds this BLAS giving a row the same bits at each such height (:func:`block_rows`),
+  else padded to a full chunk.
 - Gradient in the forward (``logprobs_fwd_grads``): the same forward, then, while the chunk's log-softmax is still
   in the buffer, the chunk's upstream gradients ``g`` (a callback: the loss knows them from each token alone),
   ``Q = softmax - onehot`` in place (one ``exp``), ``dhidden = (Q @ W) * (-g / temperature)`` and
@@ -37,17 +38,17 @@ from torch import Tensor
 
 from ._loss_inputs import LogitFactors, logit_factors
 
-__all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens"]
+__all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens", "sequence_chunks"]
 
 # Block sizes: constants (never derived from T), so results do not depend on batch composition.
 #: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 156 MB at V = 151,936). 256 measured
 #: as fast as 512 and 128 at T = 2048, H = 896 on 2 cores (the three matmuls at 1.8 plain-matmul equivalents).
 FWD_TOKENS = 256
-#: GEMM rows of the forward's last, partial chunk on the CPU: a short call (one kept completion, ~40 tokens) pays a
-#: 64-row logits GEMM, not a 256-row one (0.05 s against 0.2 s at V = 49,152, H = 576). Only where the BLAS gives
-#: each row the same bits at both heights (probed once per weight shape, dtype and thread count:
-#: :func:`tail_rows`), so a token's log-prob still does not depend on its batch; else the tail is padded to the
-#: full chunk.
+#: GEMM height granularity of the forward's partial chunks on the CPU: a short call (one kept completion, ~40
+#: tokens) pays a 64-row logits GEMM, not a 256-row one (0.05 s against 0.2 s at V = 49,152, H = 576). Only where
+#: the BLAS gives each row the same bits at every multiple of it up to the chunk (probed once per weight shape,
+#: dtype and thread count: :func:`block_rows`), so a token's log-prob still does not depend on its batch; else a
+#: partial chunk is padded to the full chunk.
 TAIL_TOKENS = 64
 #: Tokens per forward chunk on CUDA (``[1024, V]`` fp32: 622 MB at V = 151,936): large enough for cuBLAS and few
 #: launches; not yet timed on a GPU (the GPU kit may retune it).
@@ -64,30 +65,45 @@ def chunk_tokens(device: torch.device) -> int:
     return CUDA_FWD_TOKENS if device.type == "cuda" else FWD_TOKENS
 
 
-#: :func:`tail_rows`'s probes: (weight shape, dtype, bias?, cap?, chunk, tail, threads) -> rows invariant.
-_TAIL_PROBES: dict[tuple, bool] = {}
+#: :func:`block_rows`'s probes: (weight shape, dtype, bias?, cap?, chunk, block, threads) -> rows invariant.
+_BLOCK_PROBES: dict[tuple, bool] = {}
 
 
-def tail_rows(w: Tensor, bias: Tensor | None, f: LogitFactors, C: int) -> int:
-    """The GEMM height of the forward's partial last chunk: :data:`TAIL_TOKENS` on the CPU when the logits of random
-    rows against ``w`` come out bit-identical from a ``TAIL_TOKENS``-row and a ``C``-row GEMM (probed once per
-    weight shape, dtype, bias, cap and thread count), else ``C`` (the tail zero-padded to a full chunk)."""
+def block_rows(w: Tensor, bias: Tensor | None, f: LogitFactors, C: int) -> int:
+    """The height granularity of the forward's partial chunks: :data:`TAIL_TOKENS` on the CPU when the logits of
+    random rows against ``w`` come out bit-identical from GEMMs of every multiple of ``TAIL_TOKENS`` rows below
+    ``C`` and from a ``C``-row GEMM (probed once per weight shape, dtype, bias, cap and thread count), else ``C``."""
     if w.device.type != "cpu" or not 0 < TAIL_TOKENS < C:
         return C
     key = (tuple(w.shape), w.dtype, bias is None, f.cap_out is None, C, TAIL_TOKENS, torch.get_num_threads())
-    if key not in _TAIL_PROBES:
+    if key not in _BLOCK_PROBES:
         h = torch.randn(C, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)  # [C, H]
         full = _logits_into(torch.empty(C, w.shape[0]), h, w, bias, f)  # [C, V]
-        part = _logits_into(torch.empty(TAIL_TOKENS, w.shape[0]), h[:TAIL_TOKENS], w, bias, f)  # [TAIL, V]
-        _TAIL_PROBES[key] = torch.equal(full[:TAIL_TOKENS], part)
-    return TAIL_TOKENS if _TAIL_PROBES[key] else C
+        heights = range(TAIL_TOKENS, C, TAIL_TOKENS)
+        parts = (_logits_into(torch.empty(m, w.shape[0]), h[:m], w, bias, f) for m in heights)
+        _BLOCK_PROBES[key] = all(torch.equal(full[: part.shape[0]], part) for part in parts)
+    return TAIL_TOKENS if _BLOCK_PROBES[key] else C
 
 
-def _chunks(T: int, C: int, tail: int) -> list[tuple[int, int, int]]:
-    """``(start, stop, rows)`` of the forward's chunks: full chunks of ``C`` tokens, then the rest in GEMMs of
-    ``tail`` rows (the last zero-padded)."""
-    full = T // C * C
-    return [(s, s + C, C) for s in range(0, full, C)] + [(s, min(s + tail, T), tail) for s in range(full, T, tail)]
+def _chunks(T: int, C: int, block: int, bounds: list[tuple[int, int]] | None) -> list[tuple[int, int, int]]:
+    """``(start, stop, rows)`` of the forward's chunks (``bounds``: given chunks of at most ``C`` tokens; else full
+    chunks of ``C`` tokens and the rest), each GEMM ``rows`` high: ``C``, or the rows rounded up to ``block``."""
+    bounds = bounds if bounds is not None else [(s, min(s + C, T)) for s in range(0, T, C)]
+    return [(a, b, min(C, -(-(b - a) // block) * block)) for a, b in bounds]
+
+
+def sequence_chunks(lengths: Tensor, C: int) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, first sequence, end sequence)`` of chunks of whole sequences, each at most ``C`` tokens
+    (every sequence fits one: :func:`cppo_kernels._loss_modes.call_mode`), filled greedily in order."""
+    chunks, start, s0, size = [], 0, 0, 0
+    for s, n in enumerate(lengths.tolist()):
+        if size + n > C and size:
+            chunks.append((start, start + size, s0, s))
+            start, s0, size = start + size, s, 0
+        size += n
+    if size or not chunks:
+        chunks.append((start, start + size, s0, len(lengths)))
+    return chunks
 
 
 def _fp32(x: Tensor) -> Tensor:
@@ -219,9 +235,10 @@ def _cast_grads(dweight: Tensor | None, dbias: Tensor | None, weight: Tensor, bi
     )
 
 
-def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bool, upstream, needs):
+def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bool, upstream, needs, bounds=None):
     """``(logp, lse, entropy, grads)``: the chunked forward (see the module docstring), with the gradients of
-    :class:`_Grads` when ``upstream`` is given (else ``grads`` is None)."""
+    :class:`_Grads` when ``upstream`` is given (else ``grads`` is None); ``bounds``: the chunks' ``(start, stop)``
+    (default: fixed chunks)."""
     (T, H), V, device = hidden.shape, weight.shape[0], hidden.device
     C = chunk_tokens(device)
     w = _compute_weight(weight)  # [V, H]
@@ -232,7 +249,8 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
     grads = None if upstream is None else _Grads(hidden, w, bias, upstream, f, needs)
     if T == 0:
         return logp, lse, entropy, grads
-    chunks = _chunks(T, C, tail_rows(w, b, f, C) if T % C else C)  # (start, stop, GEMM rows)
+    partial = T % C if bounds is None else any(b - a < C for a, b in bounds)
+    chunks = _chunks(T, C, block_rows(w, b, f, C) if partial else C, bounds)  # (start, stop, GEMM rows)
     M = max(m for _, _, m in chunks)  # the tallest GEMM
     hbuf = torch.zeros(M, H, dtype=w.dtype, device=device)  # [M, H]
     zbuf = torch.empty(M, V, **f32)  # [M, V]
@@ -296,6 +314,7 @@ def logprobs_fwd_grads(
     needs_hidden_grad: bool = True,
     needs_weight_grad: bool = True,
     needs_bias_grad: bool = False,
+    chunks: list[tuple[int, int]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """:func:`logprobs_fwd` and, in the same pass, the gradients of ``sum_t g_t * logp_t`` w.r.t. hidden, weight and
     bias, where ``g = upstream(start, stop, logp[start:stop])`` (fp32 ``[stop - start]``) is asked for each chunk of
@@ -304,11 +323,12 @@ def logprobs_fwd_grads(
     Returns ``(logp, lse, entropy, dhidden, dweight, dbias)``: fp32 ``[T]`` (entropy None unless
     ``compute_entropy``), then the gradients in fp32 (the caller scales them, then rounds them to the inputs'
     dtypes once: an fp16 gradient could overflow before its scaling), None where not needed (``needs_bias_grad``
-    only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s.
+    only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s. ``chunks``: the chunks'
+    ``(start, stop)``, each at most :func:`chunk_tokens` (:func:`sequence_chunks`: whole sequences), else fixed.
     """
     needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad)
     f = logit_factors(temperature, logit_scale, softcap)
-    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs)
+    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs, chunks)
     return logp, lse, entropy, *grads.result()
 
 

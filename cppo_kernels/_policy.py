@@ -41,6 +41,8 @@ __all__ = [
     "token_grad",
     "token_weights",
     "aggregate",
+    "policy_terms",
+    "sequence_slice",
     "policy_loss",
     "metrics",
 ]
@@ -358,6 +360,40 @@ def entropy_bonus(entropy: Tensor, ent_mask: Tensor | None, cfg: LossConfig) -> 
     return _bounded(cfg.entropy_coef * mean)
 
 
+def policy_terms(
+    logp: Tensor, batch: Batch, cfg: LossConfig, entropy: Tensor | None = None, threshold_fn: ThresholdFn | None = None
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``(per_token, ratio, kl, phi, entropy_mask)`` of :func:`policy_loss` before its aggregation: each token's
+    term (differentiable in ``logp [T]``) after the sequence's log-ratio (``importance_sampling="sequence"``), VESPO's
+    gamma weight ``phi [S]`` and the masks, from the sequences of ``batch`` alone (gradient-in-forward calls it on
+    chunks of whole sequences)."""
+    token_log_ratio = logp - (logp.detach() if batch.old is None else batch.old)  # [T]
+    log_ratio = None
+    if cfg.importance_sampling == "sequence":
+        log_ratio = _seq_mean(token_log_ratio, batch)[batch.seq_of]
+    phi = vespo_weights(token_log_ratio, batch, cfg) if cfg.surrogate == "vespo" else None  # [S]
+    weight, ent_mask = token_mask(logp, entropy, batch, cfg, threshold_fn)
+    per_token, ratio, kl = token_terms(
+        logp, batch.adv, batch.old, batch.ref, cfg, log_ratio, weight=weight,
+        phi=None if phi is None else phi[batch.seq_of],
+    )  # fmt: skip
+    return per_token, ratio, kl, phi, ent_mask
+
+
+def sequence_slice(batch: Batch, s0: int, s1: int, start: int, stop: int) -> Batch:
+    """The :class:`Batch` of sequences ``s0:s1``, which hold exactly the tokens ``start:stop``."""
+    rows = slice(start, stop)
+
+    def part(x: Tensor | None, r) -> Tensor | None:
+        return None if x is None else x[r]
+
+    return Batch(
+        batch.adv[rows], batch.seq_adv[s0:s1], part(batch.old, rows), part(batch.ref, rows), batch.seq_of[rows] - s0,
+        batch.lengths[s0:s1], s1 - s0, part(batch.weight, rows), part(batch.log_weight_sums, slice(s0, s1)),
+        part(batch.sampling, rows),
+    )  # fmt: skip
+
+
 def policy_loss(
     logp: Tensor,
     advantages: Tensor,
@@ -388,16 +424,7 @@ def policy_loss(
         advantages, cu_seqlens, old_logprobs, ref_logprobs, logp.numel(),
         importance_weights=importance_weights, weights_per_seq=weights_per_seq, sampling_logprobs=sampling_logprobs,
     )  # fmt: skip
-    token_log_ratio = logp - (logp.detach() if batch.old is None else batch.old)  # [T]
-    log_ratio = None
-    if cfg.importance_sampling == "sequence":
-        log_ratio = _seq_mean(token_log_ratio, batch)[batch.seq_of]
-    phi = vespo_weights(token_log_ratio, batch, cfg) if cfg.surrogate == "vespo" else None  # [S]
-    weight, ent_mask = token_mask(logp, entropy, batch, cfg, entropy_threshold_fn)
-    per_token, ratio, kl = token_terms(
-        logp, batch.adv, batch.old, batch.ref, cfg, log_ratio, weight=weight,
-        phi=None if phi is None else phi[batch.seq_of],
-    )  # fmt: skip
+    per_token, ratio, kl, phi, ent_mask = policy_terms(logp, batch, cfg, entropy, entropy_threshold_fn)
     loss = aggregate(per_token, batch, cfg)
     out = metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi, ent_mask=ent_mask)
     if cfg.entropy_coef != 0.0:

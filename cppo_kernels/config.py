@@ -181,12 +181,27 @@ class LossConfig:
 
     @property
     def two_pass_rule(self) -> str | None:
-        """The option that needs a whole sequence or the whole call before any token's gradient is known (so the
-        gradients take the two-pass path), as ``name=value``; None when every token's gradient is its own."""
+        """The option that needs a whole sequence or the whole call before any token's gradient is known, as
+        ``name=value`` (:attr:`sequence_rule`, then :attr:`call_rule`); None when every token's gradient is its own."""
+        return self.sequence_rule or self.call_rule
+
+    @property
+    def sequence_rule(self) -> str | None:
+        """The option whose token gradients need their whole sequence (the sequence's mean log-ratio, VESPO's gamma
+        weight, the off-policy mask's mean), as ``name=value``; None if none. Gradient-in-forward runs them in
+        chunks of whole sequences."""
         rules = (
             (self.importance_sampling == "sequence", "importance_sampling='sequence'"),
             (self.surrogate == "vespo", "surrogate='vespo'"),
             (self.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={self.off_policy_mask_threshold}"),
+        )
+        return next((name for hit, name in rules if hit), None)
+
+    @property
+    def call_rule(self) -> str | None:
+        """The option whose token gradients need every token of the call (the entropy mask's quantile, the entropy
+        bonus's mean), as ``name=value``; None if none: those run two-pass."""
+        rules = (
             (self.top_entropy_quantile < 1.0, f"top_entropy_quantile={self.top_entropy_quantile}"),
             (self.entropy_coef != 0.0, f"entropy_coef={self.entropy_coef}"),
         )

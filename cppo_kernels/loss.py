@@ -10,9 +10,8 @@ over the backend module the dispatcher gives for that mode (:func:`cppo_kernels.
 - two-pass: the per-token log-probs (``_loss_triton``, Triton kernels; ``_loss_torch``, chunked PyTorch; neither
   validates again nor materialises ``[T, V]`` logits), then the O(T) policy math of :mod:`cppo_kernels._policy`
   under autograd; the backward recomputes the logits (4 matmuls in all);
-- gradient-in-forward (token-level importance sampling, gradients wanted): the forward computes the gradients too,
-  chunk by chunk while the logits are in memory (3 matmuls in all); only ``_loss_torch`` implements it, so the
-  dispatcher runs it there whatever the backend.
+- gradient-in-forward (gradients wanted, no option needing the whole call): the forward computes the gradients
+  too, chunk by chunk while the logits are in memory (3 matmuls); ``_loss_torch`` runs it whatever the backend.
 
 The options are the fields of :class:`cppo_kernels.LossConfig` (their one definition, with the defaults): the
 public signatures list them as keywords for ``help`` and IDEs, and tests check that they equal the fields.
@@ -134,10 +133,10 @@ def fused_cppo_loss(
     Modes (same results within fp32 rounding): ``"two-pass"`` computes the log-probs in the forward and the
     gradients in the backward, recomputing the logits (4 matmuls); ``"grad-in-forward"`` computes the gradients in
     the forward, chunk by chunk while the logits are in memory, and the backward only scales them (3 matmuls; the
-    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward needs options whose gradients are
-    known token by token (not sequence-level importance sampling, ``surrogate="vespo"``, the off-policy or entropy
-    masks or the entropy bonus: :attr:`LossConfig.two_pass_rule`) and runs only when gradients are wanted (grad
-    mode on and hidden, weight or bias requiring grad): otherwise nothing beyond the log-probs is computed. It runs
+    ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward runs options that need a whole
+    sequence (:attr:`LossConfig.sequence_rule`) on the CPU in chunks of whole sequences, none that needs the whole
+    call (:attr:`LossConfig.call_rule`), and only when gradients are wanted (grad mode on and hidden, weight or bias
+    requiring grad): otherwise nothing beyond the log-probs is computed. It runs
     the chunked PyTorch code (CPU BLAS, or cuBLAS on CUDA) whatever the backend. It supports a scaled loss, gradient
     accumulation over micro-batches, a loss used several times in one graph and a second backward through a retained
     graph (recomputed); neither mode supports double backward (``create_graph=True`` raises).
@@ -168,17 +167,17 @@ def fused_cppo_loss(
         logit_softcap: the model's final tanh cap (finite, > 0), Gemma 2/3's ``final_logit_softcapping``; None:
             no cap. Gradients flow through it.
         entropy_threshold_fn: with ``top_entropy_quantile < 1``, the entropy mask's cut from the call's detached
-            fp32 token entropies ``[T]`` (a float or 1-element tensor, finite), called once per call, an empty one
-            included; default: their ``1 - top_entropy_quantile`` quantile (linear interpolation). A caller on
-            several processes passes one that gathers every process's entropies first (TRL's ``get_high_entropy_mask``).
-            Eager only: ``torch.compile`` breaks the graph there (``fullgraph=True`` stops, naming this option).
+            fp32 token entropies ``[T]`` (a finite float or 1-element tensor), called once per call, an empty one
+            included; default: their ``1 - top_entropy_quantile`` quantile. A caller on several processes passes one
+            that gathers every process's entropies first (TRL's ``get_high_entropy_mask``). Eager only:
+            ``torch.compile`` breaks the graph there (``fullgraph=True`` stops, naming this option).
         config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
             its default (else ``ValueError``).
         temperature, ..., entropy_coef: the loss options, each documented in :class:`LossConfig`.
         mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
             PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides; two-pass whatever the
-            rule for the options of :attr:`LossConfig.two_pass_rule`), ``"two-pass"`` or ``"grad-in-forward"`` (a
-            ``ValueError`` with those options).
+            rule for the options of :attr:`LossConfig.call_rule`), ``"two-pass"`` or ``"grad-in-forward"`` (a
+            ``ValueError`` with those options, or with a sequence longer than a chunk for a sequence rule).
 
     Returns:
         ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
@@ -246,15 +245,16 @@ def eager_loss(
     h = p.x.contiguous()  # [T, H]
     head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
     tgt = p.targets.to(torch.int64).contiguous()  # [T]
-    run = call_mode(mode, cfg, h, head)
+    run = call_mode(mode, cfg, h, head, p.cu_seqlens[1:] - p.cu_seqlens[:-1])
     backend = backend_module("loss", h, mode=run)
     if run == "grad-in-forward":
         batch = batch_constants(
             p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0],
             importance_weights=p.importance_weights, weights_per_seq=p.weights_per_seq,
+            sampling_logprobs=p.sampling_logprobs,
         )  # fmt: skip
-        loss, logp, ratio, kl, entropy = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
-        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss)
+        loss, logp, ratio, kl, entropy, phi = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
+        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi)
     entropy_grad = cfg.entropy_coef != 0.0 and wants_grad(h, *head)
     logp, entropy = FusedLogProbs.apply(
         h, *head, tgt, cfg.temperature, cfg.needs_entropy, backend, transform, entropy_grad

@@ -150,13 +150,13 @@ def test_logprobs_are_bit_identical_and_batch_invariant():
 
 @pytest.mark.parametrize("verdict", ["probed", "forced padding"])
 def test_a_partial_chunk_keeps_a_tokens_bits(verdict, monkeypatch):
-    """The rest after the full chunks runs in GEMMs of TAIL_TOKENS rows where the probe finds this BLAS giving a
-    row the same bits at both heights, else in one zero-padded chunk (forced here): either way a token's log-prob,
+    """A partial chunk's GEMM is its rows rounded up to TAIL_TOKENS where the probe finds this BLAS giving a row the
+    same bits at every such height, else a zero-padded full chunk (forced here): either way a token's log-prob,
     entropy and LSE, in both forwards, are bit for bit those it has inside a full chunk."""
     monkeypatch.setattr(_loss_torch, "TAIL_TOKENS", 4)
-    monkeypatch.setattr(_loss_torch, "_TAIL_PROBES", {})
+    monkeypatch.setattr(_loss_torch, "_BLOCK_PROBES", {})
     if verdict == "forced padding":
-        monkeypatch.setattr(_loss_torch, "tail_rows", lambda w, bias, f, C: C)
+        monkeypatch.setattr(_loss_torch, "block_rows", lambda w, bias, f, C: C)
     hidden, weight, bias, targets, _, _, _ = _inputs(7, [9, 13, 5], torch.float32)  # 27 tokens: 3 chunks of 8 + 3
     # (this machine's BLAS: rows bit-identical at 4 and 8 rows, not at 2 or 3: the probe decides, never a guess)
     grads = dict(needs_hidden_grad=True, needs_weight_grad=True, needs_bias_grad=True, compute_entropy=True)
@@ -168,18 +168,71 @@ def test_a_partial_chunk_keeps_a_tokens_bits(verdict, monkeypatch):
         return real(z, h, *args)
 
     monkeypatch.setattr(_loss_torch, "_logits_into", spy)
-    for lo, hi in ((0, 5), (3, 10), (16, 27), (0, 27)):  # in full chunks there, in partial ones here
+    for lo, hi in ((0, 3), (3, 10), (16, 27), (0, 27)):  # in full chunks there, in partial ones here
         part = _loss_torch.logprobs_fwd(hidden[lo:hi], weight, targets[lo:hi], bias, compute_entropy=True)
         assert all(torch.equal(a[lo:hi], b) for a, b in zip(whole, part)), (lo, hi)
         fused = _loss_torch.logprobs_fwd_grads(
             hidden[lo:hi], weight, targets[lo:hi], bias, lambda a, b, lp: torch.ones_like(lp), **grads
         )
         assert all(torch.equal(a[lo:hi], b) for a, b in zip(whole, fused[:3])), (lo, hi)
-    short = verdict == "probed" and all(_loss_torch._TAIL_PROBES.values())
-    assert verdict == "forced padding" or len(_loss_torch._TAIL_PROBES) == 1  # probed once, by the first call
-    tails = {5: [4, 4], 7: [4, 4], 3: [4]} if short else {5: [8], 7: [8], 3: [8]}
-    per_call = [tails[5], tails[7], [8, *tails[3]], [8, 8, 8, *tails[3]]]  # 5, 7, 8 + 3 and 3 x 8 + 3 tokens
+    short = verdict == "probed" and all(_loss_torch._BLOCK_PROBES.values())
+    assert verdict == "forced padding" or len(_loss_torch._BLOCK_PROBES) == 1  # probed once, by the first call
+    tail = 4 if short else 8  # a partial chunk of 3 tokens
+    per_call = [[tail], [8], [8, tail], [8, 8, 8, tail]]  # 3, 7, 8 + 3 and 3 x 8 + 3 tokens
     assert heights == [h for call in per_call for h in call * 2], heights  # each twice: both forwards
+
+
+SEQUENCE_RULES = {
+    "gspo": dict(importance_sampling="sequence"),
+    "vespo": dict(surrogate="vespo"),
+    "off-policy": dict(off_policy_mask_threshold=0.05),
+    "luspo+weights": dict(importance_sampling="sequence", loss_agg="seq-mean-token-sum", delta=1.5),
+}
+
+
+@pytest.mark.parametrize("rule", SEQUENCE_RULES)
+def test_sequence_rules_run_in_chunks_of_whole_sequences(rule, monkeypatch):
+    """Options that need a whole sequence run gradient-in-forward in chunks of whole sequences (every sequence within
+    a chunk of 8): the loss, metrics and gradients equal the two-pass path's, and no chunk splits a sequence."""
+    lengths = [3, 4, 0, 6, 2, 7, 5]  # greedy chunks: [3, 4, 0], [6, 2], [7], [5]
+    seen = []
+    real = _loss_torch.logprobs_fwd_grads
+
+    def spy(*args, chunks=None, **kwargs):
+        seen.append(chunks)
+        return real(*args, chunks=chunks, **kwargs)
+
+    monkeypatch.setattr(_loss_torch, "logprobs_fwd_grads", spy)
+    hidden, weight, bias, targets, adv, old, ref = _inputs(13, lengths, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    options = dict(beta=0.04, old_logprobs=old, ref_logprobs=ref, **SEQUENCE_RULES[rule])
+    options["sampling_logprobs"] = old + 0.1 * torch.randn(old.shape, generator=g)
+    options["importance_weights"] = torch.rand(len(lengths), generator=g) + 0.5
+    args = (hidden, weight, bias, targets, adv, cu_seqlens(lengths))
+    loss, metrics, grads = _run("grad-in-forward", *args, **options)
+    assert seen == [[(0, 7), (7, 15), (15, 22), (22, 27)]], seen
+    want, want_metrics, want_grads = _run("two-pass", *args, **options)
+    assert_close("loss", loss, want, 1e-6)
+    assert set(metrics) == set(want_metrics)
+    for key in want_metrics:
+        assert_close(key, metrics[key], want_metrics[key], 1e-5, 1e-7)
+    for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        assert_close(name, got, exp, 1e-5, 1e-7)
+
+
+def test_a_sequence_longer_than_a_chunk_takes_the_two_pass_path(monkeypatch):
+    """Under mode="auto" a sequence rule with a sequence longer than a chunk runs two-pass; an explicit
+    mode="grad-in-forward" says why it cannot."""
+    calls = _spy(monkeypatch)
+    hidden, weight, bias, targets, adv, old, _ = _inputs(5, [9, 4], torch.float32)  # 9 > the chunk of 8
+    h = hidden.clone().requires_grad_()
+    fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu_seqlens([9, 4]), importance_sampling="sequence")
+    assert calls == []
+    with pytest.raises(ValueError, match=r"in chunks of whole sequences, on the CPU only, each sequence at most 8"):
+        fused_cppo_loss(
+            h, weight, targets, adv, cu_seqlens=cu_seqlens([9, 4]), importance_sampling="sequence",
+            mode="grad-in-forward",
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -222,8 +275,9 @@ def _spy(monkeypatch) -> list[int]:
 
 
 def test_when_the_gradients_are_computed_in_the_forward(monkeypatch):
-    """Only with grad mode on, an input requiring grad and token-level IS; the CPU rule for the torch backend picks
-    it under mode="auto"; the rule table decides (the GPU kit overrides it)."""
+    """Only with grad mode on, an input requiring grad and no option needing the whole call (the entropy mask or
+    bonus); the CPU rule for the torch backend picks it under mode="auto"; the rule table decides (the GPU kit
+    overrides it)."""
     calls = _spy(monkeypatch)
     hidden, weight, bias, targets, adv, old, _ = _inputs(5, [6, 4], torch.float32)
     cu = cu_seqlens([6, 4])
@@ -231,7 +285,7 @@ def test_when_the_gradients_are_computed_in_the_forward(monkeypatch):
     with torch.no_grad():
         fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu, old_logprobs=old)  # the old-policy-style pass
     fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, old_logprobs=old)  # nothing requires grad
-    fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu, importance_sampling="sequence")  # GSPO: two-pass
+    fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu, top_entropy_quantile=0.5)  # the whole call: two-pass
     fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu, mode="two-pass")
     assert calls == []
     loss, _ = fused_cppo_loss(h, weight, targets, adv, cu_seqlens=cu)  # auto on the CPU torch backend
@@ -249,15 +303,14 @@ def test_mode_errors():
     hidden, weight, _, targets, adv, _, _ = _inputs(5, [6, 4], torch.float32, bias=False)
     with pytest.raises(ValueError, match="mode must be one of"):
         fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="fast")
-    two_pass_options = {
-        "importance_sampling='sequence'": dict(importance_sampling="sequence"),
-        "surrogate='vespo'": dict(surrogate="vespo"),
-        "off_policy_mask_threshold=0.5": dict(off_policy_mask_threshold=0.5),
+    whole_call_options = {  # the sequence rules run in chunks of whole sequences (tested above)
         "top_entropy_quantile=0.2": dict(top_entropy_quantile=0.2),
         "entropy_coef=0.01": dict(entropy_coef=0.01),
     }
-    for name, options in two_pass_options.items():
-        with pytest.raises(ValueError, match=f"mode='grad-in-forward' cannot run {re.escape(name)}: it needs a whole"):
+    for name, options in whole_call_options.items():
+        with pytest.raises(
+            ValueError, match=f"mode='grad-in-forward' cannot run {re.escape(name)}: it needs the whole"
+        ):
             fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu_seqlens([6, 4]), mode="grad-in-forward",
                             **options)  # fmt: skip
 
@@ -396,7 +449,7 @@ def test_explicit_mode_on_the_triton_backend(monkeypatch):
 
 def test_both_modes_take_their_backend_from_the_dispatcher(monkeypatch):
     """Each mode asks the dispatcher for its backend module, naming the mode it runs (gradient-in-forward only when
-    gradients are wanted; GSPO takes the two-pass path under mode="auto")."""
+    gradients are wanted; the entropy mask takes the two-pass path under mode="auto")."""
     asked = []
     real = loss_module.backend_module
     monkeypatch.setattr(
@@ -406,7 +459,7 @@ def test_both_modes_take_their_backend_from_the_dispatcher(monkeypatch):
     cu = cu_seqlens([6, 5])
     for mode in ("grad-in-forward", "two-pass", "auto"):
         _run(mode, hidden, weight, bias, targets, adv, cu, old_logprobs=old)
-    _run("auto", hidden, weight, bias, targets, adv, cu, old_logprobs=old, importance_sampling="sequence")
+    _run("auto", hidden, weight, bias, targets, adv, cu, old_logprobs=old, top_entropy_quantile=0.5)
     fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, mode="grad-in-forward")  # no gradient wanted
     modes = ["grad-in-forward", "two-pass", "grad-in-forward", "two-pass", "two-pass"]
     assert asked == [("loss", mode) for mode in modes]
