@@ -309,8 +309,12 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
         ax,
         x="whole-run wall-clock seconds (generation + training; evaluation excluded)",
         y=f"greedy accuracy after training, % of {first['eval_problems']} distinct test problems",
-        title=f"{model} on {meta.get('dataset', '?')}: {first['questions']} training questions per seed (other "
-        f"questions per seed), G={first['group_size']}\nsmall: one seed (95% Wilson); large: mean over seeds (95% t)",
+        title="small: one seed (95% Wilson); large: mean over seeds (95% t)",
+    )
+    fig.suptitle(
+        f"{model} on {meta.get('dataset', '?')}: {first['questions']} training questions per seed (other questions "
+        f"per seed), G={first['group_size']}",
+        fontsize=10,
     )
     diffs = list(summary["accuracy_differences"].items())
     for y, (_, d) in enumerate(reversed(diffs)):
@@ -320,7 +324,8 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
                     marker="D", capsize=4, ls="none")  # fmt: skip
         bx.scatter([100 * v for v in d["per_seed"].values()], [y] * d["n"], color="C7", s=10, alpha=0.6, zorder=3)
     bx.set_yticks(range(len(diffs)))
-    bx.set_yticklabels([f"{name}\n{d['n']} seeds, {_signs(d)}" for name, d in reversed(diffs)], fontsize=7)
+    names = [name.replace(" - ", "\n- ") for name, _ in reversed(diffs)]  # a pair on two lines: the panel stays wide
+    bx.set_yticklabels([f"{n}\n{d['n']} seeds, {_signs(d)}" for n, (_, d) in zip(names, reversed(diffs))], fontsize=7)
     bx.axvline(0.0, color="k", lw=0.8)
     bx.set_xlabel("accuracy difference, points (dots: seeds; diamond: mean, 95% t interval)")
     bx.set_title("paired differences over the seeds each pair shares", fontsize=9)
