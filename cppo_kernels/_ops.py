@@ -27,14 +27,28 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from .advantages import select_impl
 from .config import LOSS_OPTIONS, LossConfig
-from .loss import eager_logprobs, eager_loss
+
+#: The eager functions behind the ops, registered by the modules that define them (:func:`implements`): this module
+#: imports neither :mod:`cppo_kernels.loss` nor :mod:`cppo_kernels.advantages`, which import it.
+_EAGER: dict[str, Callable] = {}
+
+
+def implements(name: str) -> Callable[[Callable], Callable]:
+    """Registers the decorated function as the eager implementation behind the op ``name`` ("loss", "logprobs",
+    "select"); returns it unchanged."""
+
+    def register(fn: Callable) -> Callable:
+        _EAGER[name] = fn
+        return fn
+
+    return register
+
 
 __all__ = ["encode", "decode", "compiled_loss", "compiled_logprobs", "compiled_select", "metric_names"]
 
@@ -83,7 +97,7 @@ def _probe_metric_names(cfg: LossConfig) -> tuple[str, ...]:
     one = torch.zeros(1, 1)
     zero = torch.zeros(1)
     kwargs = dict(cu_seqlens=torch.tensor([0, 1]), mask=None, old_logprobs=zero, ref_logprobs=zero, bias=None)
-    _, metrics = eager_loss(one, one, torch.zeros(1, dtype=torch.long), zero, **kwargs, cfg=cfg, mode="two-pass")
+    _, metrics = _EAGER["loss"](one, one, torch.zeros(1, dtype=torch.long), zero, **kwargs, cfg=cfg, mode="two-pass")
     return tuple(metrics)
 
 
@@ -124,7 +138,7 @@ def _loss_op(
     cfg, mode, needs, head = _split(decode(options))
     with _autograd_dispatch(), torch.enable_grad():
         leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip((hidden, weight, bias), needs)]
-        loss, metrics = eager_loss(
+        loss, metrics = _EAGER["loss"](
             leaves[0], leaves[1], targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, bias=leaves[2], importance_weights=importance_weights,
             sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
@@ -217,7 +231,7 @@ def _logprobs_op(
     """``(logp, entropy)`` of the eager function (``entropy`` empty without ``compute_entropy``)."""
     options = decode(head)
     with torch.no_grad():
-        out = eager_logprobs(hidden, weight, targets, bias=bias, **options)
+        out = _EAGER["logprobs"](hidden, weight, targets, bias=bias, **options)
     if options.get("compute_entropy"):
         return out
     return out, out.new_empty(0)
@@ -246,7 +260,7 @@ def _select_op(
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, kept)`` of the eager function, with the ``metric="random"`` draws given (``keep`` or
     ``num_kept`` is -1 when not given)."""
-    return select_impl(rewards, group_size, None if keep < 0 else keep, None if num_kept < 0 else num_kept,
+    return _EAGER["select"](rewards, group_size, None if keep < 0 else keep, None if num_kept < 0 else num_kept,
                        draws=draws, **decode(options))  # fmt: skip
 
 

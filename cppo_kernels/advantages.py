@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import _advantages_torch
 from ._dispatch import backend_module
+from ._ops import compiled_select, implements
 from .config import METRICS, SCALES, SCOPES, check_choice, check_float, check_int
 
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
@@ -203,8 +204,6 @@ def cppo_select(
         ascending int64 ``[K]`` indices of the kept completions (``K = keep * num_groups``, or ``num_kept``).
     """
     if torch.compiler.is_compiling():  # one cppo_kernels::cppo_select node; the value check runs inside it
-        from ._ops import compiled_select
-
         _check_grouped_shape("rewards", rewards, group_size)
         _check_advantage_options(scale, unbiased, eps)
         _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
@@ -221,6 +220,7 @@ def cppo_select(
     )  # fmt: skip
 
 
+@implements("select")
 def select_impl(
     rewards: Tensor,
     group_size: int,

@@ -44,6 +44,7 @@ from ._loss_modes import (
     resolve_mode,  # noqa: F401  (the mode rule, read here by callers and tests)
     wants_grad,
 )
+from ._ops import compiled_logprobs, compiled_loss, implements
 from ._policy import ThresholdFn, batch_constants, check_threshold_fn, metrics, policy_loss
 from .config import LossConfig, check_choice, loss_config
 
@@ -204,8 +205,6 @@ def fused_cppo_loss(
     check_threshold_fn(entropy_threshold_fn, cfg)
     head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
-        from ._ops import compiled_loss
-
         if entropy_threshold_fn is not None:
             raise ValueError(
                 "entropy_threshold_fn is not supported under torch.compile (a Python callable cannot enter the "
@@ -224,6 +223,7 @@ def fused_cppo_loss(
     )  # fmt: skip
 
 
+@implements("loss")
 def eager_loss(
     hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
     mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
@@ -291,8 +291,6 @@ def fused_logprobs(
     """
     head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
-        from ._ops import compiled_logprobs
-
         return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                  compute_entropy=compute_entropy, **head)  # fmt: skip
     return eager_logprobs(
@@ -300,6 +298,7 @@ def fused_logprobs(
     )
 
 
+@implements("logprobs")
 def eager_logprobs(
     hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool, logit_scale: float = 1.0,
     logit_softcap: float | None = None,
