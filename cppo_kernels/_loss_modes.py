@@ -1,6 +1,6 @@
 """The execution modes of :func:`cppo_kernels.fused_cppo_loss` (two-pass, gradient-in-forward) and the rule that
-picks one per call (:data:`MODE_RULES`, and :attr:`cppo_kernels.LossConfig.two_pass_rule` for the options whose
-gradients need a whole sequence or the whole call)."""
+picks one per call (:data:`MODE_RULES`; :attr:`cppo_kernels.LossConfig.call_rule` and ``sequence_rule`` for the
+options whose gradients need the whole call or a whole sequence)."""
 
 from __future__ import annotations
 
