@@ -526,3 +526,27 @@ def test_cuda_grad_in_forward_matches_the_triton_two_pass(dtype, monkeypatch):
     assert_close("loss", loss, want, 1e-5)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert_close(name, got, exp, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_sequence_chunks_keep_empty_sequences_and_fill_greedily():
+    """Empty sequences join the chunk they sit in (a chunk never starts empty); full chunks close at the limit."""
+    chunks = _loss_torch.sequence_chunks
+    assert chunks(torch.tensor([0, 0, 3, 0]), 8) == [(0, 3, 0, 4)]
+    assert chunks(torch.tensor([0, 0]), 8) == [(0, 0, 0, 2)]
+    assert chunks(torch.tensor([8, 8, 0]), 8) == [(0, 8, 0, 1), (8, 16, 1, 3)]
+    assert chunks(torch.tensor([5, 3, 1]), 8) == [(0, 8, 0, 2), (8, 9, 2, 3)]
+
+
+def test_vespo_of_a_call_without_tokens_matches_the_two_pass_path():
+    """No chunk runs: the empty sequences' gamma weights still come out as the two-pass path's (the metric)."""
+    w = torch.randn(10, 8, requires_grad=True)
+    got = []
+    for mode in ("grad-in-forward", "two-pass"):
+        h = torch.randn(0, 8, requires_grad=True)
+        loss, metrics = fused_cppo_loss(
+            h, w, torch.zeros(0, dtype=torch.long), torch.tensor([1.0, -1.0]),
+            cu_seqlens=torch.zeros(3, dtype=torch.long), surrogate="vespo", importance_weights=torch.tensor([2.0, 0.5]),
+            mode=mode,
+        )  # fmt: skip
+        got.append((float(loss.detach()), {k: float(v) for k, v in metrics.items()}))
+    assert got[0] == got[1] and got[0][1]["vespo_phi_mean"] > 0, got
