@@ -75,14 +75,15 @@ def call_mode(
     from ._loss_torch import chunk_tokens
 
     chunk = chunk_tokens(hidden.device)
-    longest = int(lengths.max()) if lengths is not None and lengths.numel() else 0
-    if hidden.device.type == "cpu" and longest <= chunk:
+    cpu = hidden.device.type == "cpu"  # (the lengths are read back only there: no device sync on an accelerator)
+    longest = int(lengths.max()) if cpu and lengths is not None and lengths.numel() else 0
+    if cpu and longest <= chunk:
         return "grad-in-forward"
     if mode == "grad-in-forward":
+        got = f"a sequence of {longest} tokens" if cpu else f"a {hidden.device.type} call"
         raise ValueError(
             f"mode='grad-in-forward' runs {cfg.sequence_rule} in chunks of whole sequences, on the CPU only, each "
-            f"sequence at most {chunk} tokens: got a {hidden.device.type} call whose longest sequence has {longest} "
-            "(mode='auto' or 'two-pass')"
+            f"sequence at most {chunk} tokens: got {got} (mode='auto' or 'two-pass')"
         )
     return "two-pass"
 
