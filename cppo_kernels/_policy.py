@@ -279,12 +279,14 @@ def entropy_mask(entropy: Tensor, cfg: LossConfig, threshold_fn: ThresholdFn | N
 
 def _threshold(cut) -> Tensor:
     """An ``entropy_threshold_fn``'s result as an fp32 scalar, or a ValueError saying what came back."""
-    value = torch.as_tensor(cut.detach() if isinstance(cut, Tensor) else cut, dtype=torch.float32)
+    message = "entropy_threshold_fn must return one finite number (a float, a 1-element tensor), got"
+    try:
+        value = torch.as_tensor(cut.detach() if isinstance(cut, Tensor) else cut, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{message} {type(cut).__name__} {cut!r:.60}") from None
     if value.numel() != 1 or not bool(torch.isfinite(value).all()):
         shown = tuple(value.shape) if value.numel() != 1 else float(value)
-        raise ValueError(
-            f"entropy_threshold_fn must return one finite number (a float, a 1-element tensor), got {shown}"
-        )
+        raise ValueError(f"{message} {shown}")
     return value.reshape(())
 
 

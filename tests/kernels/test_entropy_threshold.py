@@ -112,6 +112,8 @@ def test_an_empty_call_still_asks_for_the_cut():
         (dict(entropy_threshold_fn=lambda h: 0.5, top_entropy_quantile=1.0), "top_entropy_quantile=1.0 turns off"),
         (dict(entropy_threshold_fn=lambda h: float("nan")), "must return one finite number"),
         (dict(entropy_threshold_fn=lambda h: h), r"must return one finite number .* got \(22,\)"),
+        (dict(entropy_threshold_fn=lambda h: None), r"must return one finite number .* got NoneType None"),
+        (dict(entropy_threshold_fn=lambda h: "0.5"), r"must return one finite number .* got str '0.5'"),
     ],
 )
 def test_bad_threshold_functions_are_refused(options, message):
