@@ -363,6 +363,8 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
     sweep_rows = [r if r["arm"] == "grpo" or r["seed"] not in grpo else {**r, **relative_fields(r, grpo[r["seed"]])}
                   for r in sweep_rows]  # fmt: skip
     rows = sorted(former + sweep_rows, key=lambda r: (r["seed"], method(r)))
+    have = {(r["seed"], r["arm"]) for r in rows}
+    missing = [u.name for u in units if (u.seed, u.arm) not in have]  # neither finished nor in a --with file
     summary = summarise(rows)
     first = sources[0][1]
     meta = {
@@ -372,7 +374,7 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
         f"problems and points, the rows' {list(ROW_AGREE_KEYS)}, the untrained model's accuracy (a model read from a "
         "file) and, per seed, the training question ids",
         "sweep": {"out": str(out), "seeds": list(args.seeds), "arms": list(args.arms), **sweep_settings(args),
-                  "missing": [u.name for u in units if u not in done]},
+                  "missing": missing},
         "sources": [
             {"file": str(path), "seeds": sorted({r["seed"] for r in rows}),
              "methods": sorted({method(r) for r in rows}), **{k: meta.get(k) for k in SOURCE_KEYS}}
@@ -413,6 +415,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             lock.release()
     data = combine_sweep(args, out)
     write_combined(data, out, args.name)
+    if data["meta"]["sweep"]["missing"]:
+        print(f"left out (not finished, and in no --with file): {', '.join(data['meta']['sweep']['missing'])}")
     if failed:
         raise RuntimeError(
             f"units {failed} failed (logs: {out}/units/NAME/log); the others are combined; the same command reruns them"

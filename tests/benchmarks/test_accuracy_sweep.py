@@ -251,6 +251,18 @@ def test_the_sweep_combines_with_the_former_seeds_over_the_seeds_each_pair_share
     assert (out / "accuracy-smollm2-seeds.png").stat().st_size > 0
 
 
+def test_the_combination_names_the_units_it_left_out_but_not_those_a_former_file_holds(tmp_path, capsys):
+    out, former = _summary_inputs(tmp_path)
+    (out / "units" / "seed46-control" / "result.json").unlink()  # an unfinished unit
+    _write_unit(out, 42, "cppo-group", 0.44)  # a new arm on a former seed: its grpo row comes from the former file
+    data = accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former), seeds=[42, *SWEEP])))
+    assert data["meta"]["sweep"]["missing"] == ["seed42-control", "seed46-control"]
+    assert "left out (not finished, and in no --with file): seed42-control, seed46-control" in capsys.readouterr().out
+    d = data["summary"]["accuracy_differences"]
+    assert d["CPPO group P=0.75 - GRPO"]["per_seed"][42] == pytest.approx(0.44 - FORMER[42][0])
+    assert d["CPPO P=0.75 no allocation - GRPO"]["n"] == 2  # seeds 45 and 47
+
+
 def _argv(args):
     """The command line of a parsed sweep (``--combine``, the ``--with`` files)."""
     argv = ["--seeds", *map(str, args.seeds), "--arms", *args.arms, "--out", str(args.out), "--combine"]
