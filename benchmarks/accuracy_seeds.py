@@ -359,7 +359,7 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
             if r.get("arm", arm) != arm:
                 raise ValueError(f"{path}: a row says arm {r['arm']!r}, but its settings are those of {arm!r}")
             (sweep_rows if "arm" in r else former).append({**r, "arm": arm})
-    grpo = {r["seed"]: r for r in sweep_rows if r["arm"] == "grpo"}
+    grpo = {r["seed"]: r for r in former + sweep_rows if r["arm"] == "grpo"}  # a --with file's seed has its GRPO
     sweep_rows = [r if r["arm"] == "grpo" or r["seed"] not in grpo else {**r, **relative_fields(r, grpo[r["seed"]])}
                   for r in sweep_rows]  # fmt: skip
     rows = sorted(former + sweep_rows, key=lambda r: (r["seed"], method(r)))

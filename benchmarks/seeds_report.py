@@ -117,7 +117,11 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
         found = [
             m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m
         ]
-        cppo = found[0] if len(found) == 1 else f"CPPO ({len(found)} rates: name one)"
+        cppo = (
+            found[0] if len(found) == 1
+            else f"one CPPO rate (found {found}: name one)" if found
+            else "a pooled CPPO row with allocation (arm cppo-pooled; a --with file may hold them)"
+        )  # fmt: skip
     if cppo not in methods or "GRPO" not in methods or not shared(table, cppo, "GRPO"):
         raise ValueError(f"the rows need GRPO and {cppo} on a seed they share, got {methods} over seeds {list(table)}")
     per_method = {

@@ -261,6 +261,16 @@ def test_the_combination_names_the_units_it_left_out_but_not_those_a_former_file
     d = data["summary"]["accuracy_differences"]
     assert d["CPPO group P=0.75 - GRPO"]["per_seed"][42] == pytest.approx(0.44 - FORMER[42][0])
     assert d["CPPO P=0.75 no allocation - GRPO"]["n"] == 2  # seeds 45 and 47
+    rows = {(r["seed"], r["arm"]): r for r in data["rows"]}
+    assert rows[(42, "cppo-group")]["speedup_total"] == pytest.approx(1000.0 / 442.0)  # against the former GRPO row
+
+
+def test_arms_combined_without_grpo_or_pooled_cppo_are_refused_naming_what_is_missing(tmp_path):
+    out = tmp_path / "sweep"
+    for seed in (42, 43):
+        _write_unit(out, seed, "cppo-group", 0.4)
+    with pytest.raises(ValueError, match=r"need GRPO and a pooled CPPO row with allocation .*--with file"):
+        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", seeds=[42, 43], arms=["cppo-group"])))
 
 
 def _argv(args):
