@@ -28,7 +28,7 @@ test: setup lint
 bench: setup
 	$(PY) benchmarks/speedup.py
 
-# GPU_CHECK_ARGS: e.g. --out DIR --deadline 450 --commit SHA (see docs/gpu-kit.md).
+# GPU_CHECK_ARGS: e.g. --out DIR --deadline 475 --commit SHA (see docs/gpu-kit.md).
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 

@@ -336,9 +336,19 @@ def run_config(
     chosen = fused_methods(device, inputs, tuple(LOSS_TYPES)) if loss_types else build_methods(device, inputs)
     methods = {"matmul": lambda: h.detach() @ w.detach().t(), **chosen}
     samples: dict[str, list[dict]] = {name: [] for name in methods}
+    failed: dict[str, str] = {}  # a comparison method (a peer library's) that raised: recorded, then left out
     for r in range(warmup + repeats):
         for name, method in methods.items():  # interleaved, so all methods see the same machine load
-            s = measure(name, method, inputs, probe, device)
+            if name in failed:
+                continue
+            try:
+                s = measure(name, method, inputs, probe, device)
+            except Exception as e:  # noqa: BLE001 - a peer's failure must not cost the library's measurements
+                if name == "matmul" or name.startswith("fused"):
+                    raise
+                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                print(f"  [{r}] {name:28s} FAILED, left out: {failed[name]}", flush=True)
+                continue
             if r >= warmup:
                 samples[name].append(s)
             print(f"  [{r}] {name:28s} " + " ".join(f"{k}={v:.4g}" for k, v in s.items()), flush=True)
@@ -346,7 +356,10 @@ def run_config(
     matmul_cpu_s = statistics.median(s["fwd_cpu"] for s in samples["matmul"])
     out = {"tokens": T, "hidden": H, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
     out.update(calibration=calibration, matmul_s=matmul_s, matmul_cpu_s=matmul_cpu_s)
-    rows = {name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul"}
+    rows = {
+        name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul" and ss
+    }
+    out["failed_methods"] = failed
     naive = rows.get("naive")
     for row in rows.values():
         if naive:

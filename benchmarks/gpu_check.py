@@ -2,7 +2,7 @@
 """GPU validation kit: one command that checks and times every CUDA path of the project on a bare GPU machine.
 
     python3 benchmarks/gpu_check.py                 # = make gpu-check; results in benchmarks/results/gpu/
-    python3 benchmarks/gpu_check.py --out DIR --deadline 450 --parts tests,loss,select,e2e --commit SHA
+    python3 benchmarks/gpu_check.py --out DIR --deadline 475 --parts tests,loss,select,e2e --commit SHA
     python3 benchmarks/gpu_check.py --dry-run       # the kit's own plumbing on tiny CPU shapes (what CI runs)
 
 It runs on the machine's own python3 and packages and downloads nothing: the repository goes on ``sys.path``

@@ -260,7 +260,7 @@ def _policy_term(lp: Tensor, ratio: Tensor, adv: float, cfg: LossConfig, phi: fl
         tau = cfg.sapo_temperature_pos if adv > 0 else cfg.sapo_temperature_neg
         return -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv
     if cfg.surrogate == "vespo":
-        return -_bound(torch.tensor(phi * adv, dtype=lp.dtype)) * lp
+        return -_bound(torch.tensor(phi * adv, dtype=lp.dtype, device=lp.device)) * lp
     capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
     loss = -torch.minimum(capped * adv, torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.eps_high) * adv)
     if cfg.dual_clip is not None and adv < 0:
@@ -331,7 +331,7 @@ def policy_loss(
     cfg = config
     bounds = cu_seqlens.tolist()
     num_tokens, num_seqs = logp.numel(), advantages.numel()
-    ent_flag = torch.ones(num_tokens, dtype=logp.dtype)
+    ent_flag = torch.ones(num_tokens, dtype=logp.dtype, device=logp.device)
     if cfg.top_entropy_quantile < 1.0 and num_tokens:
         cut = entropy_threshold
         if cut is None:

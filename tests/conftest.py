@@ -40,6 +40,22 @@ if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 
+FAILURE_LOG = os.environ.get("CPPO_TEST_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+    """With ``CPPO_TEST_FAILURE_LOG`` set (the GPU kit's tests part), each failure is appended to that file as a JSON
+    line the moment it happens (under xdist: in the controller), so a run stopped at its time budget keeps the
+    messages of the failures it saw."""
+    if not FAILURE_LOG or not report.failed:
+        return
+    import json
+
+    line = {"test": report.nodeid, "when": report.when, "message": report.longreprtext[-2000:]}
+    with open(FAILURE_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
     """Runs a test once per backend by setting CPPO_KERNELS_BACKEND."""

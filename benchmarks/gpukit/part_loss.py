@@ -129,6 +129,8 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
             timed and any(m["library"] for m in methods.values()),
             f"{len(methods)} methods: {', '.join(methods)}",
         )
+        if row["bench_loss"].get("failed_methods"):  # a peer's failure is recorded, not ours to fail on
+            report.add(f"{key}: comparison methods that raised (left out)", row["bench_loss"]["failed_methods"])
         report.add(key, row)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ dry run, that the marker selects them (collection only)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import re
 import sys
@@ -61,10 +62,35 @@ def log_results(text: str) -> dict:
     return {"source": "log", "passed": passed, "failed": by["FAILED"], "errors": by["ERROR"], "skipped": by["SKIPPED"]}
 
 
+def with_failure_messages(results: dict, path: pathlib.Path) -> dict:
+    """``results`` with each failure's message filled in from the JSON lines tests/conftest.py writes to ``path`` as
+    failures happen (what a stopped run's log lacks: pytest prints tracebacks only at its end)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return results
+    messages: dict[str, str] = {}
+    for line in lines:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        messages.setdefault(item.get("test", ""), str(item.get("message", ""))[:500])
+    for key in ("failed", "errors"):
+        for row in results[key]:
+            row["message"] = row["message"] or messages.get(row["test"], "")
+        seen = {row["test"] for row in results["failed"] + results["errors"]}
+        if key == "failed":  # a failure the log has not shown yet (xdist prints outcomes in batches)
+            results[key] += [{"test": t, "message": m} for t, m in messages.items() if t not in seen]
+    return results
+
+
 def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
     """The suite's CUDA tests on the GPU; in the dry run, that pytest selects them (collection only)."""
     log = out / "tests.pytest.log"
-    env = child_env(TRITON_INTERPRET="1" if plan.dry else "0")  # tests/conftest.py sets 1 only by default
+    failures = out / "tests-failures.jsonl"
+    failures.unlink(missing_ok=True)
+    env = child_env(TRITON_INTERPRET="1" if plan.dry else "0", CPPO_TEST_FAILURE_LOG=str(failures))
     cmd = tests_command(plan, out)
     report.add("command", cmd[1:])
     rc, timed_out, seconds = run_child(cmd, timeout=seconds_left(until), log=log, env=env)
@@ -77,7 +103,7 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
         report.check("pytest -m cuda selects the suite's CUDA tests", rc == 0 and bool(ids), detail)
         return
     results = junit_results(out / "tests-junit.xml") if not timed_out else None
-    results = results or log_results(text)
+    results = results or with_failure_messages(log_results(text), failures)
     report.add("outcomes", results)
     if timed_out:
         raise PartTimeout(f"pytest stopped after {seconds:.0f} s; outcomes so far read from its log")

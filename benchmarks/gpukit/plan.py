@@ -15,13 +15,15 @@ DEFAULT_WHEELS = REPO / ".gpu-wheels"
 PARTS = ("tests", "loss", "select", "e2e")
 
 #: Seconds each part may take on one H200, Triton compilation and process start-up included; its process group is
-#: killed after that. Expected: tests about 90 (some 100 Triton binaries compiled by 4 pytest workers, hypothesis
-#: examples checked against fp64 oracles on the CPU), loss about 60 (plus about 60 for torch.compile when
-#: Liger-Kernel is carried), select about 20, e2e about 50. They add up to 430 s, inside DEADLINE_S with the set-up
-#: (imports, wheels: about 15 s). The dry run has the same budgets (its tiny parts take 15-40 s on 2 CPU cores).
-BUDGET_S = {"tests": 150.0, "loss": 140.0, "select": 40.0, "e2e": 100.0}
-#: The default --deadline: the whole kit, set-up and summary included, well under the issue's 8 minutes.
-DEADLINE_S = 450.0
+#: killed after that. Measured on the lent H200 (gVisor, 16 CPU cores) on 2026-12-04: the tests part ran 21 of its
+#: 82 tests in 138 s on 4 workers (Triton compilation there is the cost), the loss part took 74 s for its two shapes
+#: with Liger-Kernel carried, select 29 s, e2e more than 100 s (speedup.py unfinished). The tests part gets the most;
+#: a stopped part keeps what it finished, with each failure's message (tests/conftest.py's failure log). They add up
+#: to 460 s, inside DEADLINE_S with the set-up (imports, wheels: about 15 s).
+BUDGET_S = {"tests": 215.0, "loss": 110.0, "select": 35.0, "e2e": 100.0}
+#: The default --deadline: the whole kit, set-up and summary included, inside the 8 minutes the kit was asked to fit
+#: (all 82 CUDA tests need more than that on the lent H200: run ``--parts tests`` alone for them).
+DEADLINE_S = 475.0
 #: Seconds kept back for the summary; a part is skipped when less than MIN_PART_S would be left for it.
 RESERVE_S = 5.0
 MIN_PART_S = 10.0
