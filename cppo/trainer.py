@@ -167,9 +167,7 @@ class Trainer(StepRollouts):
             sharded=self._sharded,
             prefill_once=cfg.prefill_once,
         )
-        # vLLM cannot take LoRA weights from this trainer yet: with use_peft, auto means transformers' generate
-        backend = "hf" if cfg.use_peft and cfg.rollout_backend == "auto" else cfg.rollout_backend
-        return make_engine(backend, self.model, self.tokenizer, settings)
+        return make_engine(cfg.rollout_backend, self.model, self.tokenizer, settings)
 
     @property
     def _sharded(self) -> bool:
@@ -203,16 +201,23 @@ class Trainer(StepRollouts):
         with timer("select"):
             batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
+        mismatch = cfg.vllm_importance_sampling_correction and all(b.sampling_logprobs is not None for b in passes)
         with timer("logprobs"):
-            old = self._logprobs(self.policy, passes) if cfg.mu > 1 else [None] * len(passes)
+            # the training policy's log-probs before the update: the old policy of mu > 1, and what the sampling
+            # engine's log-probs are compared with (TRL computes them for its IS correction whatever mu is)
+            before = self._logprobs(self.policy, passes) if cfg.mu > 1 or mismatch else [None] * len(passes)
+            old = before if cfg.mu > 1 else [None] * len(passes)
             ref = self._logprobs(self.ref_policy, passes) if self.ref_policy is not None else [None] * len(passes)
+        is_weights, is_metrics = [None] * len(passes), {}
+        if mismatch:
+            is_weights, is_metrics = self._importance_weights(passes, before, len(batches))
 
         weights, shares = self._loss_weights(batches, num_passes=len(passes))
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, kl, clip_fraction, entropy
         skipped = 0
         for _ in range(cfg.mu):
             with timer("update"):
-                self._update(passes, old, ref, weights=weights, shares=shares, into=sums)
+                self._update(passes, old, ref, weights=weights, shares=shares, into=sums, importance=is_weights)
             with timer("optimizer"):
                 grad_norm, applied = self._optimizer_step()
             skipped += not applied
@@ -220,6 +225,7 @@ class Trainer(StepRollouts):
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
         record.update(extra)
+        record.update(is_metrics)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
         record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -245,8 +251,9 @@ class Trainer(StepRollouts):
             kept, order = filled.rows(self.config.group_size).sort()  # ascending: a question's rows together
             kept_advantages = filled.selection.kept_advantages[order]
         self.kept_zero = int((kept_advantages == 0).sum())
+        sampled = rollout.sampling_logprobs  # the engine's log-probs (vllm), for the mismatch correction
         samples = [
-            step.Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a)
+            step.Sample(rollout.prompt_ids[i], rollout.completion_ids[i], a, None if sampled is None else sampled[i])
             for i, a in zip(kept.tolist(), kept_advantages.tolist())
         ]
         # prefix sharing: a question's completions after its prompt once, balanced and packed as one unit
@@ -282,6 +289,24 @@ class Trainer(StepRollouts):
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
+    def _importance_weights(self, passes: list[PackedBatch], before: list, real: int) -> tuple[list, dict]:
+        """Per pass, TRL's training/inference mismatch weights (:func:`cppo.step.importance_weights`: ``(weights,
+        per_sequence)``) from the policy's log-probs before the update and the sampling engine's; and the step's
+        mismatch metrics over the ``real`` micro-batches (the fillers after them repeat one)."""
+        cfg = self.config
+        weights = [
+            step.importance_weights(
+                old, b.sampling_logprobs, b.cu_seqlens, mode=cfg.vllm_importance_sampling_mode,
+                clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
+            )
+            for b, old in zip(passes, before)
+        ]  # fmt: skip
+        metrics = step.mismatch_metrics(
+            torch.cat(before[:real]), torch.cat([b.sampling_logprobs for b in passes[:real]]),
+            torch.cat([w for w, _ in weights[:real]]),
+        )  # fmt: skip
+        return weights, metrics
+
     def _loss_weights(self, batches: list[PackedBatch], *, num_passes: int) -> tuple[list[float], list[float]]:
         """Per pass, its share of the step's loss (0 for a filler, which only keeps the ranks in step), and per
         micro-batch its share of the token-mean metrics of one update: the same in every one of the mu updates.
@@ -314,25 +339,32 @@ class Trainer(StepRollouts):
         weights: list[float],
         shares: list[float],
         into: torch.Tensor,
+        importance: list | None = None,
     ) -> None:
         """One policy update's forward and backward over every pass (gradients synchronised in the last one); adds
         each micro-batch's loss, kl, clip fraction and entropy times its share into ``into [4]`` (on the device: one
         host sync per step, after the updates)."""
         scale = distributed.grad_scale(parallelism=self.config.parallelism, info=self.info)
-        for k, (b, old_b, ref_b) in enumerate(zip(passes, old, ref)):
+        importance = importance or [None] * len(passes)
+        for k, (b, old_b, ref_b, is_b) in enumerate(zip(passes, old, ref, importance)):
             with distributed.gradient_sync(self.policy, k == len(passes) - 1):
-                loss, stats = self._policy_loss(b, old_b, ref_b)
+                loss, stats = self._policy_loss(b, old_b, ref_b, is_b)
                 (loss * (weights[k] * scale)).backward()
             if k < len(shares):  # not a filler
                 clip = stats["clip_fraction_low"] + stats["clip_fraction_high"]
                 part = torch.stack([loss.detach(), stats["kl"], clip, stats["entropy"]]).double()
                 into += part * part.new_tensor([weights[k] / self.config.mu, shares[k], shares[k], shares[k]])
 
-    def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None):
+    def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None, importance=None):
+        """The fused loss of micro-batch ``b``; ``importance``: ``(weights, per_sequence)`` of the mismatch correction,
+        or None."""
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
+        extra = {}
+        if importance is not None:
+            extra = dict(importance_weights=importance[0])  # [T] per token, [S] per sequence: the loss reads the shape
         return fused_cppo_loss(
             hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
-            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(),
+            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(), **extra,
         )  # fmt: skip
 
     def _optimizer_step(self) -> tuple[float, bool]:

@@ -12,11 +12,11 @@ from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
 from ..distributed import PARALLELISMS, check_device
-from ..engines import check_engine_installed, check_engine_name
+from ..engines import check_engine_installed, check_engine_name, engine_supports
 from ..run import check_report_to
 from ..step import Pruning
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
-from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
+from .choices import DTYPES, IS_MODES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
 from .values import check_type
 
@@ -152,6 +152,14 @@ class TrainConfig:
     prefill_once: bool = setting(
         True, "hf engine: run each prompt's forward once and share its KV cache with its G completions (same tokens)"
     )
+    vllm_importance_sampling_correction: bool = setting(
+        True, "weigh the loss by exp(training - sampling log-prob) where the engine reports the latter (vllm), as TRL"
+    )
+    vllm_importance_sampling_mode: str = setting(
+        "sequence_mask", "token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's modes and default)"
+    )
+    vllm_importance_sampling_clip_max: float | None = setting(3.0, "upper bound C_max of the IS ratio (null: none)")
+    vllm_importance_sampling_clip_min: float | None = setting(None, "lower bound C_min of the IS ratio (null: none)")
     report_to: list[str] = setting(
         None, "metric sinks: jsonl (metrics.jsonl), tensorboard, wandb, or none", factory=lambda: ["jsonl"]
     )
@@ -226,6 +234,15 @@ class TrainConfig:
         check_choice("parallelism", self.parallelism, PARALLELISMS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_engine_name(self.rollout_backend)
+        check_choice("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, IS_MODES)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        for name, value in (("clip_min", low), ("clip_max", high)):
+            if value is not None:
+                check_float(f"vllm_importance_sampling_{name}", value, low=0.0)
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={low} must be <= vllm_importance_sampling_clip_max={high}"
+            )
         check_report_to(self.report_to)
         check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
@@ -295,8 +312,11 @@ def _check_lora(cfg: TrainConfig) -> None:
         raise ValueError(f"lora_target_modules must be a list of module names or all-linear, got {targets!r}")
     if isinstance(targets, list) and (not targets or ("all-linear" in targets and len(targets) > 1)):
         raise ValueError(f"lora_target_modules must name at least one module, or be all-linear alone, got {targets}")
-    if cfg.use_peft and cfg.rollout_backend == "vllm":
-        raise ValueError("use_peft: the vllm engine cannot load LoRA adapters yet; set rollout_backend=hf")
+    if cfg.use_peft and not engine_supports(cfg.rollout_backend, "supports_lora"):
+        raise ValueError(
+            f"use_peft: rollout_backend={cfg.rollout_backend!r} cannot generate from a LoRA policy; set "
+            "rollout_backend=hf"
+        )
 
 
 def _positive(cfg: TrainConfig, *names: str) -> None:

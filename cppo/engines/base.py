@@ -22,6 +22,7 @@ __all__ = [
     "available_engines",
     "check_engine_name",
     "resolve_engine_name",
+    "engine_supports",
     "cut_after_eos",
     "encode_prompts",
     "eos_ids",
@@ -37,6 +38,9 @@ class Rollout:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     texts: list[str]
+    #: Per completion, each token's log-prob under the engine that sampled it (after temperature), where the engine
+    #: reports them (``vllm``); ``None`` where it does not (``hf`` samples with the policy itself).
+    sampling_logprobs: list[list[float]] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -68,6 +72,9 @@ class RolloutEngine(ABC):
 
     #: Can generate from a policy whose parameters FSDP2 shards over the ranks (``parallelism: fsdp2``).
     supports_sharded: ClassVar[bool] = False
+
+    #: Can generate from a LoRA policy (``use_peft``): the config asks this, never the engine's name.
+    supports_lora: ClassVar[bool] = False
 
     #: The packages it imports when built (``{module: what to install}``), checked before any model loads
     #: (:func:`check_engine_installed`).
@@ -153,6 +160,13 @@ def check_engine_installed(name: str) -> str:
     return name
 
 
+def engine_supports(name: str, capability: str) -> bool:
+    """Whether the engine ``name`` (registered; ``auto`` asks every engine auto may pick) declares ``capability``
+    (``supports_lora``, ``supports_sharded``: a class attribute of its factory, False when absent)."""
+    names = ("hf", "vllm") if name == "auto" else (check_engine_name(name),)
+    return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
+
+
 def resolve_engine_name(name: str, *, device: torch.device, model_name: str) -> str:
     """``auto`` -> ``vllm`` on CUDA when vLLM is installed (and the model is not a tiny one built in code), else
     ``hf``; any other name is itself."""
@@ -216,6 +230,17 @@ def _contract_breach(rollout, *, count: int, settings: EngineSettings, vocab: in
             if min(ids) < 0 or max(ids) >= vocab:
                 token = min(ids) if min(ids) < 0 else max(ids)
                 return f"{field}[{i}] holding token id {token}, outside the model's vocabulary [0, {vocab})"
+    logprobs = rollout.sampling_logprobs
+    if logprobs is not None:
+        if not isinstance(logprobs, list) or len(logprobs) != count:
+            got = len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__
+            return f"sampling_logprobs of {got}, the interface promises None or a list of {count}"
+        for i, (lp, ids) in enumerate(zip(logprobs, rollout.completion_ids)):
+            if not isinstance(lp, list) or len(lp) != len(ids):
+                return (
+                    f"sampling_logprobs[{i}] not one float per token of completion_ids[{i}], as the interface promises"
+                )
+
     return None
 
 

@@ -17,6 +17,7 @@ class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (temperature / top-p, no top-k), stopping at EOS."""
 
     supports_sharded = True  # FSDP2's blocks gather their shards in every forward: the ranks stay in step
+    supports_lora = True  # generate runs the policy itself, adapters included
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         super().__init__(model, tokenizer, settings)

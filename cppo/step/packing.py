@@ -29,6 +29,8 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float
+    #: each completion token's log-prob under the engine that sampled it (vllm), or None
+    sampling_logprobs: list[float] | None = None
 
     @property
     def num_input_tokens(self) -> int:
@@ -81,6 +83,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [S] fp32
     sample_index: list[int]  # which samples (indices into the step's retained list) this micro-batch holds
     prefix: SharedPrefix | None = None  # the block-causal layout when prompts are shared; None: one per sequence
+    sampling_logprobs: torch.Tensor | None = None  # [T] fp32, the sampling engine's, when every sample has them
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +183,11 @@ def _pack_units(
             fed.append(len(c) - 1)
         groups.append((start, p, tuple(fed)))
     index = [i for unit in units for i in unit]
+    sampled = [samples[i].sampling_logprobs for i in index]
+    if all(x is not None for x in sampled):
+        sampled = torch.tensor([lp for x in sampled for lp in x], dtype=torch.float32, device=device)  # [T]
+    else:
+        sampled = None
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([pos], dtype=torch.long, device=device),
@@ -189,6 +197,7 @@ def _pack_units(
         advantages=torch.tensor([samples[i].advantage for i in index], dtype=torch.float32, device=device),
         sample_index=index,
         prefix=SharedPrefix(tuple(groups), len(ids)) if shared else None,
+        sampling_logprobs=sampled,
     )
 
 

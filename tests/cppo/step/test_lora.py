@@ -58,7 +58,6 @@ def test_lora_settings_use_trls_names_and_defaults():
         (dict(lora_target_modules=[]), r"^lora_target_modules must name at least one module"),
         (dict(lora_target_modules=["all-linear", "q_proj"]), r"^lora_target_modules must name at least one module"),
         (dict(lora_target_modules=[3]), r"^lora_target_modules must be a list of names, but item 1 is 3"),
-        (dict(use_peft=True, rollout_backend="vllm"), r"^use_peft: the vllm engine cannot load LoRA adapters"),
     ],
 )
 def test_bad_lora_settings_are_one_line_naming_the_setting(setting, match):
@@ -469,3 +468,23 @@ def test_lora_under_ddp_and_fsdp2_equals_one_process(tmp_path):
     proc = torchrun([lora_worker.__file__, str(tmp_path)], timeout=400)
     expected = [(c, r) for c in lora_worker.CHECKS for r in (0, 1)] + [(c, 0) for c in lora_worker.REFERENCE_CHECKS]
     assert_ranks_ok(tmp_path, expected, proc)
+
+
+def test_use_peft_asks_the_engine_whether_it_takes_a_lora_policy(monkeypatch):
+    """Issue 37/39: the refusal comes from the engine's declared capability, not from its name: hf and vllm (merged
+    weights) take LoRA; a registered engine that does not declare it is refused in one line."""
+    from cppo.engines import base, engine_supports, register_engine
+
+    class NoLora(base.RolloutEngine):
+        def generate(self, prompts, num_per_prompt, *, greedy=False):
+            raise AssertionError
+
+        def sync_weights(self):
+            pass
+
+    monkeypatch.setattr(base, "_ENGINES", dict(base._ENGINES))
+    register_engine("nolora", NoLora)
+    assert engine_supports("hf", "supports_lora") and engine_supports("vllm", "supports_lora")
+    assert engine_supports("auto", "supports_lora") and not engine_supports("nolora", "supports_lora")
+    with pytest.raises(ValueError, match=r"^use_peft: rollout_backend='nolora' cannot generate from a LoRA policy"):
+        TrainConfig(use_peft=True, rollout_backend="nolora")

@@ -189,7 +189,8 @@ def test_shared_logprobs_equal_unshared_and_alone(arch, attn):
 def test_shared_gradients_equal_unshared_with_gradient_checkpointing(arch):
     model = tiny_model(arch, "sdpa").train()
     enable_gradient_checkpointing(model)
-    assert model.is_activation_checkpointing
+    # transformers >= 5.20 names it is_activation_checkpointing, earlier releases is_gradient_checkpointing
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     samples = question_samples(seed=1)
     upstream = {i: torch.randn(len(s.completion_ids), dtype=torch.float64) for i, s in enumerate(samples)}
 

