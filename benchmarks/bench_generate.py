@@ -39,7 +39,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not recorded (vLLM's first calls)")
+    p.add_argument("--warmup", type=int, default=1, help="short calls (8 new tokens) of each engine, unrecorded")
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     p.add_argument("--max-prompt-length", type=int, default=512)
     p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
@@ -75,8 +75,12 @@ def main(argv=None) -> int:
         engines[name] = make_engine(name, model, tok, settings(longest))
         startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
         print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
+    for _ in range(args.warmup):  # vLLM's first calls are slow (its buffers, the prefix cache)
+        for engine in engines.values():
+            engine.settings = settings(8)
+            engine(prompts, args.group_size)
     samples: list[dict] = []
-    for r in range(-args.warmup, args.rounds):
+    for r in range(args.rounds):
         order = args.engines if r % 2 == 0 else args.engines[::-1]
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -91,8 +95,7 @@ def main(argv=None) -> int:
                     tokens = sum(rollout.lengths)
                     row = dict(round=r, engine=name, threads=threads, max_new_tokens=new_tokens, wall_s=wall,
                                cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall)  # fmt: skip
-                    if r >= 0:
-                        samples.append(row)
+                    samples.append(row)
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)  # fmt: skip
     summary = summarise(samples, args)

@@ -16,7 +16,11 @@ from .tasks import build_prompt, score_all, training_correct
 class StepRollouts:
     """The generation and reward stages of a step; the :class:`cppo.trainer.Trainer` that inherits them holds
     ``config``, ``sampler``, ``greso``, ``problems``, ``tokenizer``, ``policy``, ``rollout``, ``reward_fns``,
-    ``pruning``, ``info``, ``device``, ``step``, ``num_steps`` and ``_step_seed``."""
+    ``pruning``, ``info``, ``device``, ``step``, ``num_steps`` and ``rank``."""
+
+    def _step_seed(self, rank: int | None = None) -> int:
+        """This step's seed for ``rank`` (default: this rank's)."""
+        return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
 
     def _generate(self, num_questions: int | None = None) -> tuple[list[dict], list[str], Rollout]:
         """This rank's share of the step's questions (``num_questions`` over all ranks, default the step's; GRESO's

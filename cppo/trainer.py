@@ -179,9 +179,7 @@ class Trainer(StepRollouts):
         policy already gathers the parameters in it."""
         return None if self._sharded else self.compute_dtype
 
-    # ------------------------------------------------------------------------------------------------------
-    # One step
-    # ------------------------------------------------------------------------------------------------------
+    # One step -------------------------------------------------------------------------------------------------
 
     @_on_kernel_backend
     def train_step(self) -> dict[str, float]:
@@ -203,14 +201,14 @@ class Trainer(StepRollouts):
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
         mismatch = cfg.vllm_importance_sampling_correction and all(b.sampling_logprobs is not None for b in passes)
         with timer("logprobs"):
-            # the training policy's log-probs before the update: the old policy of mu > 1, and what the sampling
-            # engine's log-probs are compared with (TRL computes them for its IS correction whatever mu is)
+            # before the update: the old policy of mu > 1, and what the engine's sampling log-probs are compared with
             before = self._logprobs(self.policy, passes) if cfg.mu > 1 or mismatch else [None] * len(passes)
             old = before if cfg.mu > 1 else [None] * len(passes)
             ref = self._logprobs(self.ref_policy, passes) if self.ref_policy is not None else [None] * len(passes)
-        is_weights, is_metrics = [None] * len(passes), {}
-        if mismatch:
-            is_weights, is_metrics = self._importance_weights(passes, before, len(batches))
+        is_weights, is_metrics = step.correct_batches(
+            before, passes, real=len(batches), mode=cfg.vllm_importance_sampling_mode,
+            clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
+        ) if mismatch else ([None] * len(passes), {})  # fmt: skip
 
         weights, shares = self._loss_weights(batches, num_passes=len(passes))
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, kl, clip_fraction, entropy
@@ -224,21 +222,14 @@ class Trainer(StepRollouts):
 
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
-        record.update(extra)
-        record.update(is_metrics)
+        record.update(extra | is_metrics)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
         record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
         record["time/step"] = time.perf_counter() - start
         return distributed.reduce_metrics(record, info=self.info, reductions=metric_reduction)
 
-    # ------------------------------------------------------------------------------------------------------
-    # Stages
-    # ------------------------------------------------------------------------------------------------------
-
-    def _step_seed(self, rank: int | None = None) -> int:
-        """This step's seed for ``rank`` (default: this rank's)."""
-        return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
+    # Stages ---------------------------------------------------------------------------------------------------
 
     def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout, filled=None) -> tuple[list[PackedBatch], int]:
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
@@ -289,24 +280,6 @@ class Trainer(StepRollouts):
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
-    def _importance_weights(self, passes: list[PackedBatch], before: list, real: int) -> tuple[list, dict]:
-        """Per pass, TRL's training/inference mismatch weights (:func:`cppo.step.importance_weights`: ``(weights,
-        per_sequence)``) from the policy's log-probs before the update and the sampling engine's; and the step's
-        mismatch metrics over the ``real`` micro-batches (the fillers after them repeat one)."""
-        cfg = self.config
-        weights = [
-            step.importance_weights(
-                old, b.sampling_logprobs, b.cu_seqlens, mode=cfg.vllm_importance_sampling_mode,
-                clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
-            )
-            for b, old in zip(passes, before)
-        ]  # fmt: skip
-        metrics = step.mismatch_metrics(
-            torch.cat(before[:real]), torch.cat([b.sampling_logprobs for b in passes[:real]]),
-            torch.cat([w for w, _ in weights[:real]]),
-        )  # fmt: skip
-        return weights, metrics
-
     def _loss_weights(self, batches: list[PackedBatch], *, num_passes: int) -> tuple[list[float], list[float]]:
         """Per pass, its share of the step's loss (0 for a filler, which only keeps the ranks in step), and per
         micro-batch its share of the token-mean metrics of one update: the same in every one of the mu updates.
@@ -356,12 +329,10 @@ class Trainer(StepRollouts):
                 into += part * part.new_tensor([weights[k] / self.config.mu, shares[k], shares[k], shares[k]])
 
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None, importance=None):
-        """The fused loss of micro-batch ``b``; ``importance``: ``(weights, per_sequence)`` of the mismatch correction,
-        or None."""
+        """The fused loss of micro-batch ``b``; ``importance``: the mismatch correction's ``(weights [T] or [S],
+        per_sequence)`` (the loss reads which from the shape), or None."""
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
-        extra = {}
-        if importance is not None:
-            extra = dict(importance_weights=importance[0])  # [T] per token, [S] per sequence: the loss reads the shape
+        extra = {} if importance is None else {"importance_weights": importance[0]}
         return fused_cppo_loss(
             hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
             bias=bias, config=self.loss_config, **self.logit_transform.kwargs(), **extra,
@@ -410,9 +381,7 @@ class Trainer(StepRollouts):
             "kept_zero_advantage": self.kept_zero,
         }
 
-    # ------------------------------------------------------------------------------------------------------
-    # Loop, evaluation, checkpoints
-    # ------------------------------------------------------------------------------------------------------
+    # Loop, evaluation, checkpoints ----------------------------------------------------------------------------
 
     def train(self) -> list[dict]:
         """Runs until :meth:`stop_reason` (printed at the end): a progress bar; every ``log_every``-th, evaluated and

@@ -13,8 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-#: ``vllm_importance_sampling_mode``: TRL's training/inference mismatch corrections (:mod:`cppo.step.importance`).
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 #: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
 DATASETS = ("arith", "gsm8k", "math", "math500")
 #: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).

@@ -14,9 +14,9 @@ from cppo_kernels.config import check_choice, check_float, check_int
 from ..distributed import PARALLELISMS, check_device
 from ..engines import check_engine_installed, check_engine_name, engine_supports
 from ..run import check_report_to
-from ..step import Pruning
+from ..step import IS_MODES, Pruning
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
-from .choices import DTYPES, IS_MODES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
+from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
 from .values import check_type
 

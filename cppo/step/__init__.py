@@ -14,7 +14,7 @@ from .models import (
     packed_hidden, prefix_attention_mask, prefix_sharing_blocker, tiny_tokenizer, use_prefix_sharing,
 )  # fmt: skip
 from .head import LogitTransform, check_logit_transform, logit_transform
-from .importance import importance_weights, mismatch_metrics
+from .importance import IS_MODES, bound_ratio, check_mode, correct_batches, importance_weights, mismatch_metrics
 from .optim import NonFiniteUpdates, SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import (
     PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, prompt_groups, shared_tokens,
@@ -22,6 +22,10 @@ from .packing import (
 from .selection import SCOPES, Pruning, Selection, kept_count
 
 __all__ = [
+    "IS_MODES",
+    "bound_ratio",
+    "check_mode",
+    "correct_batches",
     "importance_weights",
     "mismatch_metrics",
     "balance_samples", "balance_sequences", "lpt_assign", "split_units", "FilledStep", "fill_step",

@@ -8,7 +8,29 @@ import math
 
 import torch
 
-__all__ = ["importance_weights", "mismatch_metrics"]
+__all__ = ["IS_MODES", "bound_ratio", "check_mode", "correct_batches", "importance_weights", "mismatch_metrics"]
+
+#: ``vllm_importance_sampling_mode``: TRL's four corrections.
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` when it is one of :data:`IS_MODES`, else a one-line ``ValueError`` naming the setting."""
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {mode!r}")
+    return mode
+
+
+def bound_ratio(ratio: torch.Tensor, *, mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL's bound of an IS ratio: clamped to ``[clip_min, clip_max]`` (``*_truncate``; no bound where both are
+    None) or set to 0 outside it (``*_mask``)."""
+    if check_mode(mode).endswith("truncate"):
+        if clip_min is None and clip_max is None:  # (torch.clamp refuses two None bounds)
+            return ratio
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 def importance_weights(
@@ -26,21 +48,11 @@ def importance_weights(
     (``per_sequence`` True). ``*_truncate`` clamps to ``[clip_min, clip_max]``; ``*_mask`` sets a ratio outside them to
     0. A NaN sampling log-prob counts as no difference (ratio 1), as in TRL."""
     diff = torch.nan_to_num(old.float() - sampling.float(), nan=0.0)  # [T]
-    per_sequence = mode.startswith("sequence")
+    per_sequence = check_mode(mode).startswith("sequence")
     if per_sequence:
         seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=diff.device), cu_seqlens.diff().long())
         diff = torch.zeros(len(cu_seqlens) - 1, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)  # [S]
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        if clip_min is not None or clip_max is not None:  # (torch.clamp refuses two None bounds)
-            ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
-    elif mode.endswith("mask"):
-        low = -math.inf if clip_min is None else clip_min
-        high = math.inf if clip_max is None else clip_max
-        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    else:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of token_truncate, token_mask, sequence_truncate, "
-                         f"sequence_mask, got {mode!r}")  # fmt: skip
+    ratio = bound_ratio(torch.exp(diff), mode=mode, clip_min=clip_min, clip_max=clip_max)
     return ratio, per_sequence
 
 
@@ -57,3 +69,20 @@ def mismatch_metrics(old: torch.Tensor, sampling: torch.Tensor, ratio: torch.Ten
     for name, fn in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
         out[f"sampling/importance_sampling_ratio/{name}"] = float(fn(flat)) if flat.numel() else 0.0
     return out
+
+
+def correct_batches(
+    old: list[torch.Tensor], batches: list, *, real: int, mode: str, clip_min: float | None, clip_max: float | None
+) -> tuple[list[tuple[torch.Tensor, bool]], dict[str, float]]:
+    """Per packed micro-batch (``sampling_logprobs [T]``, ``cu_seqlens``; ``old``: the policy's log-probs before the
+    update) its :func:`importance_weights`, and the step's :func:`mismatch_metrics` over the first ``real`` ones
+    (those after repeat one to keep the ranks in step)."""
+    weights = [
+        importance_weights(o, b.sampling_logprobs, b.cu_seqlens, mode=mode, clip_min=clip_min, clip_max=clip_max)
+        for o, b in zip(old, batches)
+    ]
+    metrics = mismatch_metrics(
+        torch.cat(old[:real]), torch.cat([b.sampling_logprobs for b in batches[:real]]),
+        torch.cat([w for w, _ in weights[:real]]),
+    )  # fmt: skip
+    return weights, metrics

