@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from bench_args import check_output_file, count  # noqa: E402
 from bench_out import out_file  # noqa: E402
 
 from cppo.engines import EngineSettings, make_engine  # noqa: E402
@@ -34,23 +35,22 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_generate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--dataset-path", default="../shared/data/gsm8k", help="GSM8K folder (its train split's prompts)")
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--questions", type=int, default=2, help="prompts per call")
-    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="short calls (8 new tokens) of each engine, unrecorded")
-    p.add_argument("--engines", nargs="+", default=["hf", "vllm"])
-    p.add_argument("--max-prompt-length", type=int, default=512)
+    p.add_argument("--group-size", type=count(1), default=16)
+    p.add_argument("--questions", type=count(1), default=2, help="prompts per call")
+    p.add_argument("--max-new-tokens", type=count(1), nargs="+", default=[64, 256])
+    p.add_argument("--threads", type=count(1), nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=count(1), default=3)
+    p.add_argument("--warmup", type=count(0), default=1, help="short calls (8 new tokens) of each engine, unrecorded")
+    p.add_argument("--engines", nargs="+", default=["hf", "vllm"],
+                   help="engine names; hf-noprefill: the hf engine with prefill_once off")  # fmt: skip
+    p.add_argument("--max-prompt-length", type=count(1), default=512)
     p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
     args = p.parse_args(argv)
-    if args.warmup < 0:
-        p.error(f"argument --warmup: must be an integer >= 0, got {args.warmup}")
-    for name in ("group_size", "questions", "rounds", "max_prompt_length"):
-        if getattr(args, name) < 1:
-            p.error(f"argument --{name.replace('_', '-')}: must be an integer >= 1, got {getattr(args, name)}")
-    if min(args.max_new_tokens) < 1 or min(args.threads) < 1:
-        p.error("argument --max-new-tokens / --threads: every value must be an integer >= 1")
+    unknown = [e for e in args.engines if e not in ("hf", "hf-noprefill", "vllm")]
+    if unknown:
+        p.error(f"argument --engines: hf, hf-noprefill or vllm, got {unknown[0]!r}")
+    if args.out is not None:
+        check_output_file(p, "--out", args.out)
     return args
 
 
@@ -63,21 +63,21 @@ def main(argv=None) -> int:
     prompts = [build_prompt(tok, p) for p in problems]
     longest = max(args.max_new_tokens)
 
-    def settings(new_tokens: int) -> EngineSettings:
+    def settings(new_tokens: int, name: str = "hf") -> EngineSettings:
         return EngineSettings(
             model_name=args.model, max_prompt_length=args.max_prompt_length, max_completion_length=new_tokens,
-            temperature=1.0, compute_dtype=None, prefill_once=True,
+            temperature=1.0, compute_dtype=None, prefill_once=name != "hf-noprefill",
         )  # fmt: skip
 
     engines, startup = {}, {}
     for name in args.engines:
         t0, c0 = time.perf_counter(), time.process_time()
-        engines[name] = make_engine(name, model, tok, settings(longest))
+        engines[name] = make_engine(name.removesuffix("-noprefill"), model, tok, settings(longest, name))
         startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
         print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
     for _ in range(args.warmup):  # vLLM's first calls are slow (its buffers, the prefix cache)
-        for engine in engines.values():
-            engine.settings = settings(8)
+        for name, engine in engines.items():
+            engine.settings = settings(8, name)
             engine(prompts, args.group_size)
     samples: list[dict] = []
     for r in range(args.rounds):
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             for new_tokens in args.max_new_tokens:
                 for name in order:
                     engine = engines[name]
-                    engine.settings = settings(new_tokens)
+                    engine.settings = settings(new_tokens, name)
                     torch.manual_seed(1000 * r + new_tokens)
                     t0, c0 = time.perf_counter(), time.process_time()
                     rollout = engine(prompts, args.group_size)
@@ -126,10 +126,13 @@ def summarise(samples: list[dict], args) -> list[dict]:
                 for key in ("wall_s", "cpu_s", "tokens_per_s", "tokens"):
                     row[f"{name}_{key}"] = statistics.median(s[key] for s in mine)
                 row[f"{name}_wall_range"] = [min(s["wall_s"] for s in mine), max(s["wall_s"] for s in mine)]
-            if {"hf", "vllm"} <= set(args.engines):
-                row["hf_over_vllm_wall"] = row["hf_wall_s"] / row["vllm_wall_s"]
-                row["hf_over_vllm_cpu"] = row["hf_cpu_s"] / row["vllm_cpu_s"]
-                row["vllm_over_hf_tokens_per_s"] = row["vllm_tokens_per_s"] / row["hf_tokens_per_s"]
+            for other in ("vllm", "hf-noprefill"):
+                if {"hf", other} <= set(args.engines):
+                    row[f"{other}_vs_hf"] = {
+                        "hf_wall_over": row["hf_wall_s"] / row[f"{other}_wall_s"],
+                        "hf_cpu_over": row["hf_cpu_s"] / row[f"{other}_cpu_s"],
+                        "tokens_per_s_over_hf": row[f"{other}_tokens_per_s"] / row["hf_tokens_per_s"],
+                    }
             rows.append(row)
     return rows
 
@@ -140,7 +143,7 @@ def plot(summary: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = [k.removesuffix("_tokens_per_s") for k in summary[0] if k.endswith("_tokens_per_s") and "_over_" not in k]
+    engines = [k.removesuffix("_tokens_per_s") for k in summary[0] if k.endswith("_tokens_per_s")]
     labels = [f"{r['threads']} thr, {r['max_new_tokens']} tok" for r in summary]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(engines)

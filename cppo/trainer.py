@@ -453,7 +453,7 @@ class Trainer(StepRollouts):
         problems and sum their counts; under FSDP2 every rank decodes all of them (the shards gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
-        rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (transformers on the policy for vLLM)
+        rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (the engine itself for hf and vllm)
         if self._sharded:
             with distributed.root_unsharded(self.policy):
                 result = evaluate_model(rollout, self.tokenizer, problems, system_prompt=cfg.system_prompt)

@@ -147,7 +147,9 @@ class TrainConfig:
         0.5, "seconds math-verify may spend on one MATH completion (a worker process is killed past it; scores 0)"
     )
     rollout_backend: str = setting(
-        "auto", "auto (vllm on CUDA when installed, else hf), hf (transformers generate), vllm, or a registered engine"
+        "auto",
+        "auto (vllm where installed and able to run the model, one process; else hf), hf (transformers generate), "
+        "vllm, or a registered engine",
     )
     prefill_once: bool = setting(
         True, "hf engine: run each prompt's forward once and share its KV cache with its G completions (same tokens)"

