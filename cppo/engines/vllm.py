@@ -11,11 +11,11 @@ built, never with the package.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import shutil
 import tempfile
-import weakref
 
 import torch
 
@@ -84,7 +84,6 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         config = model.config
-        on_cpu = torch.device(model.device).type == "cpu"
         # the engine core in this process: weights pass to the worker as tensors, with no copy through a socket
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -103,37 +102,20 @@ class VLLMEngine(RolloutEngine):
         super().__init__(model, tokenizer, settings)
         self.vllm, self.eos_ids = vllm, eos_ids(tokenizer, model)
         self.dtype = settings.compute_dtype or model.dtype  # the engine's weights: the compute dtype
-        self.folder = tempfile.mkdtemp(prefix="cppo-vllm-")
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
-        _write_engine_folder(self.folder, model, tokenizer)
-        kwargs = dict(
-            model=self.folder,
-            dtype=str(self.dtype).removeprefix("torch."),
-            load_format="dummy",  # the first sync_weights() loads the policy's
-            max_model_len=settings.max_prompt_length + settings.max_completion_length,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
-            seed=int(torch.initial_seed() % (2**31 - 1)),
-        )
-        if on_cpu:
-            kwargs.update(enforce_eager=True)  # start-up in seconds, not a minute of torch.compile
-            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                kwargs.update(kv_cache_memory_bytes=self.cpu_kv_cache_bytes)
-        else:
-            kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization)
-        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        finally:  # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
-        self.syncs = 0
+        max_model_len = settings.max_prompt_length + settings.max_completion_length
+        key = (_config_key(model), str(self.dtype), max_model_len, torch.device(model.device).type)
+        self._shared = _SHARED.get(key) or _build_shared(key, vllm, model, tokenizer, self.dtype, max_model_len)
+        self.llm = self._shared.llm
+        self._token = object()  # which engine's weights the shared LLM holds (see generate)
+        self.syncs = 0  # explicit syncs (at build, after each optimizer step, after a checkpoint load)
         self.sync_weights()
 
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
         """vLLM's sampling, drawing from torch's global RNG (seed it first: the engine runs in this process); greedy
         at temperature 0. Each completion's tokens come with their log-probs under the engine (after temperature)."""
         s = self.settings
+        if self._shared.owner is not self._token:  # another engine of the same model loaded its weights since
+            self._load()
         ids = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         params = self.vllm.SamplingParams(
             n=num_per_prompt,
@@ -165,21 +147,72 @@ class VLLMEngine(RolloutEngine):
         """Loads the policy's current weights (LoRA merged), cast to the compute dtype, with vLLM's
         ``reload_weights`` on its worker, and drops the engine's prefix cache (its keys and values are the old
         weights')."""
+        self._load()
+        self.syncs += 1
+
+    def _load(self) -> None:
         weights = [(name, t.to(self.dtype)) for name, t in merged_weights(self.model)]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
-        self.syncs += 1
+        self._shared.owner = self._token
 
     def for_evaluation(self) -> VLLMEngine:
         """Itself: greedy evaluation decodes through the engine, on the synced weights."""
         return self
 
     def close(self) -> None:
-        """Frees the engine and its folder (also when the engine is garbage-collected)."""
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            del llm
-        self._cleanup()
+        """Lets go of the shared LLM: it stays for the next engine of the same model in this process (see
+        :data:`_SHARED`)."""
+        self.__dict__.pop("llm", None)
+
+
+class _Shared:
+    """One vLLM ``LLM`` of this process, its folder, and the token of the engine whose weights it holds."""
+
+    def __init__(self, llm, folder: str) -> None:
+        self.llm, self.folder, self.owner = llm, folder, None
+
+
+#: The vLLM engines of this process, by (model config, dtype, max_model_len, device type), kept until the process
+#: ends. vLLM keeps its distributed state in module globals: a second ``LLM`` torn down while another lives breaks
+#: the live one ("pipeline model parallel group is not initialized", measured with speedup.py's several trainers),
+#: so engines of one model share one ``LLM``, each reloading its policy's weights before it generates when another
+#: loaded since, and none is ever freed before the process ends.
+_SHARED: dict[tuple, _Shared] = {}
+
+
+def _config_key(model) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config.to_json_string(use_diff=False)
+
+
+def _build_shared(key: tuple, vllm, model, tokenizer, dtype: torch.dtype, max_model_len: int) -> _Shared:
+    folder = tempfile.mkdtemp(prefix="cppo-vllm-")
+    atexit.register(shutil.rmtree, folder, True)
+    _write_engine_folder(folder, model, tokenizer)
+    kwargs = dict(
+        model=folder,
+        dtype=str(dtype).removeprefix("torch."),
+        load_format="dummy",  # the first sync_weights() loads the policy's
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
+        seed=int(torch.initial_seed() % (2**31 - 1)),
+    )
+    if torch.device(model.device).type == "cpu":
+        kwargs.update(enforce_eager=True)  # start-up in seconds, not about 40 s of torch.compile
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kwargs.update(kv_cache_memory_bytes=VLLMEngine.cpu_kv_cache_bytes)
+    else:
+        kwargs.update(gpu_memory_utilization=VLLMEngine.gpu_memory_utilization)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        llm = vllm.LLM(**kwargs)
+    finally:  # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+    _SHARED[key] = _Shared(llm, folder)
+    return _SHARED[key]
 
 
 def _write_engine_folder(folder: str, model, tokenizer) -> None:

