@@ -28,7 +28,8 @@ lint: setup
 	$(PY) -m ruff check .
 
 test: setup lint
-	$(PY) -m pytest -q -n 2 --durations=15 tests
+	$(PY) -m pytest -q -n 2 --durations=15 -m "not vllm" tests
+	$(PY) -m pytest -q --durations=5 -m vllm tests
 
 bench: setup
 	$(PY) benchmarks/speedup.py

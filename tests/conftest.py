@@ -40,6 +40,19 @@ if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The real-vLLM tests (marker ``vllm``) run in a pytest process of their own (``pytest -m vllm``, as ``make
+    test`` runs them): an in-process vLLM engine initialises torch.distributed's default group for the whole process,
+    which the distributed tests sharing a worker with it would then find taken."""
+    expression = config.getoption("markexpr") or ""
+    if "vllm" in expression and "not vllm" not in expression:
+        return
+    skip = pytest.mark.skip(reason="the real-vLLM tests run on their own: pytest -m vllm (make test runs them)")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
+
+
 FAILURE_LOG = os.environ.get("CPPO_TEST_FAILURE_LOG")
 
 

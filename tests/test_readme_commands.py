@@ -44,6 +44,7 @@ HELP_CHECKED = (
     "benchmarks/bench_loss.py",
     "benchmarks/bench_select.py",
     "benchmarks/bench_trl.py",
+    "benchmarks/bench_generate.py",
     "examples/trl_cppo.py",
 )
 ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=.*", flags=re.S)

