@@ -362,9 +362,10 @@ def run_config(
     out["failed_methods"] = failed
     naive = rows.get("naive")
     for row in rows.values():
-        if naive:
-            row["peak_vs_naive"] = row["peak_extra_bytes"] / naive["peak_extra_bytes"]
-            row["workspace_vs_naive"] = row["workspace_bytes"] / naive["workspace_bytes"]
+        if naive:  # (at a toy shape the probe can see no memory at all: no ratio then)
+            for key, name in (("peak_extra_bytes", "peak_vs_naive"), ("workspace_bytes", "workspace_vs_naive")):
+                if naive[key] > 0:
+                    row[name] = row[key] / naive[key]
     for name, row in rows.items():  # each loss type over dapo on the same path
         dapo = rows.get(name.removesuffix(f"-{loss_type_of(name)}")) if name.startswith("fused") else None
         if dapo is not None and loss_types:
