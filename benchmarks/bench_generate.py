@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_args import check_output_file, count  # noqa: E402
 from bench_out import out_file  # noqa: E402
 
-from cppo.engines import EngineSettings, make_engine  # noqa: E402
+from cppo.engines import EngineSettings, check_engine_installed, make_engine  # noqa: E402
 from cppo.fileio import run_metadata  # noqa: E402
 from cppo.step import load_model_and_tokenizer  # noqa: E402
 from cppo.tasks import build_prompt, load_problems  # noqa: E402
@@ -51,6 +51,14 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --engines: hf, hf-noprefill or vllm, got {unknown[0]!r}")
     if args.out is not None:
         check_output_file(p, "--out", args.out)
+    from cppo.config.sources import check_model_and_data
+
+    try:  # a mistyped model or data path: one line, before anything loads
+        check_model_and_data(model=args.model, dataset="gsm8k", dataset_path=args.dataset_path)
+        for name in {e.removesuffix("-noprefill") for e in args.engines}:
+            check_engine_installed(name)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

@@ -329,10 +329,10 @@ class Trainer(StepRollouts):
                 into += part * part.new_tensor([weights[k] / self.config.mu, shares[k], shares[k], shares[k]])
 
     def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None, importance=None):
-        """The fused loss of micro-batch ``b``; ``importance``: the mismatch correction's ``(weights [T] or [S],
-        per_sequence)`` (the loss reads which from the shape), or None."""
+        """The fused loss of micro-batch ``b``; ``importance``: the mismatch correction's weights, ``[T]`` per token or
+        ``[S]`` per sequence (the loss reads which from the shape), or None."""
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
-        extra = {} if importance is None else {"importance_weights": importance[0]}
+        extra = {} if importance is None else {"importance_weights": importance}
         return fused_cppo_loss(
             hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
             bias=bias, config=self.loss_config, **self.logit_transform.kwargs(), **extra,

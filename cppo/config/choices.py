@@ -13,7 +13,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-
 #: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
 DATASETS = ("arith", "gsm8k", "math", "math500")
 #: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).

@@ -14,7 +14,7 @@ from cppo_kernels.config import check_choice, check_float, check_int
 from ..distributed import PARALLELISMS, check_device
 from ..engines import check_engine_installed, check_engine_name, engine_supports
 from ..run import check_report_to
-from ..step import IS_MODES, Pruning
+from ..step import Pruning, check_mode
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
 from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
@@ -236,7 +236,7 @@ class TrainConfig:
         check_choice("parallelism", self.parallelism, PARALLELISMS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_engine_name(self.rollout_backend)
-        check_choice("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, IS_MODES)
+        check_mode(self.vllm_importance_sampling_mode)
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         for name, value in (("clip_min", low), ("clip_max", high)):
             if value is not None:

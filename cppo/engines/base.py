@@ -255,7 +255,6 @@ def _contract_breach(rollout, *, count: int, settings: EngineSettings, vocab: in
                 return (
                     f"sampling_logprobs[{i}] not one float per token of completion_ids[{i}], as the interface promises"
                 )
-
     return None
 
 

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from cppo_kernels.config import check_choice
+
 __all__ = ["IS_MODES", "bound_ratio", "check_mode", "correct_batches", "importance_weights", "mismatch_metrics"]
 
 #: ``vllm_importance_sampling_mode``: TRL's four corrections.
@@ -16,9 +18,7 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 def check_mode(mode: str) -> str:
     """``mode`` when it is one of :data:`IS_MODES`, else a one-line ``ValueError`` naming the setting."""
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {mode!r}")
-    return mode
+    return check_choice("vllm_importance_sampling_mode", mode, IS_MODES)
 
 
 def bound_ratio(ratio: torch.Tensor, *, mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
@@ -41,19 +41,17 @@ def importance_weights(
     mode: str,
     clip_min: float | None,
     clip_max: float | None,
-) -> tuple[torch.Tensor, bool]:
-    """``(weights, per_sequence)``: TRL's IS ratio of packed tokens. ``old [T]``: the training policy's log-probs of
-    the sampled tokens before the update, ``sampling [T]``: the engine's; ``cu_seqlens [S+1]``. ``token_*`` modes:
-    ``exp(old - sampling)`` per token ``[T]``; ``sequence_*``: ``exp`` of each sequence's summed difference ``[S]``
-    (``per_sequence`` True). ``*_truncate`` clamps to ``[clip_min, clip_max]``; ``*_mask`` sets a ratio outside them to
-    0. A NaN sampling log-prob counts as no difference (ratio 1), as in TRL."""
+) -> torch.Tensor:
+    """TRL's IS ratio of packed tokens. ``old [T]``: the training policy's log-probs of the sampled tokens before
+    the update, ``sampling [T]``: the engine's; ``cu_seqlens [S+1]``. ``token_*`` modes: ``exp(old - sampling)`` per
+    token ``[T]``; ``sequence_*``: ``exp`` of each sequence's summed difference ``[S]`` (the fused loss reads which
+    from the shape). ``*_truncate`` clamps to ``[clip_min, clip_max]``; ``*_mask`` sets a ratio outside them to 0. A
+    NaN sampling log-prob counts as no difference (ratio 1), as in TRL."""
     diff = torch.nan_to_num(old.float() - sampling.float(), nan=0.0)  # [T]
-    per_sequence = check_mode(mode).startswith("sequence")
-    if per_sequence:
+    if check_mode(mode).startswith("sequence"):
         seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=diff.device), cu_seqlens.diff().long())
         diff = torch.zeros(len(cu_seqlens) - 1, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)  # [S]
-    ratio = bound_ratio(torch.exp(diff), mode=mode, clip_min=clip_min, clip_max=clip_max)
-    return ratio, per_sequence
+    return bound_ratio(torch.exp(diff), mode=mode, clip_min=clip_min, clip_max=clip_max)
 
 
 def mismatch_metrics(old: torch.Tensor, sampling: torch.Tensor, ratio: torch.Tensor) -> dict[str, float]:
@@ -73,7 +71,7 @@ def mismatch_metrics(old: torch.Tensor, sampling: torch.Tensor, ratio: torch.Ten
 
 def correct_batches(
     old: list[torch.Tensor], batches: list, *, real: int, mode: str, clip_min: float | None, clip_max: float | None
-) -> tuple[list[tuple[torch.Tensor, bool]], dict[str, float]]:
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per packed micro-batch (``sampling_logprobs [T]``, ``cu_seqlens``; ``old``: the policy's log-probs before the
     update) its :func:`importance_weights`, and the step's :func:`mismatch_metrics` over the first ``real`` ones
     (those after repeat one to keep the ranks in step)."""
@@ -83,6 +81,6 @@ def correct_batches(
     ]
     metrics = mismatch_metrics(
         torch.cat(old[:real]), torch.cat([b.sampling_logprobs for b in batches[:real]]),
-        torch.cat([w for w, _ in weights[:real]]),
+        torch.cat(weights[:real]),
     )  # fmt: skip
     return weights, metrics

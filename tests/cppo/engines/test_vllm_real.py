@@ -10,6 +10,7 @@ trainer with ``rollout_backend=vllm`` ends with an engine that decodes as its po
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -108,11 +109,12 @@ def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
 
     torch.manual_seed(0)
     temperature = 0.7
-    engine.settings = type(engine.settings)(**{**engine.settings.__dict__, "temperature": temperature})
+    plain = engine.settings
+    engine.settings = dataclasses.replace(plain, temperature=temperature)
     try:
         rollout = engine(PROMPTS[:2], 3)
     finally:
-        engine.settings = type(engine.settings)(**{**engine.settings.__dict__, "temperature": 1.0})
+        engine.settings = plain
     assert rollout.sampling_logprobs is not None and len(rollout.sampling_logprobs) == 6
     worst = 0.0
     for prompt, completion, sampled in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logprobs):
