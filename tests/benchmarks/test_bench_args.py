@@ -25,7 +25,7 @@ CASES = [
     ("bench_generate.py", ["--threads", "1", "x"], "argument --threads: must be an integer"),
     ("bench_generate.py", ["--engines", "sglang"], "argument --engines: hf, hf-noprefill or vllm, got 'sglang'"),
     ("bench_generate.py", ["--out", "{tmp}"], "is a folder: name the file to write"),
-    ("bench_generate.py", ["--model", "{tmp}/no-such-model"], "no-such-model"),
+    ("bench_generate.py", ["--dataset-path", "{tmp}/nope"], "dataset_path '{tmp}/nope' does not exist"),
 ]
 
 
