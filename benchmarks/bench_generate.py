@@ -51,7 +51,7 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --engines: hf, hf-noprefill or vllm, got {unknown[0]!r}")
     if args.out is not None:
         check_output_file(p, "--out", args.out)
-    from cppo.config.sources import check_model_and_data
+    from cppo.config import check_model_and_data
 
     try:  # a mistyped model or data path: one line, before anything loads
         check_model_and_data(model=args.model, dataset="gsm8k", dataset_path=args.dataset_path)
