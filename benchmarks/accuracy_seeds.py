@@ -76,7 +76,7 @@ from typing import Any
 import accuracy_arm
 from bench_out import new_run_folder
 from seeds_files import AGREE_KEYS, ROW_AGREE_KEYS, check_agree, read_result
-from seeds_report import by_seed, format_summary, method, plot, summarise
+from seeds_report import TIME_BASES, by_seed, format_summary, method, plot, summarise
 from speedup_report import relative_fields
 from sweep_units import Unit, check_sweep_folder, finished, fresh_folder, sweep_settings
 
@@ -116,6 +116,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--with", dest="with_files", type=pathlib.Path, action="append", default=[], metavar="FILE",
                     help="--arms: also combine this former NAME-seeds.json (e.g. the committed seeds)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="check every seed's (or unit's) plan, write nothing")
+    ap.add_argument("--time", choices=sorted(TIME_BASES), default="cpu",
+                    help="the seconds of the time ratios to GRPO: process CPU (default; unaffected by a neighbour's "
+                    "load) or wall")  # fmt: skip
     args = ap.parse_args(own)
     if len(set(args.seeds)) != len(args.seeds) or len(args.seeds) < (1 if args.arms else 2):
         raise ValueError(f"--seeds must be >= 2 distinct seeds (a 95% interval over seeds), got {args.seeds}")
@@ -365,7 +368,7 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
     rows = sorted(former + sweep_rows, key=lambda r: (r["seed"], method(r)))
     have = {(r["seed"], r["arm"]) for r in rows}
     missing = [u.name for u in units if (u.seed, u.arm) not in have]  # neither finished nor in a --with file
-    summary = summarise(rows)
+    summary = summarise(rows, time=args.time)
     first = sources[0][1]
     meta = {
         **{k: first.get(k) for k in AGREE_KEYS},
@@ -384,10 +387,36 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
     return {"meta": meta, "rows": rows, "summary": summary}
 
 
+def per_problem_lines(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows without their per-problem records, and the records as JSON lines: one per graded completion,
+    ``{"seed", "arm", "method", "step", **record}`` (the untrained model's evaluation, step 0, once per distinct
+    measurement: every arm of a sweep starts from the same one, written with ``"arm": "untrained"``)."""
+    lines, seen, bare = [], set(), []
+    for r in rows:
+        for point in r.get("eval_per_problem") or []:
+            if point["step"] == 0:  # the untrained model's
+                ident = json.dumps(point["records"])
+                if ident in seen:
+                    continue
+                seen.add(ident)
+            arm, name = ("untrained", None) if point["step"] == 0 else (r.get("arm"), method(r))
+            lines += [json.dumps({"seed": r["seed"], "arm": arm, "method": name, "step": point["step"], **rec})
+                      for rec in point["records"]]  # fmt: skip
+        bare.append({k: v for k, v in r.items() if k != "eval_per_problem"})
+    return bare, lines
+
+
 def write_combined(data: dict[str, Any], out: pathlib.Path, name: str) -> None:
-    """``OUT/NAME-seeds.json`` and ``.png``, and the summary printed."""
+    """``OUT/NAME-seeds.json`` and ``.png``, the per-problem records beside them (``NAME-seeds-per-problem.jsonl``,
+    :func:`per_problem_lines`; the JSON's rows keep the counts), and the summary printed."""
     path, png = out / f"{name}-seeds.json", out / f"{name}-seeds.png"
     out.mkdir(parents=True, exist_ok=True)
+    data["rows"], lines = per_problem_lines(data["rows"])
+    if lines:
+        records = out / f"{name}-seeds-per-problem.jsonl"
+        fileio.atomic_write(records, "\n".join(lines) + "\n")
+        data["meta"]["per_problem"] = f"{records.name}: one JSON line per graded completion of every evaluation"
+        print(f"wrote {records} ({len(lines)} records)")
     fileio.write_json(path, data)
     table = by_seed(data["rows"])
     plot(png, data["summary"], table, data["meta"])
@@ -438,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs.mkdir(parents=True, exist_ok=False)  # never a former run's folder
         run_seeds(args, runs)
     found = combine(args, runs)
-    data = {"meta": meta_of(found["metas"], args), "rows": found["rows"], "summary": summarise(found["rows"])}
+    summary = summarise(found["rows"], time=args.time)
+    data = {"meta": meta_of(found["metas"], args), "rows": found["rows"], "summary": summary}
     write_combined(data, out, args.name)
     return data
 

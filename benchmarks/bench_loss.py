@@ -356,9 +356,7 @@ def run_config(
     matmul_cpu_s = statistics.median(s["fwd_cpu"] for s in samples["matmul"])
     out = {"tokens": T, "hidden": H, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
     out.update(calibration=calibration, matmul_s=matmul_s, matmul_cpu_s=matmul_cpu_s)
-    rows = {
-        name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul" and ss
-    }
+    rows = {name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul" and ss}
     out["failed_methods"] = failed
     naive = rows.get("naive")
     for row in rows.values():

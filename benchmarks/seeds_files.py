@@ -31,6 +31,7 @@ AGREE_KEYS = (
 #: file also the untrained model's accuracy (every seed starts from the same weights).
 ROW_AGREE_KEYS = ("questions", "group_size", "eval_problems", "eval_problems_scored")
 
+
 def read_result(path: pathlib.Path, what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``(meta, rows)`` of a result JSON; ValueError naming the file when it is not ``what`` (or its rows lack
     :data:`ROW_KEYS`)."""

@@ -102,13 +102,73 @@ def ratio(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, key: str)
     return {"a": a, "b": b, "per_seed": ratios, "of_sums": pooled, **mean_interval(list(ratios.values()))}
 
 
-def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dict[str, Any]:
+#: ``--time``: which seconds the time ratios to GRPO use (CPU seconds by default: on a shared machine a unit's wall
+#: time includes the waits its neighbours cause, its process's CPU time does not).
+TIME_BASES = {"cpu": "cpu_seconds", "wall": "total_seconds"}
+#: The pre-registered confirmation (issue 41, ``docs/results.md``): the primary comparison, a two-sided paired t test
+#: at ``alpha``; the secondary, an equivalence test (the ``1 - 2 * alpha`` interval inside +-``margin`` points).
+PREREGISTERED = {"primary": ("CPPO group P=0.75", "CPPO P=0.75"), "secondary": ("CPPO group P=0.75", "GRPO"),
+                 "alpha": 0.05, "margin_points": 3.0}  # fmt: skip
+
+
+def paired_test(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, *, alpha: float) -> dict[str, Any]:
+    """The paired difference ``a - b`` of final accuracy in points over the seeds both hold: mean, sd, the two-sided
+    paired t test (``t``, ``df``, ``p``: :func:`scipy.stats.ttest_rel`), and its ``1 - alpha`` and ``1 - 2 alpha``
+    t intervals."""
+    from scipy import stats
+
+    seeds = shared(table, a, b)
+    if len(seeds) < 2:
+        raise ValueError(f"a paired t test of {a} - {b} needs >= 2 seeds holding both, got {seeds}")
+    x = [100 * table[s][a]["accuracy_after"] for s in seeds]
+    y = [100 * table[s][b]["accuracy_after"] for s in seeds]
+    d = [u - v for u, v in zip(x, y)]
+    n, mean, sd = len(d), statistics.fmean(d), statistics.stdev(d)
+    test = stats.ttest_rel(x, y)
+    half = {q: float(stats.t.ppf(1 - q / 2, n - 1)) * sd / math.sqrt(n) for q in (alpha, 2 * alpha)}
+    return {
+        "a": a, "b": b, "seeds": seeds, "per_seed_points": dict(zip(seeds, d)), "n": n, "mean_points": mean,
+        "sd_points": sd, "t": float(test.statistic), "df": n - 1, "p": float(test.pvalue), "signs": signs(d),
+        f"ci{round(100 * (1 - alpha))}_points": [mean - half[alpha], mean + half[alpha]],
+        f"ci{round(100 * (1 - 2 * alpha))}_points": [mean - half[2 * alpha], mean + half[2 * alpha]],
+    }  # fmt: skip
+
+
+def preregistered(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
+    """Exactly the analyses of :data:`PREREGISTERED`, over the seeds that hold all three methods (None when no two
+    seeds do): the primary test's ``p`` and whether it is below alpha; the secondary's interval and whether it lies
+    inside the margin (``equivalent``)."""
+    plan = PREREGISTERED
+    methods = {*plan["primary"], *plan["secondary"]}
+    if len(shared(table, *methods)) < 2:
+        return None
+    sub = {s: table[s] for s in shared(table, *methods)}
+    alpha, margin = plan["alpha"], plan["margin_points"]
+    primary = paired_test(sub, *plan["primary"], alpha=alpha)
+    secondary = paired_test(sub, *plan["secondary"], alpha=alpha)
+    lo, hi = secondary[f"ci{round(100 * (1 - 2 * alpha))}_points"]
+    return {
+        "plan": "docs/results.md, Pre-registered confirmation (issue 41)", "seeds": list(sub), "alpha": alpha,
+        "margin_points": margin,
+        "primary": {**primary, "significant": primary["p"] < alpha},
+        "secondary": {**secondary, "equivalent": -margin < lo and hi < margin},
+    }  # fmt: skip
+
+
+def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: str = "cpu") -> dict[str, Any]:
     """The run's summary (``cppo``: the CPPO method to compare, by default the rows' only pooled CPPO with
     allocation, ``CPPO P=...``): per method the seeds' accuracies and seconds (means with t intervals, over the seeds
     that ran it); the paired accuracy differences, over the seeds each pair shares, of CPPO against every other
-    method and of every other method against GRPO; every method's wall-time and training-time ratios to GRPO; and
+    method and of every other method against GRPO; every method's CPU-time, wall-time and training-time ratios to
+    GRPO (``time``: which of the first two the target uses, :data:`TIME_BASES`); :func:`preregistered`; and
     the issue's target (CPPO - GRPO's interval includes 0 or lies above it; at most half GRPO's wall time; above
     random pruning: CPPO - random's mean above 0, "clearly" when its interval is)."""
+    if time not in TIME_BASES:
+        raise ValueError(f"--time must be one of {sorted(TIME_BASES)}, got {time!r}")
+    time_key = TIME_BASES[time]
+    lacking = sorted({method(r) for r in rows if r.get(time_key) is None})
+    if lacking:
+        raise ValueError(f"--time {time}: rows of {lacking} have no {time_key} (--time wall uses their wall seconds)")
     table = by_seed(rows)
     methods = sorted({m for runs in table.values() for m in runs})
     if "GRPO" not in methods and dynamic_pairs(table):  # issue 30's benchmark: the pairs alone
@@ -127,21 +187,23 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
     per_method = {
         m: {"seeds": shared(table, m)}
         | {key: mean_interval([table[s][m][key] for s in shared(table, m)])
-           for key in ("accuracy_after", "total_seconds", "train_seconds")}
+           for key in ("accuracy_after", "total_seconds", "train_seconds", *(("cpu_seconds",) if time == "cpu" else ()))
+           }
         for m in methods
     }  # fmt: skip
     pairs = [(cppo, m) for m in methods if m != cppo] + [(m, "GRPO") for m in methods if m not in (cppo, "GRPO")]
     diffs = {f"{a} - {b}": paired(table, a, b, "accuracy_after") for a, b in pairs if shared(table, a, b)}
     times = {
         m: {"total": ratio(table, m, "GRPO", "total_seconds"), "train": ratio(table, m, "GRPO", "train_seconds")}
+        | ({"cpu": ratio(table, m, "GRPO", "cpu_seconds")} if time == "cpu" else {})
         for m in methods
         if m != "GRPO" and shared(table, m, "GRPO")
     }
-    within, time = diffs[f"{cppo} - GRPO"], times[cppo]["total"]
+    within, chosen = diffs[f"{cppo} - GRPO"], times[cppo]["cpu" if time == "cpu" else "total"]
     random_key = next((k for k in diffs if k == f"{cppo} - random " + cppo.removeprefix("CPPO ")), None)
     target = {
         "within_grpo": within["ci95"] is not None and within["ci95"][1] >= 0.0,
-        "at_most_half_the_time": time["mean"] <= TARGET_TIME_RATIO,
+        "at_most_half_the_time": chosen["mean"] <= TARGET_TIME_RATIO,
         "above_random": None if random_key is None else diffs[random_key]["mean"] > 0.0,
         "clearly_above_random": None if random_key is None else bool((diffs[random_key]["ci95"] or [0])[0] > 0.0),
     }
@@ -153,11 +215,14 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None) -> dic
         "paired differences; signs: seeds on which the difference is positive / negative / zero",
         "per_method": per_method,
         "accuracy_differences": diffs,
+        "time_basis": f"{time_key}: the target's and time_ratio_total's ratios to GRPO (the whole run's "
+        f"{'process CPU' if time == 'cpu' else 'wall'} seconds, evaluation excluded)",
         "time_ratios": times,
-        "time_ratio_total": time,
+        "time_ratio_total": chosen,
         "time_ratio_train": times[cppo]["train"],
         "target": target,
         **({"dynamic": dynamic_pairs(table)} if dynamic_pairs(table) else {}),
+        **({"preregistered": pre} if (pre := preregistered(table)) else {}),
     }
 
 
@@ -271,18 +336,51 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
         lines.append(f"| {name} | {d['n']} | {per} | {100 * d['mean']:+.1f} | {_pct(d['ci95'])} | {_signs(d)} |")
     lines += [
         "",
-        "| wall time / GRPO's | seeds | mean (95% interval) | of the summed seconds | training time / GRPO's |",
-        "| --- | --- | --- | --- | --- |",
+        "| time / GRPO's | seeds | CPU seconds, mean (95% interval) | wall, mean (95% interval) | wall of the summed "
+        "seconds | training wall |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+
+    def mean_ci(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "-"
+        return f"{r['mean']:.3f}" + ("" if r["ci95"] is None else f" [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
+
     for m, t in summary["time_ratios"].items():
         total, train = t["total"], t["train"]
-        ci = "-" if total["ci95"] is None else f"[{total['ci95'][0]:.3f}, {total['ci95'][1]:.3f}]"
         lines.append(
-            f"| {m} | {total['n']} | {total['mean']:.3f} {ci} | {total['of_sums']:.3f} | {train['mean']:.3f} |"
+            f"| {m} | {total['n']} | {mean_ci(t.get('cpu'))} | {mean_ci(total)} | {total['of_sums']:.3f} | "
+            f"{train['mean']:.3f} |"
         )
+    if summary.get("preregistered"):
+        lines += format_preregistered(summary["preregistered"])
     lines += format_dynamic(summary["dynamic"]) if summary.get("dynamic") else []
     lines.append(f"\ntarget ({summary['cppo'] or 'issue 30'}): {summary['target']}")
     return "\n".join(lines)
+
+
+def format_preregistered(pre: dict[str, Any]) -> list[str]:
+    """The pre-registered analyses (:func:`preregistered`) as a Markdown table, reported before anything else."""
+    a = round(100 * (1 - pre["alpha"]))
+    b = round(100 * (1 - 2 * pre["alpha"]))
+    lines = [
+        "",
+        f"pre-registered ({pre['plan']}), seeds {pre['seeds'][0]}-{pre['seeds'][-1]} ({len(pre['seeds'])}):",
+        "",
+        f"| comparison (points) | seeds | mean | {a}% interval | {b}% interval | t (df) | p | seeds +/-/= | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, d in (("primary", pre["primary"]), ("secondary", pre["secondary"])):
+        ci_a, ci_b = d[f"ci{a}_points"], d[f"ci{b}_points"]
+        verdict = (
+            f"p {'<' if d['significant'] else '>='} {pre['alpha']}" if name == "primary"
+            else f"{b}% interval {'inside' if d['equivalent'] else 'not inside'} +-{pre['margin_points']:g}"
+        )  # fmt: skip
+        lines.append(
+            f"| {name}: {d['a']} - {d['b']} | {d['n']} | {d['mean_points']:+.2f} | [{ci_a[0]:+.2f}, {ci_a[1]:+.2f}] "
+            f"| [{ci_b[0]:+.2f}, {ci_b[1]:+.2f}] | {d['t']:.2f} ({d['df']}) | {d['p']:.3f} | {_signs(d)} | {verdict} |"
+        )
+    return lines
 
 
 def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]], meta: dict) -> None:

@@ -195,6 +195,7 @@ def measure_accuracy(trainer: Any, *, problems: int, device: str, train_seconds:
         format_rate=float(result["format_rate"]),
         eval_seconds=time.perf_counter() - wall0,
         distinct=result.get("distinct_problems"),
+        per_problem=result.get("per_problem"),
     )
 
 

@@ -35,7 +35,11 @@ TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
 COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
 #: Counters summed when every step reports them (issue 30: trained rows with A = 0, generation calls, GRESO's skips).
 OPTIONAL_COUNTERS = {"kept_zero_advantage": "kept_zero_advantage", "generation_calls": "generation_calls",
-                     "greso_questions_skipped": "greso/questions_skipped"}  # fmt: skip
+                     "greso_questions_skipped": "greso/questions_skipped",
+                     # tokens per phase (issue 41): generation's prefill and decode, the training passes' prompt and
+                     # completion positions
+                     **{f"tokens_{k}": f"tokens/{k}" for k in ("generate_prompt", "generate_completion",
+                                                              "train_prompt", "train_completion")}}  # fmt: skip
 #: Speedups reported by the paper (GSM8K, Qwen2.5-1.5B-Instruct, G = 16, whole training run vs GRPO).
 PAPER_SPEEDUP_GSM8K = {0.0: 1.0, 0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}
 #: The standard normal quantile of a two-sided 95% interval.
@@ -66,6 +70,9 @@ class EvalPoint:
     format_rate: float = float("nan")
     eval_seconds: float = 0.0
     distinct: int | None = None  # distinct questions among the ``total`` (None: not counted)
+    #: One record per graded completion (:data:`cppo.evaluate.PER_PROBLEM_KEYS`: index, id, sample, correct,
+    #: format_ok, completion_tokens); None where the evaluation kept only counts (results written before them).
+    per_problem: list[dict[str, Any]] | None = None
 
     @property
     def accuracy(self) -> float:
@@ -81,7 +88,8 @@ def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_se
     """A run's accuracy columns from its ``curve`` (the measurement before training first, the end of the run last;
     empty: every column None): before and after with 95% Wilson intervals, the curve as ``[training wall seconds,
     step, accuracy]``, the official format reward's rate, the seconds spent evaluating (before training excluded),
-    and the time to reach ``target`` (GRPO's final lower 95% bound) in seconds and as a share of ``grpo_seconds``."""
+    the time to reach ``target`` (GRPO's final lower 95% bound) in seconds and as a share of ``grpo_seconds``, and
+    every point's per-problem records (``eval_per_problem``: ``[{"step", "records"}]``, the points that kept them)."""
     if not curve:
         return dict.fromkeys(ACCURACY_KEYS)
     first, last = curve[0], curve[-1]
@@ -99,6 +107,7 @@ def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_se
         "eval_seconds": sum(p.eval_seconds for p in curve[1:]),
         "time_to_grpo_accuracy": reach,
         "time_to_grpo_accuracy_fraction": None if reach is None else _ratio(reach, grpo_seconds),
+        "eval_per_problem": [{"step": p.step, "records": p.per_problem} for p in curve if p.per_problem is not None],
     }
 
 
@@ -106,7 +115,7 @@ def accuracy_fields(curve: Sequence[EvalPoint], *, target: float | None, grpo_se
 ACCURACY_KEYS = (
     "eval_problems", "eval_problems_scored", "accuracy_before", "accuracy_before_ci95", "accuracy_after",
     "accuracy_after_ci95", "accuracy_curve", "format_rate_before", "format_rate_after", "eval_seconds",
-    "time_to_grpo_accuracy", "time_to_grpo_accuracy_fraction",
+    "time_to_grpo_accuracy", "time_to_grpo_accuracy_fraction", "eval_per_problem",
 )  # fmt: skip
 
 

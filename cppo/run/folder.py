@@ -11,15 +11,17 @@ import os
 from collections.abc import Callable, Collection
 
 from ..distributed import DistInfo, barrier, max_across_ranks
-from ..fileio import check_writable
+from ..fileio import check_writable, write_json
 from . import checkpoint
 from .lock import RunLock, RunLocked
 from .sinks import MetricSink, make_sinks
 
 logger = logging.getLogger(__name__)
 
-#: The files a run writes into its output_dir besides its checkpoint-N folders (the folders: report_to's sinks).
-RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb")
+#: The files a run writes into its output_dir besides its checkpoint-N folders (folders: report_to's sinks, eval).
+RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb", "eval")
+#: Where each evaluation's result, with its per-problem records, is written (``eval/step-N.json``).
+EVAL_FOLDER = "eval"
 #: What :func:`open_run` does with a run already in the folder: refuse it (a new run), keep it (``--resume``),
 #: delete it once the new run has loaded (``--overwrite``: :meth:`Run.clear`), or look when training starts
 #: (``later``: the Python API, whose caller may still load a checkpoint into the trainer).
@@ -151,6 +153,20 @@ class Run:
                 sink.log(record, step)
             except Exception as e:  # noqa: BLE001  whatever a sink raises: the run and the other sinks go on
                 self._drop(sink, e, step)
+
+    def save_evaluation(self, result: dict, step: int) -> dict:
+        """Rank 0 writes an evaluation's whole ``result`` (its per-problem records too) to ``eval/step-N.json``,
+        atomically (a failed write: one warning, the training goes on); returns it without the records (what the
+        sinks log)."""
+        if self.info.is_main:
+            path = os.path.join(self.output_dir, EVAL_FOLDER, f"step-{step}.json")
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                write_json(path, {"step": step, **result})
+            except OSError as e:
+                logger.warning("the evaluation of step %d could not be written to %s (%s): the training goes on",
+                               step, path, e)  # fmt: skip
+        return {k: v for k, v in result.items() if k != "per_problem"}
 
     def _drop(self, sink: MetricSink, error: Exception, step: int) -> None:
         self.sinks.remove(sink)

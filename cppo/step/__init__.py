@@ -17,7 +17,8 @@ from .head import LogitTransform, check_logit_transform, logit_transform
 from .importance import IS_MODES, bound_ratio, check_mode, correct_batches, importance_weights, mismatch_metrics
 from .optim import NonFiniteUpdates, SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import (
-    PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, prompt_groups, shared_tokens,
+    PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, phase_tokens, prompt_groups,
+    shared_tokens,
 )  # fmt: skip
 from .selection import SCOPES, Pruning, Selection, kept_count
 
@@ -36,6 +37,6 @@ __all__ = [
     "prefix_sharing_blocker", "tiny_tokenizer", "use_prefix_sharing", "LogitTransform", "check_logit_transform",
     "logit_transform", "NonFiniteUpdates", "SkipCounter",
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
-    "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "prompt_groups", "shared_tokens", "SCOPES",
-    "Pruning", "Selection", "kept_count",
+    "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "phase_tokens", "prompt_groups", "shared_tokens",
+    "SCOPES", "Pruning", "Selection", "kept_count",
 ]  # fmt: skip

@@ -232,3 +232,16 @@ def loss_weight(loss_agg: str, *, num_tokens: int, num_seqs: int, total_tokens: 
     if LOSS_AGG_UNITS[loss_agg] == "tokens":
         return num_tokens / total_tokens if total_tokens else 0.0
     return num_seqs / total_seqs if total_seqs else 0.0
+
+
+def phase_tokens(prefill: int, decoded: int, batches: list[PackedBatch], *, passes: int) -> dict[str, int]:
+    """A step's token positions per phase (the ``tokens/*`` metrics): generation's ``prefill`` positions and
+    ``decoded`` tokens, and the training passes' prompt and completion positions (``tokens_forward`` split: each of
+    the ``passes`` forwards runs every micro-batch; a shared prefix counted once)."""
+    trained = sum(b.num_tokens for b in batches)
+    return {
+        "tokens/generate_prompt": prefill,
+        "tokens/generate_completion": decoded,
+        "tokens/train_prompt": (sum(b.num_input_tokens for b in batches) - trained) * passes,
+        "tokens/train_completion": trained * passes,
+    }

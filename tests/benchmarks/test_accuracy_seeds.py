@@ -20,7 +20,8 @@ from cppo import fileio
 def _row(seed, p, metric, acc, seconds, train=None):
     return {
         "seed": seed, "pruning_rate": p, "selection_metric": metric, "accuracy_after": acc, "total_seconds": seconds,
-        "train_seconds": train if train is not None else seconds / 2, "eval_problems": 300, "eval_problems_scored": 300,
+        "cpu_seconds": seconds - 40.0, "train_seconds": train if train is not None else seconds / 2,
+        "eval_problems": 300, "eval_problems_scored": 300,
         "questions": 64, "group_size": 8,
     }  # fmt: skip
 
@@ -57,11 +58,24 @@ def test_paired_differences_and_t_intervals_match_a_hand_computation():
     assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half])
     r = s["accuracy_differences"]["CPPO P=0.75 - random P=0.75"]
     assert r["mean"] == pytest.approx(sum(c - x for _, c, x in ACC.values()) / 3)
-    t = s["time_ratio_total"]
-    assert t["per_seed"][42] == pytest.approx(342.0 / 1042.0)
-    assert t["of_sums"] == pytest.approx((342 + 343 + 344) / (1042 + 1043 + 1044))
+    t = s["time_ratio_total"]  # CPU seconds by default
+    assert t["per_seed"][42] == pytest.approx(302.0 / 1002.0) and s["time_basis"].startswith("cpu_seconds")
+    assert t["of_sums"] == pytest.approx((302 + 303 + 304) / (1002 + 1003 + 1004))
+    assert s["time_ratios"]["CPPO P=0.75"]["cpu"] is t
+    wall = seeds_report.summarise(_rows(), time="wall")["time_ratio_total"]
+    assert wall["per_seed"][42] == pytest.approx(342.0 / 1042.0)
+    assert wall["of_sums"] == pytest.approx((342 + 343 + 344) / (1042 + 1043 + 1044))
     assert s["target"]["within_grpo"] is True and s["target"]["at_most_half_the_time"] is True
     assert s["target"]["above_random"] is True
+
+
+def test_cpu_time_ratios_need_cpu_seconds_in_every_row():
+    rows = [{k: v for k, v in r.items() if k != "cpu_seconds"} if r["pruning_rate"] == 0 else r for r in _rows()]
+    with pytest.raises(ValueError, match=r"--time cpu: rows of \['GRPO'\] have no cpu_seconds"):
+        seeds_report.summarise(rows)
+    assert seeds_report.summarise(rows, time="wall")["time_ratio_total"]["n"] == 3
+    with pytest.raises(ValueError, match="--time must be one of"):
+        seeds_report.summarise(_rows(), time="gpu")
 
 
 def test_target_misses_are_reported():
@@ -168,3 +182,63 @@ def test_dry_run_checks_every_seed_plan(capsys):
     assert json.loads(capsys.readouterr().out)["seeds"]["3"]["rates"][1]["pruning_rate"] == 0.5
     with pytest.raises(ValueError, match="seed 3: .*--pruning-rates"):
         accuracy_seeds.main(["--seeds", "3", "4", "--dry-run", "--", *tiny, "--pruning-rates", "0.5"])
+
+
+def _prereg_rows(group_minus_pooled, group_minus_grpo):
+    """Rows of GRPO, CPPO pooled and CPPO per-question on seeds 51.. with the given paired differences (points)."""
+    rows = []
+    for i, (dp, dg) in enumerate(zip(group_minus_pooled, group_minus_grpo)):
+        group = 0.40 + 0.01 * i
+        rows += [_row(51 + i, 0.0, "smallest", group - dg / 100, 1000.0),
+                 _row(51 + i, 0.75, "smallest", group - dp / 100, 400.0),
+                 _row(51 + i, 0.75, "smallest", group, 450.0) | {"selection_scope": "group"}]  # fmt: skip
+    return rows
+
+
+def test_the_preregistered_analyses_match_a_hand_computation():
+    dp = [1.0, 3.0, -1.0, 2.0, 4.0, 0.0]  # per-question - pooled, points
+    dg = [0.5, -0.5, 1.0, -1.0, 0.0, 0.5]  # per-question - GRPO, points
+    pre = seeds_report.summarise(_prereg_rows(dp, dg))["preregistered"]
+    assert pre["seeds"] == [51, 52, 53, 54, 55, 56] and pre["alpha"] == 0.05 and pre["margin_points"] == 3.0
+    p = pre["primary"]
+    assert (p["a"], p["b"], p["n"], p["df"]) == ("CPPO group P=0.75", "CPPO P=0.75", 6, 5)
+    mean, sd = statistics.fmean(dp), statistics.stdev(dp)
+    t = mean / (sd / math.sqrt(6))
+    assert p["mean_points"] == pytest.approx(mean) and p["t"] == pytest.approx(t)
+    # t(0.975, 5) = 2.5706: the 95% interval; p two-sided from the t distribution with 5 df (t = 1.964 -> p = 0.107)
+    assert p["ci95_points"] == pytest.approx([mean - 2.570582 * sd / math.sqrt(6), mean + 2.570582 * sd / math.sqrt(6)])
+    assert p["p"] == pytest.approx(0.1067, abs=5e-4) and p["significant"] is False
+    s = pre["secondary"]
+    mean_g, sd_g = statistics.fmean(dg), statistics.stdev(dg)
+    half = 2.015048 * sd_g / math.sqrt(6)  # t(0.95, 5): the 90% interval of the equivalence test
+    assert s["ci90_points"] == pytest.approx([mean_g - half, mean_g + half]) and s["equivalent"] is True
+    # a wide secondary interval is not equivalence; a consistent gain is significant
+    wide = seeds_report.summarise(_prereg_rows([3.0, 3.5, 2.5, 3.0, 3.2, 2.8], [5.0, -6.0, 4.0, -3.0, 6.0, -5.0]))
+    assert wide["preregistered"]["secondary"]["equivalent"] is False
+    assert wide["preregistered"]["primary"]["significant"] is True and wide["preregistered"]["primary"]["p"] < 1e-4
+    wide_rows = _prereg_rows([3.0, 3.5, 2.5, 3.0, 3.2, 2.8], [5.0, -6.0, 4.0, -3.0, 6.0, -5.0])
+    text = seeds_report.format_summary(wide, seeds_report.by_seed(wide_rows))
+    assert "| primary: CPPO group P=0.75 - CPPO P=0.75 | 6 |" in text and "not inside +-3" in text
+
+
+def test_no_preregistered_analysis_without_the_three_arms():
+    assert "preregistered" not in seeds_report.summarise(_rows())
+
+
+def test_per_problem_records_leave_the_rows_for_their_own_file():
+    def recs(ok):
+        return [{"index": 0, "id": "a", "sample": 0, "correct": ok, "format_ok": True, "completion_tokens": 5}]
+
+    before = {"step": 0, "records": recs(False)}
+    rows = [
+        {**_row(51, 0.0, "smallest", 0.4, 1.0), "arm": "grpo",
+         "eval_per_problem": [before, {"step": 16, "records": recs(True)}]},
+        {**_row(51, 0.75, "smallest", 0.4, 1.0), "arm": "cppo-pooled",
+         "eval_per_problem": [before, {"step": 4, "records": recs(False)}]},
+    ]  # fmt: skip
+    bare, lines = accuracy_seeds.per_problem_lines(rows)
+    assert all("eval_per_problem" not in r for r in bare) and bare[0]["seed"] == 51
+    got = [json.loads(line) for line in lines]
+    assert [(g["arm"], g["method"], g["step"], g["correct"]) for g in got] == [
+        ("untrained", None, 0, False), ("grpo", "GRPO", 16, True), ("cppo-pooled", "CPPO P=0.75", 4, False)
+    ]  # the shared untrained evaluation once  # fmt: skip

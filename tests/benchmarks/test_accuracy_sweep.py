@@ -33,6 +33,9 @@ META = {"model": "m.gguf", "lr": 2e-5, "group_size": 8, "max_completion_length":
 #: Row columns added after the committed rows (issue 30: the run's bound, its features and their counts).
 ISSUE30_KEYS = {"planned_steps", "num_epochs", "filter_groups", "greso", "kept_zero_advantage", "generation_calls",
                 "greso_questions_skipped"}  # fmt: skip
+#: Issue 41's columns: tokens per phase and every evaluation's per-problem records.
+ISSUE41_KEYS = {"tokens_generate_prompt", "tokens_generate_completion", "tokens_train_prompt",
+                "tokens_train_completion", "eval_per_problem"}  # fmt: skip
 
 
 def _ids(seed):
@@ -381,7 +384,19 @@ def test_a_real_tiny_unit_writes_a_row_with_the_committed_schema(tmp_path):
         torch.set_num_threads(threads)  # the unit runs one thread; the test process keeps its own
     (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
     committed = json.loads(COMMITTED.read_text())["rows"][0]
-    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS and row == json.loads(json.dumps(result["rows"][0]))
+    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS | ISSUE41_KEYS
+    assert row == json.loads(json.dumps(result["rows"][0]))
+    # per-problem records of both evaluations (before: the --before-only unit's, carried; after), in problem order
+    (first, last) = row["eval_per_problem"]
+    assert first["step"] == 0 and first["records"] == before["point"]["per_problem"] and last["step"] == 1
+    assert [r["index"] for r in last["records"]] == [0, 1, 2] and sum(r["correct"] for r in last["records"]) == round(
+        3 * row["accuracy_after"]
+    )
+    assert all(1 <= r["completion_tokens"] <= 4 and len(r["id"]) == 12 for r in last["records"])
+    # tokens per phase: the training passes' split adds up to tokens_forward; generation decoded what it kept
+    assert row["tokens_train_prompt"] + row["tokens_train_completion"] == row["tokens_forward"]
+    assert 0 < row["tokens_generate_completion"] <= 4 * row["completions"] and row["tokens_generate_prompt"] > 0
+    assert row["cpu_seconds"] > 0
     assert (row["arm"], row["seed"], row["steps"], row["questions"]) == ("cppo-pooled", 3, 1, 4)
     assert row["accuracy_curve"][0] == [0.0, 0, before["point"]["correct"] / 3] and row["accuracy_curve"][1][1] == 1
     assert row["speedup_total"] is None  # filled against the seed's GRPO row when the sweep is combined

@@ -78,7 +78,9 @@ def test_resume_and_eval(tmp_path, capsys, monkeypatch):
                  "--output", str(tmp_path / "eval.json")]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["total"] == 4 and 0.0 <= result["accuracy"] <= 1.0
-    assert json.loads((tmp_path / "eval.json").read_text()) == result
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert "per_problem" not in result and len(written.pop("per_problem")) == 4  # the records go to --output only
+    assert written == result
 
 
 @pytest.mark.parametrize(

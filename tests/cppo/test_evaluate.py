@@ -6,6 +6,7 @@ from cppo.distributed import DistInfo
 from cppo.engines import Rollout
 from cppo.evaluate import evaluate_model, evaluate_split
 from cppo.step import tiny_tokenizer
+from cppo.tasks import question_id
 
 TAGGED = "<think>so</think>\n<answer>{}</answer>"
 
@@ -37,7 +38,31 @@ def test_accuracy_and_format_rate_over_batches():
     result = evaluate_model(rollout, tiny_tokenizer(300), problems(7), batch_size=3)
     assert rollout.calls == [3, 3, 1]
     # 0, 3 and 6 answer a wrong number without the tags; the others the right one, tagged
+    per_problem = result.pop("per_problem")
     assert result == {"accuracy": 4 / 7, "correct": 4, "total": 7, "problems": 7, "format_rate": 4 / 7}
+    # one record per problem, in order: its id, whether it was right and formatted, its completion's length
+    assert [r["index"] for r in per_problem] == list(range(7)) and all(r["sample"] == 0 for r in per_problem)
+    assert [r["correct"] for r in per_problem] == [i % 3 != 0 for i in range(7)]
+    assert [r["format_ok"] for r in per_problem] == [i % 3 != 0 for i in range(7)]
+    assert [r["id"] for r in per_problem] == [question_id(p) for p in problems(7)]
+    assert all(r["completion_tokens"] == 1 for r in per_problem)  # the stand-in's completions are one token
+
+
+def test_per_problem_records_with_several_samples_keep_problem_then_sample_order():
+    class Alternating(EchoRollout):  # sample j of problem i: right when j is even, completion length j + 1
+        def generate(self, prompts, num_per_prompt, *, greedy=False):
+            base = super().generate(prompts, num_per_prompt, greedy=greedy)
+            texts = [t if k % num_per_prompt % 2 == 0 else "wrong" for k, t in enumerate(base.texts)]
+            lengths = [[1] * (k % num_per_prompt + 1) for k in range(len(texts))]
+            return Rollout(base.prompt_ids, lengths, texts)
+
+    rollout = Alternating({f"What is {i} + 0?": TAGGED.format(i) for i in range(3)})
+    result = evaluate_model(rollout, tiny_tokenizer(300), problems(3), batch_size=2, num_samples=3)
+    recs = result["per_problem"]
+    assert [(r["index"], r["sample"]) for r in recs] == [(i, j) for i in range(3) for j in range(3)]
+    assert [r["correct"] for r in recs] == [j % 2 == 0 for _ in range(3) for j in range(3)]
+    assert [r["completion_tokens"] for r in recs] == [j + 1 for _ in range(3) for j in range(3)]
+    assert result["correct"] == 6 and result["total"] == 9
 
 
 def test_the_progress_bar_moves_per_batch(capsys):

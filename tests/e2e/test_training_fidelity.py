@@ -3,6 +3,7 @@ official count, gradient checkpointing, the warm-up count, and periodic evaluati
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -169,3 +170,11 @@ def test_periodic_evaluation_goes_to_metrics_jsonl(tmp_path):
     assert [r["step"] for r in records] == [2, 3]  # evaluated steps are logged whatever log_every says
     assert [("eval/accuracy" in h) for h in history] == [False, True, True]  # every 2 steps and after the last
     assert all(r["eval/total"] == 2 and 0 <= r["eval/accuracy"] <= 1 for r in records)
+    # each evaluation's per-problem records go to eval/step-N.json, not to the metric sinks
+    assert not any(k.startswith("eval/per_problem") for r in records for k in r)
+    for r in records:
+        saved = json.loads((tmp_path / "eval" / f"step-{r['step']}.json").read_text())
+        assert saved["step"] == r["step"] and saved["correct"] == r["eval/correct"]
+        assert [p["index"] for p in saved["per_problem"]] == [0, 1]
+        assert sum(p["correct"] for p in saved["per_problem"]) == r["eval/correct"]
+    assert sorted(os.listdir(tmp_path / "eval")) == ["step-2.json", "step-3.json"]

@@ -481,6 +481,31 @@ def worker(out_dir: str) -> None:
     D.close_distributed()
 
 
+@check
+def evaluate_split_gathers_per_problem_records_in_problem_order(info):
+    """5 problems over 2 ranks (3 + 2): every rank gets the counts and every problem's record, in order; a problem
+    is answered right when its number is odd (rank 1 holds 3 and 4), its completion is as long as the number + 1."""
+    from cppo.engines import Rollout
+    from cppo.evaluate import evaluate_split
+    from cppo.step import tiny_tokenizer
+    from cppo.tasks import question_id
+
+    class Echo:
+        def __call__(self, prompts, n, *, greedy=False):
+            nums = [next(i for i in range(5) if f"What is {i} + 0?" in p) for p in prompts]
+            texts = [str(i) if i % 2 else "wrong" for i in nums]
+            return Rollout([[1]] * len(nums), [[1] * (i + 1) for i in nums], texts)
+
+    problems = [{"question": f"What is {i} + 0?", "answer": str(i), "kind": "arith"} for i in range(5)]
+    result = evaluate_split(Echo(), tiny_tokenizer(300), problems, info=info)
+    assert (result["correct"], result["total"], result["problems"]) == (2, 5, 5), result
+    recs = result["per_problem"]
+    assert [r["index"] for r in recs] == list(range(5))
+    assert [r["id"] for r in recs] == [question_id(p) for p in problems]
+    assert [r["correct"] for r in recs] == [i % 2 == 1 for i in range(5)]
+    assert [r["completion_tokens"] for r in recs] == [i + 1 for i in range(5)]
+
+
 # --------------------------------------------------------------------------------------------
 # pytest side
 # --------------------------------------------------------------------------------------------

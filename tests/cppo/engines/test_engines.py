@@ -64,6 +64,7 @@ def test_cppo_eval_decodes_with_a_registered_engine(tmp_path, fixed, capsys):
     problems = load_problems("arith", split="test", max_questions=3)
     want = eval_correct(list(TEXTS[:3]), answer=[p["answer"] for p in problems], kind=[p["kind"] for p in problems])
     assert (result["total"], result["correct"]) == (3, sum(want))  # graded on the engine's fixed texts
+    assert [r["correct"] for r in result.pop("per_problem")] == want
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
 
 

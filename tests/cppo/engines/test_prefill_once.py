@@ -74,6 +74,9 @@ def test_the_engine_gives_the_tokens_and_draws_of_g_prefills(arch, greedy):
     (shared, rng, first), (plain, plain_rng, plain_first) = runs[True], runs[False]
     assert first == (len(set(PROMPTS)), width - 1)  # one prefill of the 5 distinct prompts: the path that ran
     assert plain_first == (len(PROMPTS) * G, width)  # G copies of every prompt
+    # the prompt positions each path forwarded, as the rollout reports them (the tokens/generate_prompt metric)
+    assert shared.prefill_tokens == len(set(PROMPTS)) * (width - 1) + len(PROMPTS) * G
+    assert plain.prefill_tokens == len(PROMPTS) * G * width and plain.prefill_positions == plain.prefill_tokens
     assert shared.completion_ids == plain.completion_ids and shared.prompt_ids == plain.prompt_ids
     assert torch.equal(rng, plain_rng)  # not one random number more or less
     if not greedy:
