@@ -24,16 +24,20 @@ from .base import (
 )
 from .hf import HFEngine  # importing an engine's module registers it
 from .prefill import generate_prefilled_once, prefill_once_applies
+from .stopping import PartialRollout, Stopper, checkpoint_tokens
 from .vllm import VLLMEngine  # vLLM itself is imported only when this engine is built
 
 __all__ = [
     "EngineFactory",
     "EngineSettings",
     "HFEngine",
+    "PartialRollout",
     "Rollout",
     "RolloutEngine",
+    "Stopper",
     "VLLMEngine",
     "available_engines",
+    "checkpoint_tokens",
     "check_engine_installed",
     "check_engine_name",
     "cut_after_eos",

@@ -45,6 +45,9 @@ class Rollout:
     #: its completions share a prefill; ``vllm``: each distinct prompt once, its prefix cache serving the rest);
     #: ``None``: not reported (a completion's prompt counted each time: :attr:`prefill_positions`).
     prefill_tokens: int | None = None
+    #: Per completion, whether a :class:`~cppo.engines.stopping.Stopper` stopped it at its checkpoint (its tokens
+    #: end there, without EOS); ``None``: generated without a stopper.
+    stopped: list[bool] | None = None
 
     @property
     def prefill_positions(self) -> int:
@@ -85,6 +88,9 @@ class RolloutEngine(ABC):
     #: Can generate from a LoRA policy (``use_peft``): the config asks this, never the engine's name.
     supports_lora: ClassVar[bool] = False
 
+    #: Can stop completions at a checkpoint mid-generation (``generate(..., stopper=...)``: issue 38).
+    supports_stopping: ClassVar[bool] = False
+
     #: The packages it imports when built (``{module: what to install}``), checked before any model loads
     #: (:func:`check_engine_installed`).
     requires: ClassVar[dict[str, str]] = {}
@@ -95,17 +101,21 @@ class RolloutEngine(ABC):
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
 
-    def __call__(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
+    def __call__(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
         """:meth:`generate`, its result checked against the :class:`Rollout` contract: what training and evaluation
         call. A broken contract is one ``ValueError`` naming the engine, what it returned and what was promised
-        (instead of a zip() error, an IndexError, or training on completions longer than ``max_completion_length``)."""
-        rollout = self.generate(prompts, num_per_prompt, greedy=greedy)
+        (instead of a zip() error, an IndexError, or training on completions longer than ``max_completion_length``).
+        ``stopper``: a :class:`~cppo.engines.stopping.Stopper` (engines that declare ``supports_stopping``)."""
+        name = self.name or type(self).__name__
+        if stopper is not None and not self.supports_stopping:
+            raise ValueError(f"rollout engine {name!r} cannot stop completions mid-generation; use rollout_backend=hf")
+        kwargs = {} if stopper is None else {"stopper": stopper}
+        rollout = self.generate(prompts, num_per_prompt, greedy=greedy, **kwargs)
         problem = _contract_breach(
             rollout, count=len(prompts) * num_per_prompt, settings=self.settings,
             vocab=self.model.get_input_embeddings().num_embeddings,
         )  # fmt: skip
         if problem:
-            name = self.name or type(self).__name__
             raise ValueError(
                 f"rollout engine {name!r} broke its contract: generate({len(prompts)} prompts, {num_per_prompt} per "
                 f"prompt) returned {problem}"
@@ -262,6 +272,10 @@ def _contract_breach(rollout, *, count: int, settings: EngineSettings, vocab: in
                 return (
                     f"sampling_logprobs[{i}] not one float per token of completion_ids[{i}], as the interface promises"
                 )
+    stopped = rollout.stopped
+    if stopped is not None and (not isinstance(stopped, list) or len(stopped) != count):
+        got = len(stopped) if isinstance(stopped, list) else type(stopped).__name__
+        return f"stopped of {got}, the interface promises None or a list of {count} bools"
     return None
 
 

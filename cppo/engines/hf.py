@@ -11,6 +11,7 @@ import torch
 from ..distributed import autocast
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
 from .prefill import generate_prefilled_once, prefill_once_applies
+from .stopping import generate_with_stops
 
 
 class HFEngine(RolloutEngine):
@@ -18,15 +19,20 @@ class HFEngine(RolloutEngine):
 
     supports_sharded = True  # FSDP2's blocks gather their shards in every forward: the ranks stay in step
     supports_lora = True  # generate runs the policy itself, adapters included
+    supports_stopping = True  # generate resumed from the checkpoint's cache with the surviving rows (.stopping)
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         super().__init__(model, tokenizer, settings)
         self.eos_ids = eos_ids(tokenizer, model)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
-        """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first)."""
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
+        """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first).
+        ``stopper``: stop rows at a checkpoint and decode only the others on (:mod:`.stopping`)."""
         s = self.settings
+        if stopper is not None and s.sharded:
+            raise ValueError("stopping completions mid-generation does not run under parallelism: fsdp2 (the ranks "
+                             "would decode different numbers of steps); use ddp")  # fmt: skip
         encoded = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         prompt_ids = [p for p in encoded for _ in range(num_per_prompt)]
         if not prompt_ids:
@@ -45,21 +51,31 @@ class HFEngine(RolloutEngine):
         # one prefill per prompt when it has several completions (every rank decides alike: FSDP2 stays in step)
         shared = s.prefill_once and num_per_prompt > 1 and prefill_once_applies(self.model, config)
         generate = functools.partial(generate_prefilled_once, self.model) if shared else self.model.generate
+        stopped = None
         with autocast(device, s.compute_dtype):
-            out = generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-                synced_gpus=s.sharded,
-            )  # [N, Lp + Lc]
+            if stopper is None:
+                out = generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=config,
+                    synced_gpus=s.sharded,
+                )  # [N, Lp + Lc]
+            else:
+                out, stopped = generate_with_stops(
+                    self.model, generate, input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    generation_config=config, stopper=stopper, eos=self.eos_ids, pad_id=pad,
+                )  # fmt: skip
         self.model.train(was_training)
-        completions = [cut_after_eos(row, self.eos_ids, s.max_completion_length) for row in out[:, width:].tolist()]
+        completions = [
+            cut_after_eos(row, self.eos_ids, stopper.at if stopped and stopped[i] else s.max_completion_length)
+            for i, row in enumerate(out[:, width:].tolist())
+        ]
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         if shared:  # the distinct prompts' first L - 1 positions once, then every row's last (see .prefill)
             prefill = len({tuple(p) for p in encoded}) * (max(width, 2) - 1) + len(prompt_ids)
         else:
             prefill = len(prompt_ids) * width
-        return Rollout(prompt_ids, completions, texts, prefill_tokens=prefill)
+        return Rollout(prompt_ids, completions, texts, prefill_tokens=prefill, stopped=stopped)
 
     def _generation_config(self, *, greedy: bool):
         from transformers import GenerationConfig

@@ -1,0 +1,168 @@
+"""Stopping completions mid-generation (issue 38, pruning while generating): the engine decodes every row to a
+checkpoint, a :class:`Stopper` looks at the unfinished rows there (their tokens so far and the policy's last hidden
+state, from the same forward that produced them) and names the rows to stop; only the others are decoded further.
+
+In the ``hf`` engine the continuation is transformers' ``generate`` resumed from the checkpoint's KV cache with the
+surviving rows alone (``Cache.batch_select_indices``: the seam prefill-once uses), so a stopped row costs no decoding
+step after its checkpoint and the survivors decode in a smaller batch; under greedy decoding their tokens are those of
+an uninterrupted call. A stopped completion is its tokens up to the checkpoint, marked in :attr:`Rollout.stopped`.
+A model whose cache cannot be row-selected (recurrent and hybrid caches) decodes every row to the end and the stopped
+rows are cut at the checkpoint: the same completions' shape, no saving (:func:`can_select_rows` decides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .prefill import _cache_name
+
+__all__ = ["PartialRollout", "Stopper", "checkpoint_tokens", "generate_with_stops", "can_select_rows"]
+
+
+@dataclass
+class PartialRollout:
+    """The rows at the checkpoint: every row's prompt and completion ids so far (``at`` tokens, or fewer for a row
+    that ended with EOS), which rows have ended, and the policy's final hidden state ``[N, H]`` at each row's last
+    forwarded position (None where the engine has none)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    finished: list[bool]
+    hidden: torch.Tensor | None
+    at: int
+
+
+@dataclass
+class Stopper:
+    """When and whom to stop: ``at``, the checkpoint in new tokens (>= 1); ``choose(partial)``, a boolean per row
+    (True: stop it). Rows that already ended are never stopped (whatever ``choose`` says of them)."""
+
+    at: int
+    choose: Callable[[PartialRollout], list[bool]]
+
+
+def checkpoint_tokens(at: float | int, max_completion_length: int) -> int:
+    """The checkpoint in tokens: ``at`` >= 1 is a token count, 0 < ``at`` < 1 a fraction of ``max_completion_length``
+    (rounded, at least 1). ValueError naming the setting otherwise, or when it is not before the last token."""
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not at > 0:
+        raise ValueError(f"rollout_stop_at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
+    if at < 1:
+        tokens = max(1, round(at * max_completion_length))
+    elif float(at).is_integer():
+        tokens = int(at)
+    else:
+        raise ValueError(f"rollout_stop_at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
+    if tokens >= max_completion_length:
+        raise ValueError(
+            f"rollout_stop_at={at!r} is {tokens} tokens, not before max_completion_length={max_completion_length}: "
+            "nothing would be left to stop"
+        )
+    return tokens
+
+
+def can_select_rows(cache) -> bool:
+    """Whether ``cache`` (what ``generate`` returned) can keep a subset of its rows: a transformers ``Cache`` whose
+    every layer implements ``batch_select_indices``."""
+    from transformers import Cache
+
+    if not isinstance(cache, Cache):
+        return False
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return hasattr(cache, "batch_select_indices")
+    return all(callable(getattr(layer, "batch_select_indices", None)) for layer in layers)
+
+
+@contextlib.contextmanager
+def _last_hidden(model):
+    """Records the final hidden state of every forward of ``model`` (the input of its output embedding, i.e. after
+    the final norm): ``box[0]`` holds the last forward's ``[N, L, H]``."""
+    head = model.get_output_embeddings()
+    box: list[torch.Tensor | None] = [None]
+    handle = head.register_forward_pre_hook(lambda module, args: box.__setitem__(0, args[0].detach()))
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def generate_with_stops(
+    model,
+    generate: Callable,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    generation_config,
+    stopper: Stopper,
+    eos: set[int],
+    pad_id: int,
+    **generate_kwargs,
+) -> tuple[torch.Tensor, list[bool]]:
+    """``generate`` (``model.generate``, or the prefill-once call) to the checkpoint, ``stopper`` asked, the survivors
+    resumed from the cache with ``model.generate``. Returns ``([N, Lp + Lc] token ids, stopped per row)``: a stopped
+    row is padded after its checkpoint tokens (``pad_id``), so the caller's cut (at the first EOS, at most
+    ``max_completion_length`` tokens) needs the stopped rows' checkpoint length: :attr:`PartialRollout.at`."""
+    width, total = input_ids.size(1), generation_config.max_new_tokens
+    first = copy.deepcopy(generation_config)
+    first.max_new_tokens, first.return_dict_in_generate = stopper.at, True
+    with _last_hidden(model) as box:
+        out = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=first, **generate_kwargs)
+    sequences = out.sequences  # [N, Lp + <= at]
+    new = sequences[:, width:].tolist()
+    finished = [any(t in eos for t in row) for row in new]
+    hidden = None if box[0] is None else box[0][:, -1, :]  # [N, H]: each row's last forwarded position
+    partial = PartialRollout(
+        prompt_ids=[[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(),
+                                                                           attention_mask.tolist())],
+        completion_ids=[row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in new],
+        finished=finished, hidden=hidden, at=stopper.at,
+    )  # fmt: skip
+    chosen = list(stopper.choose(partial))
+    if len(chosen) != len(new):
+        raise ValueError(f"the stopper chose for {len(chosen)} rows, the checkpoint holds {len(new)}")
+    stopped = [bool(c) and not f for c, f in zip(chosen, finished)]
+    # nothing stopped: every row decodes on, the ended ones held at EOS, exactly as one uninterrupted call (the same
+    # batch, inputs and random draws); else only the unfinished survivors, in a smaller batch
+    keep = list(range(len(new))) if not any(stopped) else [i for i, (f, s) in enumerate(zip(finished, stopped))
+                                                           if not f and not s]  # fmt: skip
+    result = torch.full((len(new), width + total), pad_id, dtype=sequences.dtype, device=sequences.device)
+    result[:, : sequences.size(1)] = sequences
+    if all(f or s for f, s in zip(finished, stopped)):  # nothing left to decode (every row ended or stopped)
+        return result, stopped
+    cache = getattr(out, "past_key_values", None)
+    cache = getattr(out, "cache", None) if cache is None else cache  # the output's name for it
+    name = _cache_name()  # generate's keyword for a cache to continue from
+    rest = copy.deepcopy(generation_config)
+    rest.max_new_tokens = total - stopper.at
+    if len(keep) < len(new) and not can_select_rows(cache):  # every row decodes on; the stopped ones are cut later
+        keep = list(range(len(new)))
+    index = torch.tensor(keep, device=sequences.device)
+    if len(keep) < len(new):
+        cache.batch_select_indices(index)
+    held = [j for j, i in enumerate(keep) if finished[i] or stopped[i]]  # rows in the batch that must not go on
+    processors = [_HoldAtEos(held, min(eos))] if held else []
+    mask = torch.cat([attention_mask[index], torch.ones_like(sequences[index, width:])], dim=1)
+    cont = model.generate(input_ids=sequences[index], attention_mask=mask, generation_config=rest,
+                          logits_processor=processors, **{name: cache})  # fmt: skip
+    for j, i in enumerate(keep):
+        if not (finished[i] or stopped[i]):
+            result[i, : cont.size(1)] = cont[j]
+    return result, stopped
+
+
+class _HoldAtEos:
+    """A logits processor that makes the batch rows ``rows`` emit ``eos`` (rows that ended, or were stopped, before
+    the continuation: they end at its first step, as they had, and their draws are made as before)."""
+
+    def __init__(self, rows: list[int], eos: int) -> None:
+        self.rows, self.eos = rows, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[self.rows] = float("-inf")
+        scores[self.rows, self.eos] = 0.0
+        return scores
