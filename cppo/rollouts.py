@@ -32,8 +32,10 @@ class StepRollouts:
             self.greso.adapt(len(self.sampler.skipped), self.sampler.considered)
         problems = [self.problems[i] for i in self.drawn]
         prompts = [build_prompt(self.tokenizer, p, system_prompt=cfg.system_prompt) for p in problems]
+        stopping = getattr(self, "stopping", None)  # pruning while generating (cppo.step.quality)
+        stopper = {} if stopping is None else {"stopper": stopping.stopper(self.step, self._step_seed())}
         with distributed.root_unsharded(self.policy):
-            rollout = self.rollout(prompts, cfg.group_size)  # generate, checked against the engine contract
+            rollout = self.rollout(prompts, cfg.group_size, **stopper)  # generate, checked against the contract
         return problems, prompts, rollout
 
     def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):

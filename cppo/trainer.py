@@ -101,12 +101,12 @@ class Trainer(StepRollouts):
         # after wrapping: FSDP2 replaces the parameters with sharded ones
         self.optimizer = step.make_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = step.make_scheduler(
-            self.optimizer,
-            schedule=config.lr_schedule,
-            warmup_ratio=config.warmup_ratio,
+            self.optimizer, schedule=config.lr_schedule, warmup_ratio=config.warmup_ratio,
             total=self.num_steps * config.mu,
-        )
+        )  # fmt: skip
         self.rollout = self._make_rollout()
+        self.stopping = None if not config.rollout_stop_rate else step.RolloutStopping(  # pruning while generating
+            config, hidden_size=self.model.config.hidden_size, tokenizer=self.tokenizer, info=self.info)  # fmt: skip
         self.loss_config = config.loss_config
         self.skips = step.SkipCounter(config.max_skipped_updates)
         self.step = 0
@@ -158,15 +158,10 @@ class Trainer(StepRollouts):
         one that generates from the sharded policy, every rank stepping together (refused before it is built)."""
         cfg = self.config
         settings = EngineSettings(
-            model_name=cfg.model,
-            max_prompt_length=cfg.max_prompt_length,
-            max_completion_length=cfg.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            compute_dtype=self._autocast_dtype,
-            sharded=self._sharded,
-            prefill_once=cfg.prefill_once,
-        )
+            model_name=cfg.model, max_prompt_length=cfg.max_prompt_length,
+            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+            compute_dtype=self._autocast_dtype, sharded=self._sharded, prefill_once=cfg.prefill_once,
+        )  # fmt: skip
         return make_engine(cfg.rollout_backend, self.model, self.tokenizer, settings)
 
     @property
@@ -195,7 +190,7 @@ class Trainer(StepRollouts):
                 problems, prompts, rollout = self._generate()
             with timer("reward"):
                 rewards, scores, correct = self._reward(problems, prompts, rollout)  # rewards [Q * G]
-            filled, extra = None, {}
+            filled, extra = None, self.stopping.observe(rollout, correct) if self.stopping is not None else {}
         with timer("select"):
             batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
@@ -235,7 +230,10 @@ class Trainer(StepRollouts):
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
         this rank's selection kept; ``filled``: dynamic sampling's selection, already made."""
         # advantages over each full group, then this rank's survivors of the scope's official count
-        if filled is None:
+        if rollout.stopped is not None and any(rollout.stopped):  # over the survivors of pruning while generating
+            selected = step.Selection(*step.survivor_selection(rewards, rollout.stopped, self.pruning))
+            kept, kept_advantages = selected.kept, selected.kept_advantages
+        elif filled is None:
             selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
             kept, kept_advantages = selected.kept, selected.kept_advantages  # [K] of [Q * G]
         else:
@@ -467,8 +465,8 @@ class Trainer(StepRollouts):
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
-        if self.greso is not None:  # the skip history: a resumed run skips what the uninterrupted one would
-            state["greso"] = self.greso.state_dict()
+        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):  # GRESO's history, the head
+            state.update({name: part.state_dict()} if part is not None else {})  # (resumed as if never stopped)
         self.last_checkpoint = save_checkpoint(
             path,
             module=self.policy,
@@ -494,7 +492,8 @@ class Trainer(StepRollouts):
         # lr, weight decay, schedule: this run's
         step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
-        if self.greso is not None and "greso" in state:
-            self.greso.load_state_dict(state["greso"])
+        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):
+            if part is not None and name in state:
+                part.load_state_dict(state[name])
         self.step = int(state["step"])
         self.rollout.sync_weights()

@@ -12,9 +12,9 @@ from cppo_kernels import LossConfig
 from cppo_kernels.config import check_choice, check_float, check_int
 
 from ..distributed import PARALLELISMS, check_device
-from ..engines import check_engine_installed, check_engine_name, engine_supports
+from ..engines import check_engine_installed, check_engine_name, checkpoint_tokens, engine_supports
 from ..run import check_report_to
-from ..step import Pruning, check_mode
+from ..step import SCORERS, Pruning, check_mode
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
 from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
@@ -99,6 +99,17 @@ class TrainConfig:
         0.05, "greso: exploration floor, in (0, 1]: a question is kept with at least this probability"
     )
     greso_adjust_step: float = setting(0.01, "greso: how far the exploration probability moves per draw, in (0, 1]")
+    rollout_stop_rate: float = setting(
+        0.0, "pruning while generating: fraction of each group's completions stopped at rollout_stop_at, those of "
+        "smallest predicted |advantage| (0: off; at most pruning_rate)",
+    )  # fmt: skip
+    rollout_stop_at: float = setting(
+        0.25, "rollout_stop_rate: the checkpoint, in new tokens (>= 1) or as a fraction of max_completion_length"
+    )
+    rollout_stop_scorer: str = setting(
+        "learned", "rollout_stop_rate: learned (a quality head on the policy's hidden state), random or length"
+    )
+    rollout_stop_warmup: int = setting(2, "rollout_stop_rate: first steps whose rollouts only train the head")
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
     prefix_sharing: bool = setting(
         True, "pack a question's kept completions after its prompt once (block-causal mask; exact, fewer tokens)"
@@ -233,6 +244,7 @@ class TrainConfig:
                 f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
             )
         check_greso(self.greso_target_skip_rate, self.greso_min_explore, self.greso_adjust_step)
+        _check_rollout_stop(self)
         check_choice("parallelism", self.parallelism, PARALLELISMS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_engine_name(self.rollout_backend)
@@ -318,6 +330,36 @@ def _check_lora(cfg: TrainConfig) -> None:
         raise ValueError(
             f"use_peft: rollout_backend={cfg.rollout_backend!r} cannot generate from a LoRA policy; set "
             "rollout_backend=hf"
+        )
+
+
+def _check_rollout_stop(cfg: TrainConfig) -> None:
+    """The ``rollout_stop_*`` settings (issue 38); with ``rollout_stop_rate`` > 0, what it composes with today."""
+    check_float("rollout_stop_rate", cfg.rollout_stop_rate, low=0.0)
+    check_choice("rollout_stop_scorer", cfg.rollout_stop_scorer, SCORERS)
+    check_int("rollout_stop_warmup", cfg.rollout_stop_warmup, low=0)
+    checkpoint_tokens(cfg.rollout_stop_at, cfg.max_completion_length)
+    if cfg.rollout_stop_rate == 0.0:
+        return
+    if cfg.rollout_stop_rate > cfg.pruning_rate:
+        raise ValueError(
+            f"rollout_stop_rate={cfg.rollout_stop_rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection "
+            "after generation keeps (1 - pruning_rate) of each group, which the stopped completions cannot supply"
+        )
+    blockers = {
+        "selection_metric": cfg.selection_metric != "smallest", "selection_scope": cfg.selection_scope == "global",
+        "filter_groups": cfg.filter_groups, "greso": cfg.greso, "parallelism": cfg.parallelism == "fsdp2",
+    }  # fmt: skip
+    named = [k for k, v in blockers.items() if v]
+    if named:
+        raise ValueError(
+            f"rollout_stop_rate > 0 runs with selection_metric smallest, selection_scope group or batch, "
+            f"filter_groups and greso off, parallelism ddp; this config sets {named}"
+        )
+    if not engine_supports(cfg.rollout_backend, "supports_stopping"):
+        raise ValueError(
+            f"rollout_stop_rate > 0: rollout_backend={cfg.rollout_backend!r} cannot stop completions mid-generation; "
+            "set rollout_backend=hf"
         )
 
 

@@ -13,13 +13,14 @@ from .models import (
     DEFAULT_TINY, completion_hidden, decoder, enable_gradient_checkpointing, lm_head, load_model_and_tokenizer,
     packed_hidden, prefix_attention_mask, prefix_sharing_blocker, tiny_tokenizer, use_prefix_sharing,
 )  # fmt: skip
-from .head import LogitTransform, check_logit_transform, logit_transform
+from .head import LogitTransform, check_logit_transform, config_logit_transform, logit_transform
 from .importance import IS_MODES, bound_ratio, check_mode, correct_batches, importance_weights, mismatch_metrics
 from .optim import NonFiniteUpdates, SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import (
     PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, phase_tokens, prompt_groups,
     shared_tokens,
 )  # fmt: skip
+from .quality import SCORERS, QualityHead, RolloutStopping, survivor_selection
 from .selection import SCOPES, Pruning, Selection, kept_count
 
 __all__ = [
@@ -35,8 +36,8 @@ __all__ = [
     "reference_forward", "save_adapter", "DEFAULT_TINY", "completion_hidden", "decoder",
     "enable_gradient_checkpointing", "lm_head", "load_model_and_tokenizer", "packed_hidden", "prefix_attention_mask",
     "prefix_sharing_blocker", "tiny_tokenizer", "use_prefix_sharing", "LogitTransform", "check_logit_transform",
-    "logit_transform", "NonFiniteUpdates", "SkipCounter",
+    "logit_transform", "config_logit_transform", "NonFiniteUpdates", "SkipCounter",
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
     "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "phase_tokens", "prompt_groups", "shared_tokens",
-    "SCOPES", "Pruning", "Selection", "kept_count",
+    "SCORERS", "QualityHead", "RolloutStopping", "survivor_selection", "SCOPES", "Pruning", "Selection", "kept_count",
 ]  # fmt: skip

@@ -1,0 +1,274 @@
+"""Pruning while generating (issue 38): the quality head that predicts, at a checkpoint mid-rollout, whether a
+completion will end correct, the scorers it is compared with, and the rule that picks the completions to stop.
+
+**The head** is a logistic regression on the policy's final hidden state at the checkpoint (the state that produced
+the checkpoint's last token, :class:`cppo.engines.PartialRollout`), detached from the policy's graph, with its own
+Adam optimizer, trained online on the completions that ran to the end: their state at the checkpoint and whether
+they ended correct. The features are standardised by running moments (Chan's parallel update over every state
+seen), so a scale the policy drifts to does not stall it. Its AUC and Brier score against the true outcomes of the
+completions it scored are logged every step.
+
+**The rule** is CPPO's own, applied to predicted advantages: within each group the predicted success probability
+of the unfinished rows (and the true reward of the rows that already ended, where known) is normalised, and the
+``stop`` unfinished rows with the smallest predicted ``|A|`` stop (ties: the later row). After generation CPPO's
+exact selection runs on the true rewards of the survivors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["SCORERS", "QualityHead", "auc", "brier", "choose_stops", "stops_per_group"]
+
+#: ``rollout_stop_scorer``: the learned head, and two baselines for ablation (``random``: uniform draws;
+#: ``length``: the shorter partial text in characters scores higher).
+SCORERS = ("learned", "random", "length")
+
+
+class QualityHead:
+    """Online logistic head ``P(correct | h)`` over hidden states ``h [N, H]`` (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, *, lr: float = 1e-2, updates: int = 25, weight_decay: float = 1e-3):
+        if hidden_size < 1 or not lr > 0 or updates < 1:
+            raise ValueError(f"QualityHead: hidden_size >= 1, lr > 0, updates >= 1, got {hidden_size}, {lr}, {updates}")
+        self.linear = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.optimizer = torch.optim.Adam(self.linear.parameters(), lr=lr, weight_decay=weight_decay)
+        self.updates = updates
+        self.count = torch.zeros((), dtype=torch.float64)
+        self.mean = torch.zeros(hidden_size, dtype=torch.float64)
+        self.m2 = torch.zeros(hidden_size, dtype=torch.float64)  # sum of squared deviations
+
+    @property
+    def trained(self) -> bool:
+        return bool(self.count > 0)
+
+    def _standardise(self, hidden: torch.Tensor) -> torch.Tensor:
+        std = (self.m2 / self.count.clamp(min=1)).sqrt().clamp(min=1e-6)
+        return ((hidden.double().cpu() - self.mean) / std).float()
+
+    @torch.no_grad()
+    def predict(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N]`` success probabilities of the states ``hidden [N, H]`` (0.5 before any update)."""
+        if hidden.numel() == 0:
+            return torch.zeros(0)
+        return torch.sigmoid(self.linear(self._standardise(hidden))).squeeze(-1)
+
+    def update(self, hidden: torch.Tensor, correct: torch.Tensor) -> float:
+        """Folds ``hidden [N, H]`` into the feature moments, then ``updates`` Adam steps of the logistic loss on them
+        against ``correct [N]`` (0 / 1); returns the last loss (nan when ``N`` is 0)."""
+        if hidden.numel() == 0:
+            return float("nan")
+        x64 = hidden.detach().double().cpu()
+        n, batch_mean = x64.shape[0], x64.mean(0)
+        delta, total = batch_mean - self.mean, self.count + n
+        self.m2 += ((x64 - batch_mean) ** 2).sum(0) + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.count = total
+        x, y = self._standardise(x64), correct.detach().float().cpu().reshape(-1, 1)
+        loss = torch.zeros(())
+        with torch.enable_grad():
+            for _ in range(self.updates):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.binary_cross_entropy_with_logits(self.linear(x), y)
+                loss.backward()
+                self.optimizer.step()
+        return float(loss.detach())
+
+    def state_dict(self) -> dict:
+        """A copy of the weights, Adam's moments and the feature moments (nothing shared with the live head)."""
+        return copy.deepcopy({"linear": self.linear.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "count": self.count, "mean": self.mean, "m2": self.m2})  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.linear.load_state_dict(state["linear"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.count, self.mean, self.m2 = state["count"].clone(), state["mean"].clone(), state["m2"].clone()
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """The area under the ROC curve of ``scores`` for ``labels`` (0 / 1): the chance that a random positive scores
+    above a random negative, ties counting half (Mann-Whitney); None without both classes."""
+    scores, labels = scores.double().flatten(), labels.bool().flatten()
+    pos, neg = scores[labels], scores[~labels]
+    if not len(pos) or not len(neg):
+        return None
+    above = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
+    return float(above / (len(pos) * len(neg)))
+
+
+def brier(probabilities: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """The mean squared error of ``probabilities`` against ``labels`` (0 / 1): calibration and sharpness in one
+    number (0.25 for a constant 0.5); None when empty."""
+    if probabilities.numel() == 0:
+        return None
+    return float(((probabilities.double() - labels.double()) ** 2).mean())
+
+
+def stops_per_group(rate: float, group_size: int) -> int:
+    """Completions of a group to stop at the checkpoint: ``int(G * rate)`` (the official pruning count's rounding)."""
+    return int(group_size * rate)
+
+
+def choose_stops(
+    predicted: torch.Tensor,
+    finished: list[bool],
+    *,
+    group_size: int,
+    stop: int,
+    known: torch.Tensor | None = None,
+    eps: float = 1e-4,
+) -> list[bool]:
+    """Which rows to stop: per group of ``group_size`` (rows laid out group after group), the ``stop`` unfinished
+    rows with the smallest ``|predicted - mean| / (std + eps)``, the group's moments over its unfinished rows'
+    ``predicted`` values and its finished rows' ``known`` rewards (NaN or None: left out). Fewer when fewer rows are
+    unfinished. Ties stop the later row."""
+    n = len(finished)
+    if predicted.shape != (n,) or n % group_size:
+        raise ValueError(f"choose_stops: predicted [{n}] in groups of {group_size}, got {tuple(predicted.shape)}")
+    if not bool(predicted.isfinite().all()):
+        raise ValueError("choose_stops: the predicted values must be finite")
+    values = predicted.double().clone()
+    done = torch.tensor(finished, dtype=torch.bool)
+    values[done] = float("nan") if known is None else known.double()[done]
+    out = [False] * n
+    for g in range(n // group_size):
+        rows = range(g * group_size, (g + 1) * group_size)
+        v = values[g * group_size : (g + 1) * group_size]
+        seen = v[~v.isnan()]
+        mean = float(seen.mean()) if len(seen) else 0.0
+        std = float(seen.std()) if len(seen) > 1 else 0.0
+        open_rows = [i for i in rows if not finished[i]]
+        score = {i: abs(float(values[i]) - mean) / (std + eps) for i in open_rows}
+        for i in sorted(open_rows, key=lambda i: (score[i], -i))[: min(stop, len(open_rows))]:
+            out[i] = True
+    return out
+
+
+def survivor_advantages(
+    rewards: torch.Tensor, stopped: torch.Tensor, *, group_size: int, scale: str, eps: float
+) -> torch.Tensor:
+    """fp32 ``[N]`` advantages over each group's survivors (the rows not ``stopped``): ``(r - mean) / (std + eps)``
+    with the mean and Bessel-corrected std of the group's survivors (``scale="batch"``: one std over every
+    survivor; ``"none"``: the mean only); a stopped row gets 0, a group with one survivor 0 (in fp64, then fp32)."""
+    r = rewards.double().reshape(-1, group_size)  # [Q, G]
+    alive = (~stopped.bool()).reshape(-1, group_size)  # [Q, G]
+    n = alive.sum(1, keepdim=True).clamp(min=1)  # [Q, 1]
+    mean = (r * alive).sum(1, keepdim=True) / n
+    dev = (r - mean) * alive
+    if scale == "group":
+        std = ((dev**2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    elif scale == "batch":
+        m = alive.sum()
+        pooled = r[alive]
+        std = (((pooled - pooled.mean()) ** 2).sum() / max(int(m) - 1, 1)).sqrt() if int(m) else torch.zeros(())
+    else:
+        std = torch.zeros(())
+    adv = dev / (std + eps) if scale != "none" else dev
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv)) * alive
+    return adv.reshape(-1).float()
+
+
+def survivor_selection(rewards: torch.Tensor, stopped: list[bool], pruning) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPPO's exact selection over the survivors (``pruning``: a :class:`cppo.step.Pruning` with the ``smallest``
+    metric, the ``group`` or ``batch`` scope): the advantages over each group's survivors, then the official count
+    of the completions with the largest ``|A|`` (per group ``keep``; pooled ``N - int(N * P)``), ties to the lower
+    index, never a stopped row. ``(advantages [N], kept [K] ascending)``."""
+    mask = torch.tensor(stopped, dtype=torch.bool)
+    adv = survivor_advantages(rewards, mask, group_size=pruning.group_size, scale=pruning.scale, eps=pruning.eps)
+    score = torch.where(mask, torch.full_like(adv, -1.0, dtype=torch.float64), adv.double().abs())  # [N]
+    n, order = len(stopped), None
+    if pruning.scope == "group":
+        g = pruning.group_size
+        kept = []
+        for q in range(n // g):
+            rows = sorted(range(q * g, (q + 1) * g), key=lambda i: (-float(score[i]), i))[: pruning.keep]
+            kept += rows
+    else:
+        order = sorted(range(n), key=lambda i: (-float(score[i]), i))
+        kept = order[: pruning.kept_count(n)]
+    if any(stopped[i] for i in kept):
+        raise ValueError(
+            "rollout_stop_rate stopped more completions than CPPO's selection can leave out (it keeps "
+            f"{len(kept)} of {n}): lower rollout_stop_rate to at most pruning_rate"
+        )
+    return adv, torch.tensor(sorted(kept), dtype=torch.long)
+
+
+class RolloutStopping:
+    """Pruning while generating in a run (the ``rollout_stop_*`` settings): each step's :class:`Stopper` (none during
+    the warm-up's steps, whose rollouts only train the head), the head trained on what ran to the end, the metrics,
+    the selection over the survivors, and the head's state for the checkpoint. Every rank trains the same head on
+    the rows of all ranks (gathered), so the ranks stop alike."""
+
+    def __init__(self, config, *, hidden_size: int, tokenizer, info=None) -> None:
+        from ..engines import checkpoint_tokens
+
+        self.rate, self.scorer = config.rollout_stop_rate, config.rollout_stop_scorer
+        self.warmup = config.rollout_stop_warmup
+        self.at = checkpoint_tokens(config.rollout_stop_at, config.max_completion_length)
+        self.group_size, self.tokenizer, self.info = config.group_size, tokenizer, info
+        self.stop = stops_per_group(self.rate, self.group_size)
+        self.head = QualityHead(hidden_size) if self.scorer == "learned" else None
+        self.partial = None
+        self.predicted: torch.Tensor | None = None
+
+    def stopper(self, step: int, seed: int):
+        """This step's :class:`Stopper` (it records the checkpoint's rows and their scores); None during the
+        warm-up when no head is trained (nothing to record for)."""
+        from ..engines import Stopper
+
+        learning = step < self.warmup
+
+        def choose(partial) -> list[bool]:
+            self.partial = partial
+            self.predicted = self._scores(partial, seed)
+            if learning:
+                return [False] * len(partial.finished)
+            return choose_stops(self.predicted, partial.finished, group_size=self.group_size, stop=self.stop)
+
+        self.partial = self.predicted = None
+        return Stopper(at=self.at, choose=choose)
+
+    def _scores(self, partial, seed: int) -> torch.Tensor:
+        n = len(partial.finished)
+        if self.scorer == "learned":
+            return self.head.predict(partial.hidden) if partial.hidden is not None else torch.full((n,), 0.5)
+        if self.scorer == "random":
+            return torch.rand(n, generator=torch.Generator().manual_seed(seed))
+        texts = self.tokenizer.batch_decode(partial.completion_ids, skip_special_tokens=True)
+        return torch.tensor([-float(len(t)) for t in texts])  # length: the shorter partial text scores higher
+
+    def observe(self, rollout, correct: list[bool]) -> dict[str, float]:
+        """After the step's rewards: the head's AUC and Brier score over the rows it scored that ran to the end
+        (predictions made before this step's update), the head updated on them, and the counts."""
+        from ..distributed import DistInfo, all_gather_varlen
+
+        stopped = rollout.stopped or [False] * len(correct)
+        out = {"rollout_stop/stopped": float(sum(stopped)), "rollout_stop/fraction": sum(stopped) / len(stopped)}
+        if self.partial is None:
+            return out
+        ran = torch.tensor([not f and not s for f, s in zip(self.partial.finished, stopped)])  # [N]
+        label = torch.tensor(correct, dtype=torch.float32)[ran]
+        info = self.info if self.info is not None else DistInfo()
+        pred, _ = all_gather_varlen(self.predicted.float()[ran].reshape(-1, 1), info=info)
+        label_all, _ = all_gather_varlen(label.reshape(-1, 1), info=info)
+        area = auc(pred.flatten(), label_all.flatten())
+        score = brier(pred.flatten(), label_all.flatten()) if self.scorer != "length" else None  # not a probability
+        out.update({"rollout_stop/auc": float("nan") if area is None else area,
+                    "rollout_stop/brier": float("nan") if score is None else score})  # fmt: skip
+        if self.head is not None and self.partial.hidden is not None:
+            hidden, _ = all_gather_varlen(self.partial.hidden.float()[ran.to(self.partial.hidden.device)], info=info)
+            self.head.update(hidden, label_all.flatten())
+        return out
+
+    def state_dict(self) -> dict:
+        return {"head": None if self.head is None else self.head.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.head is not None and state.get("head") is not None:
+            self.head.load_state_dict(state["head"])

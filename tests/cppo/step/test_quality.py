@@ -1,0 +1,74 @@
+"""The quality head, its metrics and the stop rule of pruning while generating (cppo.step.quality, issue 38)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cppo.step.quality import QualityHead, auc, brier, choose_stops, stops_per_group
+
+
+def test_auc_is_the_mann_whitney_statistic_with_half_ties():
+    labels = torch.tensor([1, 0, 1, 0, 1])
+    assert auc(torch.tensor([0.9, 0.1, 0.8, 0.2, 0.7]), labels) == 1.0
+    assert auc(torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3]), labels) == 0.0
+    # pairs (pos, neg): 3 x 2 = 6; scores pos {0.5, 0.7, 0.2}, neg {0.5, 0.3}: 0.5 vs 0.5 tie (0.5), 0.5 > 0.3,
+    # 0.7 > both, 0.2 below both -> (0.5 + 1 + 2) / 6
+    assert auc(torch.tensor([0.5, 0.5, 0.7, 0.3, 0.2]), labels) == pytest.approx(3.5 / 6)
+    assert auc(torch.tensor([0.5, 0.6]), torch.tensor([1, 1])) is None
+
+
+def test_brier_score():
+    assert brier(torch.full((4,), 0.5), torch.tensor([0, 1, 0, 1])) == pytest.approx(0.25)
+    assert brier(torch.tensor([1.0, 0.0]), torch.tensor([1, 0])) == 0.0
+    assert brier(torch.zeros(0), torch.zeros(0)) is None
+
+
+def test_the_head_learns_a_separable_signal_online():
+    torch.manual_seed(0)
+    head = QualityHead(16)
+    direction = torch.randn(16)
+    assert torch.equal(head.predict(torch.randn(3, 16)), torch.full((3,), 0.5))  # untrained: no opinion
+    for _ in range(5):  # five steps of 64 completions whose correctness is the sign along one direction
+        h = torch.randn(64, 16) * 3 + 10  # off-centre and scaled: the running standardisation handles it
+        head.update(h, ((h - 10) @ direction > 0).float())
+    test = torch.randn(256, 16) * 3 + 10
+    label = (test - 10) @ direction > 0
+    assert auc(head.predict(test), label) > 0.95
+    assert brier(head.predict(test), label) < 0.1
+
+
+def test_the_head_state_round_trips_exactly():
+    torch.manual_seed(1)
+    head, copy = QualityHead(8), QualityHead(8)
+    h, y = torch.randn(32, 8), (torch.rand(32) > 0.5).float()
+    head.update(h, y)
+    copy.load_state_dict(head.state_dict())
+    h2, y2 = torch.randn(32, 8), (torch.rand(32) > 0.5).float()
+    head.update(h2, y2)
+    copy.update(h2, y2)  # the optimizer's moments travelled too: the same next update
+    x = torch.randn(5, 8)
+    assert torch.equal(head.predict(x), copy.predict(x))
+
+
+def test_the_stop_rule_is_cppos_on_predicted_advantages():
+    # one group of 6: rows 0 and 3 ended (true rewards 1 and 0); the open rows' predictions
+    predicted = torch.tensor([0.0, 0.9, 0.52, 0.0, 0.1, 0.48])
+    finished = [True, False, False, True, False, False]
+    known = torch.tensor([1.0, 0, 0, 0.0, 0, 0])
+    # group values: 1, 0.9, 0.52, 0, 0.1, 0.48 -> mean 0.5; the open rows nearest the mean stop first
+    stops = choose_stops(predicted, finished, group_size=6, stop=2, known=known)
+    assert stops == [False, False, True, False, False, True]
+    # fewer open rows than the count: all of them, never a finished row
+    assert choose_stops(predicted, finished, group_size=6, stop=5, known=known) == [not f for f in finished]
+    # ties stop the later row; groups are independent
+    tied = choose_stops(torch.tensor([0.5, 0.5, 0.5, 0.5]), [False] * 4, group_size=2, stop=1)
+    assert tied == [False, True, False, True]
+
+
+def test_the_stop_count_and_bad_input():
+    assert stops_per_group(0.5, 8) == 4 and stops_per_group(0.3, 8) == 2 and stops_per_group(0.0, 8) == 0
+    with pytest.raises(ValueError, match="groups of 4"):
+        choose_stops(torch.zeros(6), [False] * 6, group_size=4, stop=1)
+    with pytest.raises(ValueError, match="finite"):
+        choose_stops(torch.tensor([0.1, float("nan")]), [False] * 2, group_size=2, stop=1)

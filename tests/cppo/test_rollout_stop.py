@@ -1,0 +1,114 @@
+"""Pruning while generating in the trainer (issue 38: ``rollout_stop_*``): the settings refused where they cannot
+run, a stopped completion never trained, the run equal to today's when nothing is stopped, the head trained and
+resumed exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_run import tiny_config
+
+from cppo import TrainConfig, Trainer
+from cppo.step import Pruning, survivor_selection
+
+
+def stop_config(tmp_path, **overrides) -> TrainConfig:
+    """A tiny run that stops completions: G = 8, 4 of each group stopped at the 3rd token, P = 0.75 after."""
+    options = dict(group_size=8, pruning_rate=0.75, selection_scope="group", max_completion_length=8,
+                   micro_batch_tokens=128, rollout_stop_rate=0.5, rollout_stop_at=3, rollout_stop_warmup=1,
+                   num_steps=3, questions_per_step=1, allocation=True)  # fmt: skip
+    options.update(overrides)
+    return tiny_config(tmp_path, **options)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(rollout_stop_rate=0.8), "must be <= pruning_rate"),
+        (dict(rollout_stop_rate=-0.1), "rollout_stop_rate"),
+        (dict(rollout_stop_scorer="oracle"), "rollout_stop_scorer"),
+        (dict(rollout_stop_at=8), "not before max_completion_length"),
+        (dict(rollout_stop_at=0), "rollout_stop_at"),
+        (dict(rollout_stop_warmup=-1), "rollout_stop_warmup"),
+        (dict(selection_metric="random"), r"this config sets \['selection_metric'\]"),
+        (dict(filter_groups=True, greso=True), r"\['filter_groups', 'greso'\]"),
+        (dict(rollout_backend="vllm"), "cannot stop completions mid-generation"),
+    ],
+)
+def test_settings_it_cannot_run_with_are_one_line_naming_them(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        stop_config(tmp_path, **overrides)
+
+
+def test_stopping_nothing_trains_today_s_run_bit_for_bit(tmp_path):
+    """rollout_stop_rate > 0 with a warm-up longer than the run: every step only trains the head, nothing stops, and
+    the losses and weights are those of the run without the feature."""
+    runs = {}
+    for name, rate in (("plain", 0.0), ("warmup", 0.5)):
+        trainer = Trainer(stop_config(tmp_path / name, rollout_stop_rate=rate, rollout_stop_warmup=99))
+        history = [trainer.train_step() for _ in range(3)]
+        runs[name] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (plain, plain_w), (warm, warm_w) = runs["plain"], runs["warmup"]
+    assert [h["loss"] for h in warm] == [h["loss"] for h in plain]
+    assert [h["tokens/generate_completion"] for h in warm] == [h["tokens/generate_completion"] for h in plain]
+    assert all(torch.equal(plain_w[k], warm_w[k]) for k in plain_w)
+    assert all(h["rollout_stop/stopped"] == 0 for h in warm) and "rollout_stop/auc" in warm[-1]
+
+
+@pytest.mark.parametrize("scorer", ["learned", "random", "length"])
+def test_stopped_completions_are_never_decoded_further_nor_trained(tmp_path, scorer, monkeypatch):
+    trainer = Trainer(stop_config(tmp_path, rollout_stop_scorer=scorer))
+    seen = []
+    select = trainer._select_and_pack
+
+    def spy(rewards, rollout, filled=None):
+        seen.append(rollout)
+        return select(rewards, rollout, filled)
+
+    monkeypatch.setattr(trainer, "_select_and_pack", spy)
+    history = [trainer.train_step() for _ in range(3)]
+    assert history[0]["rollout_stop/stopped"] == 0  # the warm-up step
+    for rollout, h in zip(seen[1:], history[1:]):
+        stopped = rollout.stopped
+        n = len(stopped)
+        assert h["rollout_stop/stopped"] == sum(stopped) > 0
+        for g in range(n // 8):  # at most int(8 * 0.5) = 4 of each group, and only unfinished ones
+            assert sum(stopped[g * 8 : (g + 1) * 8]) <= 4
+        assert all(len(rollout.completion_ids[i]) == 3 for i in range(n) if stopped[i])  # cut at the checkpoint
+        assert h["tokens/generate_completion"] == sum(len(c) for c in rollout.completion_ids)
+        assert h["completions_kept"] == 2 * (n // 8)  # P = 0.75 of each group after generation, as without it
+    area = history[-1]["rollout_stop/auc"]  # nan when the rows that ran on were all right or all wrong
+    assert math.isnan(area) or 0.0 <= area <= 1.0
+    score = history[-1]["rollout_stop/brier"]  # nan for the length scorer, whose scores are no probabilities
+    assert math.isnan(score) if scorer == "length" else 0.0 <= score <= 1.0
+
+
+def test_the_selection_over_survivors_never_keeps_a_stopped_row():
+    pruning = Pruning(group_size=4, pruning_rate=0.5, scope="group")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    stopped = [True, False, False, True, False, True, False, False]
+    adv, kept = survivor_selection(rewards, stopped, pruning)
+    # group 1: survivors 0.0, 1.0 -> A = -/+ 0.7071 / (0.7071 + eps); group 2: survivors 0, 0, 1
+    assert adv[0] == 0 and adv[3] == 0 and adv[5] == 0
+    assert adv[1] == pytest.approx(-0.7071, abs=1e-3) and adv[2] == pytest.approx(0.7071, abs=1e-3)
+    assert kept.tolist() == [1, 2, 4, 7]  # group 2: |A| of row 7 (2/3) first, then rows 4 and 6 tie: the lower
+    assert not any(stopped[i] for i in kept.tolist())
+    pooled = Pruning(group_size=4, pruning_rate=0.5, scope="batch")
+    _, kept = survivor_selection(rewards, stopped, pooled)
+    assert len(kept) == 4 and not any(stopped[i] for i in kept.tolist())
+
+
+def test_the_head_resumes_exactly(tmp_path):
+    full = Trainer(stop_config(tmp_path / "full", num_steps=3))
+    for _ in range(2):
+        full.train_step()
+    path = full.save_checkpoint(str(tmp_path / "full" / "checkpoint-2"))
+    last = full.train_step()
+    resumed = Trainer(stop_config(tmp_path / "resumed", num_steps=3))
+    resumed.load_checkpoint(path)
+    again = resumed.train_step()
+    assert again["loss"] == last["loss"] and again["rollout_stop/stopped"] == last["rollout_stop/stopped"]
+    x = torch.randn(4, full.model.config.hidden_size)
+    assert torch.equal(full.stopping.head.predict(x), resumed.stopping.head.predict(x))
