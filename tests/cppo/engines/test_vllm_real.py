@@ -103,6 +103,36 @@ def test_sampling_draws_from_torchs_seed_and_survives_a_chunked_prefill(engine):
     assert engine(prompts, 8).completion_ids != a
 
 
+def test_stopped_requests_end_at_the_checkpoint_and_the_survivors_continue_as_uninterrupted(engine, monkeypatch):
+    """Issue 38 in the vllm engine: greedy, every odd completion stopped at its 4th token: the stopped ones are their
+    first 4 tokens, the survivors equal the uninterrupted greedy completions (log-probs included), only the
+    survivors are continued, and the stopper's hidden states are the policy's (one forward over the partials)."""
+    from cppo.engines import Stopper
+    from cppo.engines.stopping import checkpoint_hidden
+
+    prompts, at = PROMPTS * 2, 4
+    plain = engine(prompts, 1, greedy=True)
+    calls, sample = [], engine._sample
+    monkeypatch.setattr(engine, "_sample", lambda ids, n, **kw: calls.append((len(ids), kw)) or sample(ids, n, **kw))
+    seen = []
+    stop_odd = Stopper(at=at, choose=lambda p: seen.append(p) or [i % 2 == 1 for i in range(len(p.finished))])
+    got = engine(prompts, 1, greedy=True, stopper=stop_odd)
+    (partial,) = seen
+    open_rows = [i for i, f in enumerate(partial.finished) if not f]
+    assert len(open_rows) >= 4  # the checkpoint comes before most completions end
+    survivors = [i for i in open_rows if i % 2 == 0]
+    assert got.stopped == [i in open_rows and i % 2 == 1 for i in range(len(prompts))]
+    for i in range(len(prompts)):
+        if got.stopped[i]:
+            assert got.completion_ids[i] == plain.completion_ids[i][:at]
+        else:
+            assert got.completion_ids[i] == plain.completion_ids[i]
+            assert got.sampling_logprobs[i] == pytest.approx(plain.sampling_logprobs[i], abs=1e-4)
+    assert [c[0] for c in calls] == [len(prompts), len(survivors)]  # the checkpoint, then the survivors alone
+    hidden = checkpoint_hidden(engine.model, partial.prompt_ids, partial.completion_ids)
+    torch.testing.assert_close(partial.hidden, hidden)
+
+
 def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
     from cppo.step.models import lm_head
     from cppo_kernels import fused_logprobs
