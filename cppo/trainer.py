@@ -190,7 +190,7 @@ class Trainer(StepRollouts):
                 problems, prompts, rollout = self._generate()
             with timer("reward"):
                 rewards, scores, correct = self._reward(problems, prompts, rollout)  # rewards [Q * G]
-            filled, extra = None, self.stopping.observe(rollout, correct) if self.stopping is not None else {}
+            filled, extra = None, self.stopping.observe(rollout, correct, rewards) if self.stopping is not None else {}
         with timer("select"):
             batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers

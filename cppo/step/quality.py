@@ -243,18 +243,26 @@ class RolloutStopping:
         texts = self.tokenizer.batch_decode(partial.completion_ids, skip_special_tokens=True)
         return torch.tensor([-float(len(t)) for t in texts])  # length: the shorter partial text scores higher
 
-    def observe(self, rollout, correct: list[bool]) -> dict[str, float]:
+    def observe(self, rollout, correct: list[bool], rewards: torch.Tensor) -> dict[str, float]:
         """After the step's rewards: the head's AUC and Brier score over the rows it scored that ran to the end
-        (predictions made before this step's update), the head updated on them, and the counts."""
+        (predictions made before this step's update), the head updated on them, and the counts; with rows stopped,
+        ``reward_mean``, ``reward_std`` and ``accuracy`` over the completions that ran to the end (all ranks'), which
+        replace the step's (a stopped completion has no final reward)."""
         from ..distributed import DistInfo, all_gather_varlen
 
+        info = self.info if self.info is not None else DistInfo()
         stopped = rollout.stopped or [False] * len(correct)
         out = {"rollout_stop/stopped": float(sum(stopped)), "rollout_stop/fraction": sum(stopped) / len(stopped)}
+        alive = torch.tensor([not x for x in stopped])
+        ran = torch.stack([rewards.float().cpu(), torch.tensor(correct, dtype=torch.float32)], 1)[alive]  # [n, 2]
+        every, _ = all_gather_varlen(ran, info=info)
+        if len(every) < len(stopped) * info.world_size or any(stopped):
+            out.update(reward_mean=float(every[:, 0].mean()), accuracy=float(every[:, 1].mean()),
+                       reward_std=float(every[:, 0].std()) if len(every) > 1 else 0.0)  # fmt: skip
         if self.partial is None:
             return out
         ran = torch.tensor([not f and not s for f, s in zip(self.partial.finished, stopped)])  # [N]
         label = torch.tensor(correct, dtype=torch.float32)[ran]
-        info = self.info if self.info is not None else DistInfo()
         pred, _ = all_gather_varlen(self.predicted.float()[ran].reshape(-1, 1), info=info)
         label_all, _ = all_gather_varlen(label.reshape(-1, 1), info=info)
         area = auc(pred.flatten(), label_all.flatten())

@@ -79,14 +79,16 @@ def test_stopped_completions_are_never_decoded_further_nor_trained(tmp_path, sco
     select = trainer._select_and_pack
 
     def spy(rewards, rollout, filled=None):
-        seen.append(rollout)
+        seen.append((rollout, rewards))
         return select(rewards, rollout, filled)
 
     monkeypatch.setattr(trainer, "_select_and_pack", spy)
     history = [trainer.train_step() for _ in range(3)]
     assert history[0]["rollout_stop/stopped"] == 0  # the warm-up step
-    for rollout, h in zip(seen[1:], history[1:]):
+    for (rollout, rewards), h in zip(seen[1:], history[1:]):
         stopped = rollout.stopped
+        ran = [r for r, x in zip(rewards.tolist(), stopped) if not x]
+        assert h["reward_mean"] == pytest.approx(sum(ran) / len(ran))  # over the completions that ran to the end
         n = len(stopped)
         assert h["rollout_stop/stopped"] == sum(stopped) > 0
         for g in range(n // 8):  # at most int(8 * 0.5) = 4 of each group, and only unfinished ones
