@@ -129,3 +129,15 @@ def test_the_head_resumes_exactly(tmp_path):
     assert again["loss"] == last["loss"] and again["rollout_stop/stopped"] == last["rollout_stop/stopped"]
     x = torch.randn(4, full.model.config.hidden_size)
     assert torch.equal(full.stopping.head.predict(x), resumed.stopping.head.predict(x))
+
+
+@pytest.mark.parametrize(
+    "extra", [dict(use_peft=True, lr=1e-3), dict(prefix_sharing=False), dict(selection_scope="batch")],
+    ids=["lora", "no-prefix-sharing", "pooled"],
+)
+def test_it_composes_with_lora_prefix_sharing_and_the_pooled_scope(tmp_path, extra):
+    trainer = Trainer(stop_config(tmp_path, **extra))
+    history = [trainer.train_step() for _ in range(3)]
+    assert sum(h["rollout_stop/stopped"] for h in history[1:]) > 0
+    assert all(h["completions_kept"] == h["completions"] - int(h["completions"] * 0.75) for h in history)
+    assert all(math.isfinite(h["loss"]) for h in history)
