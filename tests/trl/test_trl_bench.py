@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import bench_trl
@@ -48,3 +49,17 @@ def test_a_small_run_writes_json_and_png(tmp_path):
     assert stock["cpu_old_ref"] > 0 and cppo["cpu_old_ref"] > 0 and cppo["tokens_old_ref"] > 0
     assert result["meta"]["trl"] == "1.16.0" and result["meta"]["settings"]["group_size"] == 4
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_small_run_with_colocated_vllm_generates_with_vllm_in_every_run(tmp_path):
+    out = tmp_path / "trl.json"
+    argv = ["--rates", "0.5", "--steps", "1", "--group-size", "4", "--max-completion-length", "4", "--use-vllm",
+            "--out", str(out)]  # fmt: skip
+    bench_trl.main(argv)
+    result = json.loads(out.read_text())
+    stock, cppo = result["rows"]
+    assert stock["generated_with"] == cppo["generated_with"] == "vllm colocate"
+    assert cppo["kept_fraction"] == 0.5 and cppo["tokens_vs_stock"] <= 0.5 + 1e-9
+    assert stock["cpu_generation"] > 0 and result["meta"]["settings"]["use_vllm"] is True
