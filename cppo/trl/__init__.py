@@ -18,6 +18,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("cppo.trl needs TRL 1.16: pip install 'cppo-kernels[trl]'") from err
 
 from .config import CPPOConfig
+from .sampling import eager_colocated_vllm, reload_colocated_weights
 from .trainer import CPPOTrainer
 
-__all__ = ["CPPOConfig", "CPPOTrainer"]
+__all__ = ["CPPOConfig", "CPPOTrainer", "eager_colocated_vllm", "reload_colocated_weights"]
