@@ -11,12 +11,19 @@ Three ops (``torch.ops.cppo_kernels.*``), each with a fake (meta) implementation
 - ``fused_logprobs``: :func:`cppo_kernels.fused_logprobs` (no gradient: the old-policy and reference passes).
 - ``cppo_select``: :func:`cppo_kernels.cppo_select` (advantages and kept indices, one Triton launch on CUDA).
 
-Schemas are stable under new options: the loss and head options travel as one string (:func:`encode`, a
-``name=repr(value)`` list that dynamo traces and :func:`decode` reads back with ``ast.literal_eval``), so a new
-scalar option (a :class:`cppo_kernels.LossConfig` field, a head transform's float) needs no schema change; a new
-optional tensor is one more ``Tensor?`` argument. Sizes that change every step (token counts, sequence counts, the
-kept count) are symbolic ints in the fakes, never baked into an option string, so they do not recompile: the kept
-count is ``keep * num_groups`` or ``num_kept``, a function of the input sizes and ints, not of the data.
+Schemas are stable under new options: the loss and head options travel as one string and one tensor
+(:func:`encode`; :func:`decode` reads them back), so a new scalar option (a :class:`cppo_kernels.LossConfig` field,
+a head transform's float) needs no schema change; a new optional tensor is one more ``Tensor?`` argument. The string
+holds the options that choose code (names, bools, None) as ``name=repr(value)``; every number (a float or int
+option) travels as data, in a float64 CPU tensor, and is never formatted into the string. Dynamo traces a number
+that can change as a symbol (every number under ``dynamic=True``; under the default ``dynamic=None``, one whose
+value changed since the last compile): a symbol cannot be formatted into a string, and as data a new value (TRL's
+adaptive ``entropy_coef``, another ``FusedCPPOLoss`` config) runs the same graph, with no recompilation (the default
+``dynamic=None`` compiles once more at the first change, then makes the number symbolic). What the fakes need to know
+(the metrics a loss reports, which depends on comparisons of numbers: :func:`_metric_key`) is decided while tracing,
+where dynamo guards the comparison, not the value. Sizes that change every step (token counts, sequence counts, the
+kept count) are symbolic ints in the fakes, so they do not recompile either: the kept count is ``keep * num_groups``
+or ``num_kept``, a function of the input sizes and ints, not of the data.
 
 Value checks that read tensors back (finite values, targets in range, offsets) run inside the real implementations
 (they are the eager functions), so a compiled call raises the eager one-line ``ValueError`` at run time.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -55,20 +63,48 @@ __all__ = ["encode", "decode", "compiled_loss", "compiled_logprobs", "compiled_s
 _NS = "cppo_kernels"
 
 
-def encode(**options) -> str:
-    """``options`` (constants: float, int, bool, str, None) as one string ``name=repr(value);...`` (traced by
-    dynamo: an f-string join)."""
-    return ";".join(f"{name}={value!r}" for name, value in options.items())
+def encode(**options) -> tuple[str, Tensor]:
+    """``options`` as ``(text, numbers)``: the constants (str, bool, None) as ``name=repr(value)`` in ``text``, each
+    number (int or float: a symbol under dynamo when it can change) as ``name=float#i`` / ``name=int#i`` with its
+    value at ``numbers[i]``, a float64 CPU tensor (exact for every float and for ints up to 2**53): a new value runs
+    the same graph."""
+    items, numbers = [], []
+    for name, value in options.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            kind = "int" if isinstance(value, int) else "float"
+            items.append(f"{name}={kind}#{len(numbers)}")  # the value is never formatted: it may be a symbol
+            numbers.append(value)
+        else:
+            items.append(f"{name}={value!r}")
+    # each number enters the tensor through a tensor op (an add), so that dynamo turns a symbolic float into an input
+    # tensor of the graph (its "tensorify" pass); any other use (torch.tensor of a list) would specialize it again
+    zero = torch.zeros((), dtype=torch.float64)
+    return ";".join(items), torch.stack([zero + value for value in numbers]) if numbers else zero.new_zeros(0)
 
 
 @functools.lru_cache(maxsize=256)
 def _decode(text: str) -> tuple[tuple[str, object], ...]:
-    return tuple((k, ast.literal_eval(v)) for k, _, v in (item.partition("=") for item in text.split(";") if item))
+    """``(name, value)`` of the constants of :func:`encode`'s text; a number's value is its ``(kind, index)``."""
+    out = []
+    for name, _, value in (item.partition("=") for item in text.split(";") if item):
+        kind, hash_, index = value.partition("#")
+        out.append((name, (kind, int(index)) if hash_ and kind in ("int", "float") else ast.literal_eval(value)))
+    return tuple(out)
 
 
-def decode(text: str) -> dict[str, object]:
-    """The options of :func:`encode`'s string."""
-    return dict(_decode(text))
+def decode(text: str, numbers: Tensor | None = None) -> dict[str, object]:
+    """The options of :func:`encode`'s ``(text, numbers)``; without ``numbers`` (a fake, which cannot read them) the
+    constants only."""
+    values = None if numbers is None else numbers.tolist()
+    out = {}
+    for name, value in _decode(text):
+        if isinstance(value, tuple):
+            if values is None:
+                continue
+            kind, index = value
+            value = int(values[index]) if kind == "int" else values[index]
+        out[name] = value
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,20 +113,54 @@ def decode(text: str) -> dict[str, object]:
 
 
 def _split(options: dict) -> tuple[LossConfig, str, tuple[bool, bool, bool], dict[str, object]]:
-    """(LossConfig, mode, which of hidden / weight / bias want gradients, the keywords of the head's transform) of a
-    decoded loss options string (:func:`compiled_loss`)."""
+    """(LossConfig, mode, which of hidden / weight / bias want gradients, the keywords of the head's transform) of
+    the loss options of :func:`compiled_loss`, decoded with their numbers."""
     cfg = LossConfig(**{k: v for k, v in options.items() if k in LOSS_OPTIONS})
-    needs = tuple(c == "1" for c in options["needs"])
-    head = {k.removeprefix("head."): v for k, v in options.items() if k.startswith("head.")}
-    return cfg, options["mode"], needs, head
+    return cfg, options["mode"], _needs(options), {k[5:]: v for k, v in options.items() if k.startswith("head.")}
+
+
+def _needs(options: dict) -> tuple[bool, bool, bool]:
+    return tuple(c == "1" for c in options["needs"])
+
+
+#: Each loss option's default (:func:`_metric_key` compares the numbers with it).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+
+
+def _metric_key(cfg: LossConfig) -> str:
+    """What the metric names of ``cfg`` can depend on, as a constant string (``name=repr,...``) even when ``cfg``'s
+    numbers are dynamo symbols: every choice, bool and None as it is, and of each number only whether it equals its
+    default (an ``if``: dynamo guards that outcome, not the value, so every value on the same side runs the same graph
+    and the other side compiles its own). ``tests/kernels/test_ops_dynamic.py`` checks that it determines the names."""
+    key = []
+    for name in LOSS_OPTIONS:
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, (str, bool)):
+            value = "default" if value == _DEFAULTS[name] else "other"
+        key.append(f"{name}={value!r}")
+    return ",".join(key)
 
 
 @functools.lru_cache(maxsize=64)
-def _metric_names(config: str) -> tuple[str, ...]:
-    """The metric names of the loss options ``config`` (an :func:`encode` string of LossConfig fields): the keys of
-    the eager function's metrics on a one-token problem (so new metrics need no list here)."""
+def _stand_in(name: str) -> object:
+    """A valid value of the number ``name`` other than its default, the other options at theirs."""
+    for value in (0.5, 2):
+        with contextlib.suppress(ValueError):
+            LossConfig(**{name: value})
+            return value
+    raise AssertionError(f"no stand-in value for the loss option {name}")
+
+
+@functools.lru_cache(maxsize=64)
+def _metric_names(key: str) -> tuple[str, ...]:
+    """The metric names of the loss options of a :func:`_metric_key`: the keys of the eager function's metrics on a
+    one-token problem (so new metrics need no list here), the numbers at their defaults or a stand-in."""
+    options = {}
+    for name, _, text in (item.partition("=") for item in key.split(",")):
+        value = ast.literal_eval(text)
+        options[name] = _DEFAULTS[name] if value == "default" else _stand_in(name) if value == "other" else value
     with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.enable_grad():
-        return _probe_metric_names(LossConfig(**decode(config)))
+        return _probe_metric_names(LossConfig(**options))
 
 
 def _probe_metric_names(cfg: LossConfig) -> tuple[str, ...]:
@@ -102,9 +172,9 @@ def _probe_metric_names(cfg: LossConfig) -> tuple[str, ...]:
 
 
 @torch._dynamo.assume_constant_result
-def metric_names(config: str) -> str:
-    """``_metric_names`` joined by commas: a constant for dynamo (computed once per option string)."""
-    return ",".join(_metric_names(config))
+def metric_names(key: str) -> str:
+    """``_metric_names`` joined by commas: a constant for dynamo (computed once per key)."""
+    return ",".join(_metric_names(key))
 
 
 @contextlib.contextmanager
@@ -132,10 +202,12 @@ def _loss_op(
     importance_weights: Tensor | None,
     sampling_logprobs: Tensor | None,
     options: str,
+    numbers: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, metrics [M], dhidden, dweight, dbias)``: the eager loss and its gradients (an empty tensor for a
-    gradient not wanted), computed here; the metrics in the order of :func:`metric_names`."""
-    cfg, mode, needs, head = _split(decode(options))
+    gradient not wanted), computed here; the metrics in the order of :func:`metric_names`. ``options``,
+    ``numbers``: :func:`encode`'s of the loss options, the mode, ``needs`` and ``head.*`` (:func:`compiled_loss`)."""
+    cfg, mode, needs, head = _split(decode(options, numbers))
     with _autograd_dispatch(), torch.enable_grad():
         leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip((hidden, weight, bias), needs)]
         loss, metrics = _EAGER["loss"](
@@ -160,11 +232,10 @@ def _loss_op(
 @_loss_op.register_fake
 def _loss_fake(
     hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
-    sampling_logprobs, options,
+    sampling_logprobs, options, numbers,
 ):  # fmt: skip
-    decoded = decode(options)
-    cfg, _, needs, _ = _split(decoded)
-    num_metrics = len(_metric_names(encode(**{k: getattr(cfg, k) for k in LOSS_OPTIONS})))
+    decoded = decode(options)  # the constants: the numbers are data, not read here
+    needs, num_metrics = _needs(decoded), len(_metric_names(decoded["metrics"]))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     grads = [
         torch.empty_like(x, memory_format=torch.contiguous_format) if n and x is not None else hidden.new_empty(0)
@@ -174,7 +245,7 @@ def _loss_fake(
 
 
 def _loss_setup(ctx, inputs, output) -> None:
-    needs = _split(decode(inputs[-1]))[2]
+    needs = _needs(decode(inputs[-2]))
     ctx.needs = [n and x is not None for x, n in zip((inputs[0], inputs[1], inputs[8]), needs)]
     ctx.save_for_backward(*output[2:])
 
@@ -191,7 +262,7 @@ def _loss_backward(ctx, grad_loss, *_unused):
             "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
         )
     dhidden, dweight, dbias = (g * grad_loss if n else None for g, n in zip(ctx.saved_tensors, ctx.needs))
-    return dhidden, dweight, None, None, None, None, None, None, dbias, None, None, None
+    return dhidden, dweight, None, None, None, None, None, None, dbias, None, None, None, None
 
 
 _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup)
@@ -206,15 +277,16 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
     they are (they travel in the options string as ``head.NAME``: a new one changes no schema)."""
     grad = torch.is_grad_enabled()
     needs = "".join("1" if grad and x is not None and x.requires_grad else "0" for x in (hidden, weight, bias))
-    config = encode(**{k: getattr(cfg, k) for k in LOSS_OPTIONS})
-    options = f"{config};mode={mode!r};needs={needs!r}"
-    if head:
-        options += ";" + encode(**{f"head.{k}": v for k, v in head.items()})
+    key = _metric_key(cfg)
+    options, numbers = encode(
+        **{k: getattr(cfg, k) for k in LOSS_OPTIONS}, mode=mode, needs=needs, metrics=key,
+        **{f"head.{k}": v for k, v in head.items()},
+    )  # fmt: skip
     loss, metrics, *_ = _loss_op(
         hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
-        sampling_logprobs, options,
+        sampling_logprobs, options, numbers,
     )  # fmt: skip
-    names = metric_names(config).split(",")
+    names = metric_names(key).split(",")
     metrics = metrics.detach()  # as the eager metrics: no gradient
     return loss, {name: metrics[i] for i, name in enumerate(names)}
 
@@ -226,10 +298,11 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
 
 @torch.library.custom_op(f"{_NS}::fused_logprobs", mutates_args=())
 def _logprobs_op(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, head: str
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, head: str, numbers: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """``(logp, entropy)`` of the eager function (``entropy`` empty without ``compute_entropy``)."""
-    options = decode(head)
+    """``(logp, entropy)`` of the eager function (``entropy`` empty without ``compute_entropy``); ``head``,
+    ``numbers``: :func:`encode`'s of its keywords."""
+    options = decode(head, numbers)
     with torch.no_grad():
         out = _EAGER["logprobs"](hidden, weight, targets, bias=bias, **options)
     if options.get("compute_entropy"):
@@ -238,14 +311,14 @@ def _logprobs_op(
 
 
 @_logprobs_op.register_fake
-def _logprobs_fake(hidden, weight, targets, bias, head):
+def _logprobs_fake(hidden, weight, targets, bias, head, numbers):
     logp = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
     return logp, torch.empty_like(logp) if decode(head).get("compute_entropy") else logp.new_empty(0)
 
 
 def compiled_logprobs(hidden, weight, targets, *, bias, **head) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`cppo_kernels.fused_logprobs` as one ``cppo_kernels::fused_logprobs`` node."""
-    logp, entropy = _logprobs_op(hidden, weight, targets, bias, encode(**head))
+    logp, entropy = _logprobs_op(hidden, weight, targets, bias, *encode(**head))
     return (logp, entropy) if head.get("compute_entropy") else logp
 
 
@@ -256,16 +329,16 @@ def compiled_logprobs(hidden, weight, targets, *, bias, **head) -> Tensor | tupl
 
 @torch.library.custom_op(f"{_NS}::cppo_select", mutates_args=())
 def _select_op(
-    rewards: Tensor, draws: Tensor | None, group_size: int, keep: int, num_kept: int, options: str
+    rewards: Tensor, draws: Tensor | None, group_size: int, keep: int, num_kept: int, options: str, numbers: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, kept)`` of the eager function, with the ``metric="random"`` draws given (``keep`` or
-    ``num_kept`` is -1 when not given)."""
+    ``num_kept`` is -1 when not given); ``options``, ``numbers``: :func:`encode`'s of the other options."""
     return _EAGER["select"](rewards, group_size, None if keep < 0 else keep, None if num_kept < 0 else num_kept,
-                       draws=draws, **decode(options))  # fmt: skip
+                            draws=draws, **decode(options, numbers))  # fmt: skip
 
 
 @_select_op.register_fake
-def _select_fake(rewards, draws, group_size, keep, num_kept, options):
+def _select_fake(rewards, draws, group_size, keep, num_kept, options, numbers):
     n = rewards.shape[0]
     count = num_kept if num_kept >= 0 else keep * (n // group_size)
     return rewards.new_empty(n, dtype=torch.float32), rewards.new_empty(count, dtype=torch.long)
@@ -274,4 +347,4 @@ def _select_fake(rewards, draws, group_size, keep, num_kept, options):
 def compiled_select(rewards, group_size, keep, num_kept, draws, **options) -> tuple[Tensor, Tensor]:
     """:func:`cppo_kernels.cppo_select` as one ``cppo_kernels::cppo_select`` node (options validated already)."""
     return _select_op(rewards, draws, group_size, -1 if keep is None else keep,
-                      -1 if num_kept is None else num_kept, encode(**options))  # fmt: skip
+                      -1 if num_kept is None else num_kept, *encode(**options))  # fmt: skip

@@ -181,31 +181,35 @@ class LossConfig:
 
     @property
     def two_pass_rule(self) -> str | None:
-        """The option that needs a whole sequence or the whole call before any token's gradient is known, as
-        ``name=value`` (:attr:`sequence_rule`, then :attr:`call_rule`); None when every token's gradient is its own."""
+        """The option that needs a whole sequence or the whole call before any token's gradient is known, as its
+        condition (:attr:`sequence_rule`, then :attr:`call_rule`); None when every token's gradient is its own."""
         return self.sequence_rule or self.call_rule
+
+    # The rules name a numeric option by its condition (``entropy_coef != 0``), never by its value: under
+    # torch.compile the value may be a dynamo symbol, which a string cannot hold.
 
     @property
     def sequence_rule(self) -> str | None:
         """The option whose token gradients need their whole sequence (the sequence's mean log-ratio, VESPO's gamma
-        weight, the off-policy mask's mean), as ``name=value``; None if none. Gradient-in-forward runs them in
-        chunks of whole sequences."""
-        rules = (
-            (self.importance_sampling == "sequence", "importance_sampling='sequence'"),
-            (self.surrogate == "vespo", "surrogate='vespo'"),
-            (self.off_policy_mask_threshold is not None, f"off_policy_mask_threshold={self.off_policy_mask_threshold}"),
-        )
-        return next((name for hit, name in rules if hit), None)
+        weight, the off-policy mask's mean), as its condition (``name=value`` for a choice); None if none.
+        Gradient-in-forward runs them in chunks of whole sequences."""
+        if self.importance_sampling == "sequence":
+            return "importance_sampling='sequence'"
+        if self.surrogate == "vespo":
+            return "surrogate='vespo'"
+        if self.off_policy_mask_threshold is not None:
+            return "off_policy_mask_threshold (set)"
+        return None
 
     @property
     def call_rule(self) -> str | None:
         """The option whose token gradients need every token of the call (the entropy mask's quantile, the entropy
-        bonus's mean), as ``name=value``; None if none: those run two-pass."""
-        rules = (
-            (self.top_entropy_quantile < 1.0, f"top_entropy_quantile={self.top_entropy_quantile}"),
-            (self.entropy_coef != 0.0, f"entropy_coef={self.entropy_coef}"),
-        )
-        return next((name for hit, name in rules if hit), None)
+        bonus's mean), as its condition; None if none: those run two-pass."""
+        if self.top_entropy_quantile < 1.0:
+            return "top_entropy_quantile < 1"
+        if self.entropy_coef != 0.0:
+            return "entropy_coef != 0"
+        return None
 
     @property
     def plain(self) -> bool:

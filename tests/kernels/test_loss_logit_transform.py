@@ -281,7 +281,7 @@ def test_the_transform_travels_through_the_custom_ops():
     """Under ``torch.compile(fullgraph=True)`` the loss and the log-probs are single custom-op nodes
     (:mod:`cppo_kernels._ops`) carrying the scale and the cap: the eager results and gradients; ``opcheck`` passes
     for the loss op with a capped head."""
-    from cppo_kernels._ops import encode
+    from cppo_kernels._ops import _metric_key, encode
 
     hidden, weight, bias, targets, adv, _ = _head(torch.float32, seed=4, lengths=[5, 4], H=16, V=40, bias=True)
     cu, old = cu_seqlens([5, 4]), torch.full((9,), -3.0)
@@ -309,9 +309,8 @@ def test_the_transform_travels_through_the_custom_ops():
     assert not torch.allclose(uncapped, logprobs_fn(hidden, weight))
 
     cfg = LossConfig()
-    op_options = f"{encode(**vars(cfg))};mode='two-pass';needs='110';" + encode(
-        **{"head.logit_scale": 0.5, "head.logit_softcap": 3.0}
-    )
+    op_options = encode(**vars(cfg), mode="two-pass", needs="110", metrics=_metric_key(cfg),
+                        **{"head.logit_scale": 0.5, "head.logit_softcap": 3.0})  # fmt: skip
     args = (params[0].detach().requires_grad_(), params[1].detach().requires_grad_(), targets, adv, cu, None, old,
-            None, bias, None, None, op_options)  # fmt: skip (no importance weights, no sampling log-probs)
+            None, bias, None, None, *op_options)  # fmt: skip (no importance weights, no sampling log-probs)
     torch.library.opcheck(torch.ops.cppo_kernels.fused_cppo_loss.default, args)

@@ -11,7 +11,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from cppo_kernels import LossConfig, cppo_select, fused_cppo_loss, fused_logprobs
-from cppo_kernels._ops import _metric_names, decode, encode
+from cppo_kernels._ops import _metric_key, _metric_names, decode, encode
 
 OPS = torch.ops.cppo_kernels
 V, H = 24, 8
@@ -31,8 +31,13 @@ def _padded(batch: int, length: int, seed: int = 0):
 
 def test_options_round_trip_exactly():
     options = dict(temperature=0.7, epsilon_high=None, beta=1 / 3, kl_estimator="k3", compute_entropy=True, n=4)
-    assert decode(encode(**options)) == options
-    assert _metric_names(encode(compute_entropy=True))[-1] == "entropy"
+    assert decode(*encode(**options)) == options
+    assert _metric_names(_metric_key(LossConfig(compute_entropy=True)))[-1] == "entropy"
+
+
+def _loss_options(cfg: LossConfig, **options) -> tuple[str, torch.Tensor]:
+    """The op's ``(options, numbers)`` of ``cfg`` and ``options`` (mode, needs), as ``compiled_loss`` encodes them."""
+    return encode(**vars(cfg), **options, metrics=_metric_key(cfg))
 
 
 def _loss_args(mode: str, padded: bool, needs: str, new_options: bool = False):
@@ -54,8 +59,8 @@ def _loss_args(mode: str, padded: bool, needs: str, new_options: bool = False):
         cfg = LossConfig(beta=0.04, surrogate="vespo", use_bias_correction_kl=True, off_policy_mask_threshold=0.1,
                          top_entropy_quantile=0.5, entropy_coef=0.01)  # fmt: skip
         weights, sampling = torch.rand(3, generator=g), old + 0.2 * torch.randn(lead, generator=g)
-    options = f"{encode(**vars(cfg))};mode={mode!r};needs={needs!r}"
-    return (hidden, weight, targets, adv, cu, mask, old, ref, bias, weights, sampling, options)
+    return (hidden, weight, targets, adv, cu, mask, old, ref, bias, weights, sampling,
+            *_loss_options(cfg, mode=mode, needs=needs))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -72,12 +77,12 @@ def test_opcheck_fused_logprobs_and_cppo_select():
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(2, 4, H, generator=g), torch.randn(V, H, generator=g)
     targets = torch.randint(0, V, (2, 4), generator=g)
-    for head in ("temperature=0.7;compute_entropy=True", "temperature=1.0;compute_entropy=False"):
-        torch.library.opcheck(OPS.fused_logprobs.default, (hidden, weight, targets, None, head))
+    for head in (dict(temperature=0.7, compute_entropy=True), dict(temperature=1.0, compute_entropy=False)):
+        torch.library.opcheck(OPS.fused_logprobs.default, (hidden, weight, targets, None, *encode(**head)))
     rewards = torch.randint(0, 2, (12,), generator=g).float()
-    options = "scale='group';unbiased=True;eps=0.0001;scope='{}';metric='smallest'"
-    torch.library.opcheck(OPS.cppo_select.default, (rewards, None, 4, 2, -1, options.format("group")))
-    torch.library.opcheck(OPS.cppo_select.default, (rewards, None, 4, -1, 5, options.format("batch")))
+    for scope, keep, num_kept in (("group", 2, -1), ("batch", -1, 5)):
+        options = encode(scale="group", unbiased=True, eps=1e-4, scope=scope, metric="smallest")
+        torch.library.opcheck(OPS.cppo_select.default, (rewards, None, 4, keep, num_kept, *options))
 
 
 class TinyModel(nn.Module):
@@ -174,7 +179,7 @@ def test_the_loss_op_called_directly_scales_its_gradients_and_refuses_double_bac
     second = torch.autograd.grad(loss * -0.5, params, retain_graph=True)
     for a, b in zip(first, second):
         assert_close("grad", a * -0.25, b, 1e-6)
-    cfg = LossConfig(**{k: v for k, v in decode(args[-1]).items() if k not in ("mode", "needs")})
+    cfg = LossConfig(**{k: v for k, v in decode(*args[-2:]).items() if k not in ("mode", "needs", "metrics")})
     want, _ = fused_cppo_loss(*args[:4], cu_seqlens=args[4], old_logprobs=args[6], ref_logprobs=args[7],
                               bias=args[8], config=cfg)  # fmt: skip
     assert_close("loss", loss, want, 1e-6)
@@ -208,7 +213,7 @@ def test_compiled_loss_with_the_new_options_equals_eager():
     """Issue 26's options and tensors (VESPO, the bias-corrected KL, the masks, the entropy bonus, importance
     weights, sampling log-probs) through the compiled op: one graph, the eager loss and gradients."""
     args = _loss_args("auto", True, "111", new_options=True)
-    cfg = LossConfig(**{k: v for k, v in decode(args[-1]).items() if k not in ("mode", "needs")})
+    cfg = LossConfig(**{k: v for k, v in decode(*args[-2:]).items() if k not in ("mode", "needs", "metrics")})
     tensors = dict(mask=args[5], old_logprobs=args[6], ref_logprobs=args[7], importance_weights=args[9],
                    sampling_logprobs=args[10])  # fmt: skip
 
