@@ -66,13 +66,27 @@ ARMS: dict[str, tuple[str, ...]] = {
                     "num_epochs=3"),
     "cppo-dyn": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=true",
                  "num_epochs=3", "filter_groups=true", "greso=true"),
+    # issue 38: 3 epochs of the seed's questions; CPPO per question, the same stopping 5 of each group's 8
+    # completions at a quarter of max_completion_length (the learned head; the random scorer at the same rate), GRPO
+    "grpo-epochs": ("pruning_rate=0", "selection_metric=smallest", "selection_scope=batch", "allocation=true",
+                    "num_epochs=3"),
+    "cppo-group-epochs": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=group",
+                          "allocation=true", "num_epochs=3"),
+    "cppo-group-stop": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=group", "allocation=true",
+                        "num_epochs=3", "rollout_stop_rate=0.625", "rollout_stop_at=0.25",
+                        "rollout_stop_scorer=learned"),
+    "cppo-group-stop-random": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=group",
+                               "allocation=true", "num_epochs=3", "rollout_stop_rate=0.625", "rollout_stop_at=0.25",
+                               "rollout_stop_scorer=random"),
 }  # fmt: skip
 #: What a row of an arm that does not set them has: a row matches an arm only when these agree too (:func:`arm_of`).
-ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "greso": False}
+ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "greso": False, "rollout_stop_rate": 0.0,
+                                 "rollout_stop_at": 0.25, "rollout_stop_scorer": "learned"}  # fmt: skip
 #: Settings an arm or the sweep sets itself: a common ``--set`` of one would be overridden (or change every arm).
 OWN_SETTINGS = (
     "pruning_rate", "selection_metric", "selection_scope", "allocation", "seed", "question_seed", "num_steps",
-    "max_questions", "output_dir", "num_epochs", "filter_groups", "greso",
+    "max_questions", "output_dir", "num_epochs", "filter_groups", "greso", "rollout_stop_rate", "rollout_stop_at",
+    "rollout_stop_scorer",
 )  # fmt: skip
 #: What the untrained model's evaluation depends on: a ``before.json`` is used only by arms that agree on these.
 BEFORE_KEYS = ("model", "model_config", "dtype", "dataset", "dataset_path", "system_prompt", "max_prompt_length",

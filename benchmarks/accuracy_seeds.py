@@ -29,9 +29,12 @@ nothing and combines the finished units (and ``--with`` files) as the end of a s
 ``--dry-run`` plans every unit without a model and checks that every arm of a seed trains the same question ids
 (printing each arm's steps, warm-up steps and summed learning rate). The combination writes ``OUT/NAME-seeds.json``
 (``{"meta", "rows", "summary"}``) and ``.png``; rows are ``speedup.py`` rows plus ``arm``, the columns against GRPO
-filled from the same seed's GRPO row. ``--with FILE`` adds a former combined JSON (the committed three seeds): its
-settings must agree with the sweep's (:data:`AGREE_KEYS`, the questions per seed, the evaluation, the untrained
-model's accuracy, every seed's question ids across its methods), else the combination is refused in one line.
+filled from the same seed's GRPO row. ``--with FILE`` adds a former combined JSON (the committed three seeds) or a
+unit's ``result.json``. ``--combine`` checks the command's shared settings and arms against ``OUT/sweep.json`` as a
+continued run does, and every file combined must agree with the others (:mod:`seeds_files`: every trainer setting
+but the allow-list :data:`seeds_files.MAY_DIFFER`, the environment, the questions per seed, the evaluation, the
+untrained model's accuracy, every seed's question ids across its methods), else it is refused in one line naming the
+file, the setting and both values.
 
 The control arm is CPPO pooled *without* allocation (64 steps of one question, the same 64 questions in the same
 order as GRPO, 2 of 8 completions kept per step), not GRPO with its learning rate divided by 4. It holds GRPO's
@@ -52,10 +55,10 @@ evaluated on 300 distinct held-out problems (this made ``benchmarks/results/accu
     OMP_NUM_THREADS=1 python benchmarks/accuracy_seeds.py --seeds 42 43 44 --out benchmarks/results
 
 Everything after ``--`` replaces the default speedup.py arguments (:data:`DEFAULT_SPEEDUP_ARGS`). ``--from-runs
-DIR`` combines the per-seed JSONs a former run left in DIR instead of running; files of other settings
-(:data:`AGREE_KEYS`), evaluation sizes or question counts, or whose rows name another seed than the file, are
-refused. It writes ``NAME-seeds.json``, ``NAME-seeds.png`` and, beside them, ``NAME-seeds-runs/`` with each seed's
-speedup.py output (``NAME-seedS.json``, its plots and log).
+DIR`` combines the per-seed JSONs a former run left in DIR instead of running; a file that ran other speedup.py
+arguments than this command passes (its ``meta.argv``), that disagrees with the others (as ``--with`` files), or
+whose rows name another seed than the file, is refused. It writes ``NAME-seeds.json``, ``NAME-seeds.png`` and,
+beside them, ``NAME-seeds-runs/`` with each seed's speedup.py output (``NAME-seedS.json``, its plots and log).
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ from typing import Any
 
 import accuracy_arm
 from bench_out import new_run_folder
-from seeds_files import AGREE_KEYS, ROW_AGREE_KEYS, check_agree, read_result
+from seeds_files import MAY_DIFFER, RECORDED_KEYS, ROW_AGREE_KEYS, agreed_meta, check_agree, check_command, read_result
 from seeds_report import TIME_BASES, by_seed, format_summary, method, plot, summarise
 from speedup_report import relative_fields
-from sweep_units import Unit, check_sweep_folder, finished, fresh_folder, sweep_settings
+from sweep_units import Unit, check_finished_units, check_sweep_folder, finished, fresh_folder, sweep_settings
 
 from cppo import fileio
 from cppo.run import RunLock, RunLocked
@@ -91,8 +94,6 @@ DEFAULT_SPEEDUP_ARGS = (
 )  # fmt: skip
 #: Flags the driver sets itself for every seed.
 OWN_FLAGS = ("--seed", "--threads", "--schedule", "--out", "--name", "--no-progress", "--dry-run")
-#: What the combined meta keeps of each file's meta (where, when and with what it ran; not checked).
-SOURCE_KEYS = ("date", "git_commit", "git_dirty", "warmup_seconds", "device_name", "torch", "transformers", "argv")
 #: Seconds between two looks at the running units.
 POLL_SECONDS = 5.0
 
@@ -190,7 +191,8 @@ def run_seeds(args: argparse.Namespace, runs: pathlib.Path) -> None:
 
 def combine(args: argparse.Namespace, runs: pathlib.Path) -> dict[str, Any]:
     """Every seed's rows and meta from ``runs``; ValueError naming the file that is missing, is not a result, names
-    another seed in its rows or meta, or disagrees with the first file (:func:`check_agree`)."""
+    another seed in its rows or meta, ran other speedup.py arguments than this command passes
+    (:func:`seeds_files.check_command`) or disagrees with the first file (:func:`check_agree`)."""
     rows, metas, sources = [], {}, []
     for seed in args.seeds:
         path = runs / f"{args.name}-seed{seed}.json"
@@ -200,6 +202,7 @@ def combine(args: argparse.Namespace, runs: pathlib.Path) -> dict[str, Any]:
         seeds = sorted({r.get("seed", seed) for r in found} | {meta.get("seed", seed)})
         if seeds != [seed]:
             raise ValueError(f"{path}: its rows or meta are of seed(s) {seeds}, but the file is named for seed {seed}")
+        check_command(path, meta, args.speedup_args, OWN_FLAGS)
         found = [{**r, "seed": seed} for r in found]
         metas[seed] = meta
         sources.append((path, meta, found))
@@ -371,16 +374,16 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
     summary = summarise(rows, time=args.time)
     first = sources[0][1]
     meta = {
-        **{k: first.get(k) for k in AGREE_KEYS},
-        "dataset": first.get("dataset"), "questions": first.get("questions"), "eval": first.get("eval"),
-        "agree": f"every file combined agrees on {list(AGREE_KEYS)}, the questions per seed, the evaluation's "
-        f"problems and points, the rows' {list(ROW_AGREE_KEYS)}, the untrained model's accuracy (a model read from a "
-        "file) and, per seed, the training question ids",
+        **agreed_meta(first), "questions": first.get("questions"), "eval": first.get("eval"),
+        "agree": f"every file combined agrees on every trainer setting but {sorted(MAY_DIFFER)} (a setting a file "
+        "predates: its default), the Python and library versions, torch's threads, the questions per seed, the "
+        f"evaluation's problems and points, the rows' {list(ROW_AGREE_KEYS)}, the untrained model's accuracy (a model "
+        "read from a file) and, per seed, the training question ids; sources records where and when each ran",
         "sweep": {"out": str(out), "seeds": list(args.seeds), "arms": list(args.arms), **sweep_settings(args),
                   "missing": missing},
         "sources": [
             {"file": str(path), "seeds": sorted({r["seed"] for r in rows}),
-             "methods": sorted({method(r) for r in rows}), **{k: meta.get(k) for k in SOURCE_KEYS}}
+             "methods": sorted({method(r) for r in rows}), **{k: meta.get(k) for k in RECORDED_KEYS}}
             for path, meta, rows in sources
         ],
     }  # fmt: skip
@@ -438,10 +441,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         try:
             check_sweep_folder(args, out)
             units = plan_units(args)
+            check_finished_units(args, units, out)  # an edited preset or another environment would not pool
             print(f"sweep in {out}: {len(units)} units, {args.jobs or 2} at a time: {', '.join(u.name for u in units)}")
             failed = run_units(args, units, out)
         finally:
             lock.release()
+    if args.combine:  # the command line must be the sweep's, as a continued run's must
+        check_sweep_folder(args, out, record=False)
     data = combine_sweep(args, out)
     write_combined(data, out, args.name)
     if data["meta"]["sweep"]["missing"]:

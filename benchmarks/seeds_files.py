@@ -1,35 +1,66 @@
 """The result files the accuracy runs combine (``accuracy_seeds.py``): reading one, and what every file combined must
-agree on (the trainer settings, the questions per seed, the evaluation, each seed's question ids), refused in one line
-naming the file and the first mismatch."""
+agree on, refused in one line naming the file, the setting and both values.
+
+**What may differ, what must agree, what is only recorded.** The settings that may differ between the files and rows
+combined are an explicit allow-list (:data:`MAY_DIFFER`): what an arm or the sweep sets per unit
+(:data:`accuracy_arm.OWN_SETTINGS`: the pruning settings, ``seed``, ``question_seed``, ``num_steps``,
+``max_questions``, ``output_dir``, and what the arms set, e.g. the ``num_epochs``, ``filter_groups`` and ``greso`` of
+issue 30's arms; every setting an arm of :data:`accuracy_arm.ARMS` sets) and ``preset`` (the name the settings came
+from: the settings themselves are compared). EVERY other :class:`~cppo.config.TrainConfig` setting must agree
+(:data:`SETTING_KEYS`, derived from the dataclass, so that a setting added later is covered without an edit here),
+and so must the environment that computes (:data:`ENVIRONMENT_KEYS`: the Python version, every library version
+:func:`cppo.fileio.run_metadata` records, torch's threads), the questions per seed, the evaluation and the rows'
+:data:`ROW_AGREE_KEYS`. Where and when a file ran (:data:`RECORDED_KEYS`: date, git commit and whether the tree was
+dirty, the machine, the command line, the warm-up) is recorded per file, never compared: the committed sweep pools
+units of two commits and two machines by design, and its seconds compare only within a seed anyway.
+
+A key missing from a file written before its setting existed counts as that setting's default (a library missing
+from the record: not installed), as a checkpoint's settings do on resume (:meth:`TrainConfig.changes_from`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import accuracy_arm
+import speedup_args
 from seeds_report import method
 
+from cppo import TrainConfig, fileio
 from cppo.config import TINY_MODELS
 
 #: What the summary reads of every row.
 ROW_KEYS = ("pruning_rate", "selection_metric", "accuracy_after", "total_seconds", "train_seconds", "eval_problems")
-#: The trainer settings (in every result's ``meta``) that must agree between every file combined: the model, the
-#: data, sampling, the loss, the optimiser, the back-ends and the threads. They may differ by arm and seed only in
-#: the pruning settings, ``seed``, ``num_steps`` and ``max_questions`` (which ``meta.questions`` replaces).
-AGREE_KEYS = (
-    "model", "model_config", "dtype", "device", "dataset", "dataset_path", "system_prompt", "max_prompt_length",
-    "max_completion_length", "group_size", "temperature", "top_p", "questions_per_step", "micro_batch_tokens",
-    "prefix_sharing", "gradient_checkpointing", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
-    "lora_target_modules", "mu", "beta", "kl_estimator", "epsilon_low", "epsilon_high", "loss_agg", "lr",
-    "lr_schedule", "warmup_ratio", "weight_decay", "max_grad_norm", "num_epochs", "rewards", "rollout_backend",
-    "kernel_backend", "torch_threads",
-)  # fmt: skip
+#: The settings that may differ between the files combined: what an arm or the sweep sets per unit, and ``preset``.
+MAY_DIFFER = (
+    frozenset(accuracy_arm.OWN_SETTINGS)
+    | {key for arm in accuracy_arm.ARMS for key in accuracy_arm.arm_settings(arm)}
+    | {"preset"}
+)
+#: Every other trainer setting (in every result's ``meta``): these must agree between every file combined.
+SETTING_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in MAY_DIFFER)
+#: The environment that computes (``meta``, :func:`cppo.fileio.run_metadata`): must agree too.
+ENVIRONMENT_KEYS = ("python", *fileio.LIBRARIES, "torch_threads")
+#: Every ``meta`` key that must agree (a missing one: :func:`meta_value`).
+AGREE_KEYS = SETTING_KEYS + ENVIRONMENT_KEYS
+#: Where and when a file ran: recorded per file in the combined meta's ``sources``, not compared.
+RECORDED_KEYS = ("date", "git_commit", "git_dirty", "device_name", "cpu_count", "python_executable", "argv",
+                 "warmup_seconds")  # fmt: skip
 #: Besides :data:`AGREE_KEYS`: the questions per seed and the evaluation (``meta.questions``, ``meta.eval``'s
 #: problems and points), and in every row its questions, G, evaluated and distinct problems; for a model read from a
 #: file also the untrained model's accuracy (every seed starts from the same weights).
 ROW_AGREE_KEYS = ("questions", "group_size", "eval_problems", "eval_problems_scored")
+_DEFAULTS = TrainConfig().to_dict()
+
+
+def meta_value(meta: dict[str, Any], key: str) -> Any:
+    """``meta[key]``; missing, a setting's default (the file predates the setting), or None (an environment fact
+    not recorded: a library not installed)."""
+    return meta[key] if key in meta else _DEFAULTS.get(key)
 
 
 def read_result(path: pathlib.Path, what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -49,13 +80,14 @@ def read_result(path: pathlib.Path, what: str) -> tuple[dict[str, Any], list[dic
 
 
 def agreed_values(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What must agree (:data:`AGREE_KEYS`, :data:`ROW_AGREE_KEYS`) as one file holds it; ValueError when its rows
-    disagree among themselves on a row key."""
-    values = {k: meta.get(k) for k in AGREE_KEYS}
-    values["questions (per seed)"] = meta.get("questions")
-    values["eval problems"] = (meta.get("eval") or {}).get("problems")
-    values["eval points"] = (meta.get("eval") or {}).get("points")
-    keys = ROW_AGREE_KEYS + (() if meta.get("model") in TINY_MODELS else ("accuracy_before",))
+    """What must agree (:data:`AGREE_KEYS` as :func:`meta_value` reads them, :data:`ROW_AGREE_KEYS`) as one file
+    holds it; ValueError when its rows disagree among themselves on a row key."""
+    evaluation = meta.get("eval") or {}
+    if not isinstance(evaluation, dict):
+        raise ValueError(f"its meta.eval is {evaluation!r}, not an object (the evaluation's problems and points)")
+    values = {"questions (per seed)": meta.get("questions"), "eval problems": evaluation.get("problems"),
+              "eval points": evaluation.get("points"), **{k: meta_value(meta, k) for k in AGREE_KEYS}}  # fmt: skip
+    keys = ROW_AGREE_KEYS + (() if values["model"] in TINY_MODELS else ("accuracy_before",))
     for key in keys:
         found = sorted({json.dumps(r.get(key)) for r in rows})
         if len(found) > 1:
@@ -64,27 +96,72 @@ def agreed_values(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> dict[
     return values
 
 
+def _shown(meta: dict[str, Any], key: str, value: Any) -> str:
+    """``value`` as a refusal names it, saying when the file did not record it."""
+    if key in AGREE_KEYS and key not in meta:
+        return f"{value!r} (not recorded: {'the default' if key in SETTING_KEYS else 'none'})"
+    return repr(value)
+
+
 def check_agree(sources: Sequence[tuple[pathlib.Path, dict[str, Any], Sequence[dict[str, Any]]]]) -> None:
-    """Every ``(file, meta, rows)`` agrees with the first on :func:`agreed_values`, and every seed's rows (across
-    files) trained the same question ids; ValueError in one line naming the file and the first mismatch."""
-    first_path, reference = None, None
+    """Every ``(file, meta, rows)`` agrees with the first on :func:`agreed_values`, every row names its seed, and
+    every seed's rows (across files) trained the same question ids; ValueError in one line naming the file, the
+    first setting that differs and both values."""
+    first: tuple[pathlib.Path, dict[str, Any], dict[str, Any]] | None = None
     ids: dict[int, tuple[pathlib.Path, list[str]]] = {}
     for path, meta, rows in sources:
         try:
             values = agreed_values(meta, rows)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-        if reference is None:
-            first_path, reference = path, values
-        wrong = next((k for k in reference if values[k] != reference[k]), None)
+        first = first or (path, meta, values)
+        wrong = next((k for k in first[2] if values[k] != first[2][k]), None)
         if wrong is not None:
-            raise ValueError(
-                f"{path}: {wrong} is {values[wrong]!r}, but {reference[wrong]!r} in {first_path} (the runs would not "
-                "compare)"
-            )
+            ours, theirs = _shown(meta, wrong, values[wrong]), _shown(first[1], wrong, first[2][wrong])
+            raise ValueError(f"{path}: {wrong} is {ours}, but {theirs} in {first[0]} (the runs would not compare)")
         for r in rows:
-            seen = ids.setdefault(int(r["seed"]), (path, sorted(r.get("train_question_ids") or [])))
+            if not isinstance(r.get("seed"), int) or isinstance(r["seed"], bool):
+                raise ValueError(f"{path}: a row's seed is {r.get('seed')!r}, not an integer")
+            seen = ids.setdefault(r["seed"], (path, sorted(r.get("train_question_ids") or [])))
             if sorted(r.get("train_question_ids") or []) != seen[1]:
                 raise ValueError(
                     f"{path}: seed {r['seed']}'s {method(r)} trained other questions than the seed's rows in {seen[0]}"
                 )
+
+
+def agreed_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a combined file records of the settings every file agreed on (:data:`AGREE_KEYS`, missing ones as
+    :func:`meta_value` reads them), so that it can itself be combined later (``--with``)."""
+    return {k: meta_value(meta, k) for k in AGREE_KEYS}
+
+
+def _without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``argv`` less ``flags`` (and the value of those that take one) as speedup.py's parser reads them."""
+    actions, kept, skip = speedup_args._parser()._option_string_actions, [], False
+    for token in argv:
+        name = token.partition("=")[0]
+        if skip or name in flags:
+            skip = not skip and name in flags and "=" not in token and actions[name].nargs != 0
+            continue
+        kept.append(token)
+    return kept
+
+
+def check_command(path: pathlib.Path, meta: dict[str, Any], expected: Sequence[str], own: Sequence[str]) -> None:
+    """A per-seed file (``--from-runs``) ran the ``speedup.py`` arguments this command passes: its ``meta.argv`` and
+    ``expected``, less ``own`` (the flags the driver sets per seed), parse to the same settings
+    (:func:`speedup_args.parse_args`); ValueError naming the file, the setting and both values."""
+    argv = meta.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"{path}: its meta.argv is {argv!r}, not the speedup.py command line it ran")
+    try:
+        ran = vars(speedup_args.parse_args(_without(argv, own)))
+    except (SystemExit, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: its meta.argv {argv} is not a speedup.py command line ({e})") from None
+    wanted = vars(speedup_args.parse_args(list(expected)))
+    wrong = next((k for k in wanted if ran.get(k) != wanted[k]), None)
+    if wrong is not None:
+        raise ValueError(
+            f"{path}: it ran speedup.py with {wrong} {ran.get(wrong)!r}, but this command passes {wanted[wrong]!r} "
+            "(the arguments after --; default: DEFAULT_SPEEDUP_ARGS)"
+        )

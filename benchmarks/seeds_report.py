@@ -52,7 +52,10 @@ def method(row: dict[str, Any]) -> str:
                                                            else f" {scope}")  # fmt: skip
     name = f"{name} P={p:g}" + ("" if row.get("allocation", True) else " no allocation")
     name += f" {row['num_epochs']} epochs" if row.get("num_epochs") else ""
-    return name + "".join(f" + {k}" for k in ("filter_groups", "greso") if row.get(k))
+    name += "".join(f" + {k}" for k in ("filter_groups", "greso") if row.get(k))
+    if row.get("rollout_stop_rate"):  # issue 38: pruning while generating
+        name += f" + stop {row['rollout_stop_rate']:g} ({row.get('rollout_stop_scorer', 'learned')})"
+    return name
 
 
 def mean_interval(values: Sequence[float]) -> dict[str, Any]:

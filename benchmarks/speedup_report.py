@@ -35,7 +35,7 @@ TRAIN_PHASES = ("old_ref_logprobs", "policy_fwd_bwd", "optimizer")
 COUNTERS = ("tokens_trained", "tokens_forward", "completions", "completions_kept", "questions")
 #: Counters summed when every step reports them (issue 30: trained rows with A = 0, generation calls, GRESO's skips).
 OPTIONAL_COUNTERS = {"kept_zero_advantage": "kept_zero_advantage", "generation_calls": "generation_calls",
-                     "greso_questions_skipped": "greso/questions_skipped",
+                     "greso_questions_skipped": "greso/questions_skipped", "rollout_stopped": "rollout_stop/stopped",
                      # tokens per phase (issue 41): generation's prefill and decode, the training passes' prompt and
                      # completion positions
                      **{f"tokens_{k}": f"tokens/{k}" for k in ("generate_prompt", "generate_completion",
@@ -148,7 +148,14 @@ def accumulate(steps_metrics: Iterable[dict[str, float]], step_walls: Iterable[f
     counters |= {name: sum(int(round(float(m[key]))) for m, _ in steps) for name, key in OPTIONAL_COUNTERS.items()
                  if steps and all(key in m for m, _ in steps)}  # fmt: skip
     means = {k: sum(float(m.get(k, nan)) for m, _ in steps) / (len(steps) or nan) for k in ("reward_mean", "accuracy")}
-    return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means}
+    cpu = {phase: sum(float(m[key.replace("time/", "time/cpu/")]) for m, _ in steps)
+           for phase, key in PHASE_METRICS.items()
+           if steps and all(key.replace("time/", "time/cpu/") in m for m, _ in steps)}  # fmt: skip
+    extra = {"phase_cpu_seconds": cpu} if cpu else {}
+    for key in ("rollout_stop/auc", "rollout_stop/brier"):  # the quality head over the run, step by step
+        if steps and any(key in m for m, _ in steps):
+            extra[key.replace("/", "_")] = [m.get(key) for m, _ in steps]
+    return {"phase_seconds": phases, "total_seconds": sum(w for _, w in steps), **counters, **means, **extra}
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -209,9 +216,13 @@ def run_row(run: RateRun) -> dict[str, Any]:
         "questions_seen": sums["questions"], "questions_per_step": c.pruning.questions_drawn,
         "steps": sums.get("steps", c.num_steps), "planned_steps": c.num_steps or c.steps_for(c.max_questions or 1),
         "num_epochs": None if c.num_steps else c.num_epochs, "filter_groups": c.filter_groups, "greso": c.greso,
+        "rollout_stop_rate": c.rollout_stop_rate, "rollout_stop_at": c.rollout_stop_at,
+        "rollout_stop_scorer": c.rollout_stop_scorer,
         **{k: sums.get(k) for k in OPTIONAL_COUNTERS},
         "phase_seconds": phases, "total_seconds": total, "train_seconds": sum(phases[k] for k in TRAIN_PHASES),
         "setup_seconds": run.setup_seconds, "cpu_seconds": run.cpu_seconds,
+        "phase_cpu_seconds": sums.get("phase_cpu_seconds"),  # this process's CPU seconds per phase
+        **{k: sums[k] for k in ("rollout_stop_auc", "rollout_stop_brier") if k in sums},
         **{k: sums[k] for k in COUNTERS[:-1]},
         "speedup_train": None, "speedup_total": None, "ideal_speedup_train": 1.0 / (1.0 - p),
         "fraction_of_ideal": None, "speedup_total_cpu": None, "amdahl_speedup_total": None,

@@ -8,10 +8,11 @@ import argparse
 import dataclasses
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import accuracy_arm
-from seeds_files import read_result
+from seeds_files import AGREE_KEYS, ENVIRONMENT_KEYS, meta_value, read_result
 
 from cppo import fileio
 from cppo.run import RunLock, RunLocked
@@ -75,22 +76,77 @@ def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"unit_args": vars(args.base), "arms": {a: list(accuracy_arm.ARMS[a]) for a in args.arms}}
 
 
-def check_sweep_folder(args: argparse.Namespace, out: pathlib.Path) -> None:
-    """Records the sweep's settings in ``OUT/sweep.json``, or checks them against the ones there: ValueError naming
-    what differs (a continued sweep must run what it started with; new seeds and arms are fine)."""
+def read_sweep_file(path: pathlib.Path) -> dict[str, Any]:
+    """``OUT/sweep.json`` as :func:`sweep_settings` wrote it; ValueError naming the file when it is absent, empty or
+    not such an object."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("unit_args"), dict):
+            raise TypeError("not an object with unit_args (the settings after --)")
+        arms = data.get("arms")
+        if not isinstance(arms, dict) or not all(isinstance(v, list) for v in arms.values()):
+            raise TypeError("its arms are not an object of arm -> its --set overrides")
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a sweep's settings file ({type(e).__name__}: {e})") from None
+    return data
+
+
+def _flags() -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings after ``--`` (:func:`accuracy_arm.add_base_args`): their defaults and their flags by name."""
+    ap = argparse.ArgumentParser()
+    accuracy_arm.add_base_args(ap)
+    flags = {a.dest: a.option_strings[0] for a in ap._actions if a.option_strings and a.dest != "help"}
+    return vars(ap.parse_args([])), flags
+
+
+def check_sweep_folder(args: argparse.Namespace, out: pathlib.Path, *, record: bool = True) -> None:
+    """Checks the command's sweep settings (:func:`sweep_settings`) against the ones in ``OUT/sweep.json``: ValueError
+    in one line naming the file, the setting and both values (a continued sweep must run, and ``--combine`` combine,
+    what it started with; new seeds and arms are fine; a setting the file predates counts as its default). With
+    ``record`` (a run) the file is written (first run) or updated with new arms; without (``--combine``), a folder
+    without one is refused."""
     path, settings = out / "sweep.json", sweep_settings(args)
     if not path.is_file():
+        if not record:
+            raise ValueError(f"{path} is missing: --combine combines the units of a sweep's folder (its --out)")
         fileio.write_json(path, settings)
         return
-    former = json.loads(path.read_text())
-    if former["unit_args"] != settings["unit_args"]:
-        raise ValueError(
-            f"{path}: this folder's sweep ran with the settings {former['unit_args']}, not {settings['unit_args']}: "
-            "use another --out"
-        )
-    changed = sorted(a for a in settings["arms"] if a in former["arms"] and former["arms"][a] != settings["arms"][a])
-    if changed:
-        raise ValueError(
-            f"{path}: the arms {changed} were defined otherwise when this sweep started: use another --out"
-        )
-    fileio.write_json(path, {**settings, "arms": {**former["arms"], **settings["arms"]}})
+    former, (defaults, flags) = read_sweep_file(path), _flags()
+    advice = "use another --out" if record else "combine with the settings it ran with"
+    for key in sorted(settings["unit_args"].keys() | former["unit_args"].keys()):
+        was, now = former["unit_args"].get(key, defaults.get(key)), settings["unit_args"].get(key)
+        if was != now:
+            flag = flags.get(key, "no longer a flag")
+            raise ValueError(
+                f"{path}: this folder's sweep ran with {key} {was!r} ({flag}), this command {now!r}: {advice}"
+            )
+    for arm in sorted(settings["arms"].keys() & former["arms"].keys()):
+        if former["arms"][arm] != settings["arms"][arm]:
+            raise ValueError(
+                f"{path}: the arm {arm} was {former['arms'][arm]} when this sweep started, it is "
+                f"{settings['arms'][arm]} now: {advice}"
+            )
+    if record:
+        fileio.write_json(path, {**settings, "arms": {**former["arms"], **settings["arms"]}})
+
+
+def check_finished_units(args: argparse.Namespace, units: Sequence[Unit], out: pathlib.Path) -> None:
+    """Before a continued sweep runs anything: every finished arm agrees with what this command would run now on
+    every setting that must agree (:data:`seeds_files.AGREE_KEYS`: the settings its ``--config`` and ``--set``
+    resolve to, which an edited preset changes, and this environment's Python and library versions, one torch thread
+    a unit), else the new units could never be combined with it; ValueError naming its result, the setting and both
+    values."""
+    env = fileio.run_metadata(argv=[])
+    env = {**{k: env.get(k) for k in ENVIRONMENT_KEYS}, "torch_threads": 1}  # each unit runs --threads 1
+    for unit in units:
+        if unit.arm is None or not finished(unit, out):
+            continue
+        meta, _ = read_result(unit.result(out), "a unit's result")
+        now = {**accuracy_arm.arm_config(args.base, unit.arm, unit.seed).to_dict(), **env}
+        wrong = next((k for k in AGREE_KEYS if meta_value(meta, k) != now[k]), None)
+        if wrong is not None:
+            raise ValueError(
+                f"{unit.result(out)}: {wrong} is {meta_value(meta, wrong)!r}, but this command would run "
+                f"{now[wrong]!r}: new units would not combine with it (use another --out, or the settings and "
+                "environment the sweep ran with)"
+            )

@@ -34,7 +34,8 @@ MAXED = frozenset({"step", "reward_mean", "reward_std", "grad_norm", "lr", "skip
 
 
 class PhaseTimer:
-    """Accumulates wall seconds per phase (synchronising CUDA so GPU work lands in the right phase)."""
+    """Accumulates wall seconds per phase (synchronising CUDA so GPU work lands in the right phase), and this
+    process's CPU seconds per phase under ``cpu/<phase>`` (every thread's: robust to a neighbour's load)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.seconds = device, {}
@@ -43,11 +44,12 @@ class PhaseTimer:
     def __call__(self, phase: str):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        self.seconds[f"cpu/{phase}"] = self.seconds.get(f"cpu/{phase}", 0.0) + time.process_time() - cpu
 
 
 def metric_reduction(name: str) -> str:

@@ -87,6 +87,7 @@ def _write_pair(out):
             folder = out / "units" / f"seed{seed}-{arm}"
             folder.mkdir(parents=True)
             fileio.write_json(folder / "result.json", {"meta": {**META, "questions": 32}, "rows": [row]})
+    accuracy_seeds.check_sweep_folder(_args(out), out)  # its sweep.json, as the run wrote it
 
 
 def test_the_combined_report_gives_the_pairs_counts_difference_and_time_ratio(tmp_path, capsys):

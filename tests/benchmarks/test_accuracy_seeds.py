@@ -128,11 +128,12 @@ def test_seed_commands_set_seed_threads_schedule_and_names(tmp_path):
 def test_from_runs_combines_the_seed_files(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
+    args = accuracy_seeds.parse_args([])
     for seed in ACC:
         rows = [r for r in _rows() if r["seed"] == seed]
-        fileio.write_json(
-            runs / f"accuracy-smollm2-seed{seed}.json", {"meta": {"model": "m", "seed": seed}, "rows": rows}
-        )
+        argv = accuracy_seeds.seed_command(args, seed, runs)[2:]  # the command line speedup.py records
+        meta = {"model": "m", "seed": seed, "argv": argv}
+        fileio.write_json(runs / f"accuracy-smollm2-seed{seed}.json", {"meta": meta, "rows": rows})
     out = tmp_path / "out"
     data = accuracy_seeds.main(["--from-runs", str(runs), "--out", str(out)])
     written = json.loads((out / "accuracy-smollm2-seeds.json").read_text())

@@ -35,7 +35,9 @@ ISSUE30_KEYS = {"planned_steps", "num_epochs", "filter_groups", "greso", "kept_z
                 "greso_questions_skipped"}  # fmt: skip
 #: Issue 41's columns: tokens per phase and every evaluation's per-problem records.
 ISSUE41_KEYS = {"tokens_generate_prompt", "tokens_generate_completion", "tokens_train_prompt",
-                "tokens_train_completion", "eval_per_problem"}  # fmt: skip
+                "tokens_train_completion", "eval_per_problem", "phase_cpu_seconds"}  # fmt: skip
+#: Issue 38's columns: the pruning-while-generating settings of the row.
+ISSUE38_KEYS = {"rollout_stop_rate", "rollout_stop_at", "rollout_stop_scorer", "rollout_stopped"}
 
 
 def _ids(seed):
@@ -210,7 +212,9 @@ def test_a_changed_sweep_is_refused_and_new_arms_are_added(tmp_path):
     accuracy_seeds.check_sweep_folder(_sweep_args(out, arms=["grpo", "control"]), out)
     assert set(json.loads((out / "sweep.json").read_text())["arms"]) == {"grpo", "control"}
     other = accuracy_seeds.parse_args(["--arms", "grpo", "--out", str(out), "--", *PRESET, "--eval", "100"])
-    with pytest.raises(ValueError, match="sweep.json: this folder's sweep ran with the settings"):
+    with pytest.raises(
+        ValueError, match="sweep.json: this folder's sweep ran with eval 300 \\(--eval\\), this command 100"
+    ):
         accuracy_seeds.check_sweep_folder(other, out)
 
 
@@ -219,6 +223,7 @@ def _summary_inputs(tmp_path):
     for seed, accs in SWEEP.items():
         for arm, acc in zip(ARMS5, accs):
             _write_unit(out, seed, arm, acc)
+    accuracy_seeds.check_sweep_folder(_sweep_args(out), out)  # its sweep.json, as the run wrote it
     return out, _former(tmp_path)
 
 
@@ -272,6 +277,7 @@ def test_arms_combined_without_grpo_or_pooled_cppo_are_refused_naming_what_is_mi
     out = tmp_path / "sweep"
     for seed in (42, 43):
         _write_unit(out, seed, "cppo-group", 0.4)
+    accuracy_seeds.check_sweep_folder(_sweep_args(out, arms=["cppo-group"]), out)
     with pytest.raises(ValueError, match=r"need GRPO and a pooled CPPO row with allocation .*--with file"):
         accuracy_seeds.main(_argv(_sweep_args(out, "--combine", seeds=[42, 43], arms=["cppo-group"])))
 
@@ -318,8 +324,10 @@ def test_a_seed_and_method_in_both_is_refused(tmp_path):
 
 def _seed_files(runs, **per_seed):
     runs.mkdir(exist_ok=True)
+    args = accuracy_seeds.parse_args(["--seeds", "42", "43", "44"])
     for seed in (42, 43, 44):
         meta, rows = dict(META, seed=seed), [_row(seed, a, 0.4, 100.0) for a in ("grpo", "cppo-pooled")]
+        meta["argv"] = accuracy_seeds.seed_command(args, seed, runs)[2:]  # what speedup.py records of its command
         meta.update(per_seed.get(f"meta{seed}", {}))
         rows = [{**r, **per_seed.get(f"row{seed}", {})} for r in rows]
         fileio.write_json(runs / f"accuracy-smollm2-seed{seed}.json", {"meta": meta, "rows": rows})
@@ -384,7 +392,7 @@ def test_a_real_tiny_unit_writes_a_row_with_the_committed_schema(tmp_path):
         torch.set_num_threads(threads)  # the unit runs one thread; the test process keeps its own
     (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
     committed = json.loads(COMMITTED.read_text())["rows"][0]
-    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS | ISSUE41_KEYS
+    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS | ISSUE41_KEYS | ISSUE38_KEYS
     assert row == json.loads(json.dumps(result["rows"][0]))
     # per-problem records of both evaluations (before: the --before-only unit's, carried; after), in problem order
     (first, last) = row["eval_per_problem"]
@@ -396,7 +404,8 @@ def test_a_real_tiny_unit_writes_a_row_with_the_committed_schema(tmp_path):
     # tokens per phase: the training passes' split adds up to tokens_forward; generation decoded what it kept
     assert row["tokens_train_prompt"] + row["tokens_train_completion"] == row["tokens_forward"]
     assert 0 < row["tokens_generate_completion"] <= 4 * row["completions"] and row["tokens_generate_prompt"] > 0
-    assert row["cpu_seconds"] > 0
+    assert row["cpu_seconds"] > 0 and row["phase_cpu_seconds"]["generation"] > 0
+    assert set(row["phase_cpu_seconds"]) == set(row["phase_seconds"]) - {"other"}
     assert (row["arm"], row["seed"], row["steps"], row["questions"]) == ("cppo-pooled", 3, 1, 4)
     assert row["accuracy_curve"][0] == [0.0, 0, before["point"]["correct"] / 3] and row["accuracy_curve"][1][1] == 1
     assert row["speedup_total"] is None  # filled against the seed's GRPO row when the sweep is combined
