@@ -16,13 +16,17 @@ refuses it, in one line naming its class, when its log-probs are not those of th
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
 from .models import decoder, lm_head
 
-__all__ = ["LogitTransform", "logit_transform", "check_logit_transform", "CAP_NAMES", "PROBE_TOKENS"]
+__all__ = [
+    "LogitTransform", "logit_transform", "config_logit_transform", "check_logit_transform", "CAP_NAMES", "PROBE_TOKENS"
+]  # fmt: skip
 
 #: The config fields that name the final tanh cap, the first one set counts.
 CAP_NAMES = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
@@ -41,22 +45,40 @@ class LogitTransform(NamedTuple):
 
 
 def logit_transform(model) -> LogitTransform:
-    """The scale and cap of ``model``'s logits from its (text) config, TRL's reading: ``final_logit_softcapping``
-    (else RecurrentGemma's ``logits_soft_cap`` or xLSTM's ``output_logit_soft_cap``);
+    """The scale and cap of ``model``'s logits: :func:`config_logit_transform` of its config, errors naming its
+    class."""
+    return config_logit_transform(model.config, type(model).__name__)
+
+
+def config_logit_transform(config, owner: str) -> LogitTransform:
+    """The scale and cap of the logits of a model with ``config`` (its text config), TRL's reading:
+    ``final_logit_softcapping`` (else RecurrentGemma's ``logits_soft_cap`` or xLSTM's ``output_logit_soft_cap``);
     the first set of ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, and ``1 / logits_scaling``
-    (``logits_scaling`` itself for HyperCLOVA X); 1.0 and no cap when none is set."""
-    config = model.config
+    (``logits_scaling`` itself for HyperCLOVA X); 1.0 and no cap when none is set. Every field read must be a finite
+    number > 0 (a scale of 0, a cap of 0, ``logits_scaling=0``: a one-line ``ValueError`` naming ``owner``, the
+    model's class, and the field, before any arithmetic on it)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = next((c for c in (getattr(text, name, None) for name in CAP_NAMES) if c is not None), None)
-    scale = None
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        scale = getattr(text, name, None)
-        if scale is not None:
-            break
-    scaling = getattr(text, "logits_scaling", None)
-    if scale is None and scaling is not None:
-        scale = scaling if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / scaling
-    return LogitTransform(1.0 if scale is None else float(scale), None if cap is None else float(cap))
+
+    def first(names: tuple[str, ...]) -> float | None:
+        name = next((n for n in names if getattr(text, n, None) is not None), None)
+        return None if name is None else _positive(owner, name, getattr(text, name))
+
+    cap = first(CAP_NAMES)
+    scale = first(("logit_scale", "output_multiplier", "lm_head_multiplier"))
+    scaling = first(("logits_scaling",)) if scale is None else None
+    if scaling is not None:
+        inverse = getattr(text, "model_type", None) != "hyperclovax"
+        scale = _positive(owner, "1 / logits_scaling", 1.0 / scaling) if inverse else scaling
+    return LogitTransform(1.0 if scale is None else scale, cap)
+
+
+def _positive(owner: str, field: str, value) -> float:
+    """``value`` (the config's ``field``) as a float when it is a finite real number > 0, else a one-line
+    ``ValueError`` naming ``owner`` (the model's class) and the field."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < float(value) < math.inf
+    if not ok:
+        raise ValueError(f"{owner}: its config's {field} is {value!r}; the fused head needs a finite number > 0")
+    return float(value)
 
 
 def _transformed(hidden: torch.Tensor, weight: torch.Tensor, bias, t: LogitTransform) -> torch.Tensor:
@@ -77,9 +99,6 @@ def check_logit_transform(model, *, hidden_forward=None) -> LogitTransform:
     model's class."""
     t = logit_transform(model)
     name = type(model).__name__
-    for field, value in zip(t._fields, t):
-        if value is not None and not (value > 0 and value != float("inf")):
-            raise ValueError(f"{name}: its config's logit {field} is {value}; the fused head needs a finite value > 0")
     weight, bias = lm_head(model)
     ids = (torch.arange(PROBE_TOKENS, device=weight.device) % weight.shape[0]).unsqueeze(0)  # [1, P]
     if hidden_forward is None:

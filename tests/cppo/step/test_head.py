@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cppo.step import LogitTransform, check_logit_transform, completion_hidden, lm_head, logit_transform
+from cppo.step.head import CAP_NAMES
 from cppo_kernels import fused_logprobs
 
 #: The families issue 26 names: each must build and run fused, never be refused.
@@ -176,8 +177,37 @@ def test_a_non_positive_transform_is_refused_in_one_line():
     config = LlamaConfig(**{k: v for k, v in TINY.items() if k in ("vocab_size", "hidden_size", *ALWAYS)})
     model = LlamaForCausalLM(config)
     model.config.logit_scale = 0.0
-    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: its config's logit logit_scale is 0.0; .*> 0$"):
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: its config's logit_scale is 0.0; .*> 0$"):
         check_logit_transform(model)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -4.0, float("nan"), float("inf"), 5e-324])
+def test_granite_logits_scaling_that_is_no_positive_number_is_refused_in_one_line(value):
+    """Issue 40: Granite's ``logits_scaling=0`` (its scale is ``1 / logits_scaling``) raised a raw
+    ``ZeroDivisionError``; every field the transform reads is checked before any arithmetic on it (5e-324: its
+    inverse overflows to inf)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(**{k: v for k, v in TINY.items() if k in ("vocab_size", "hidden_size", *ALWAYS)})
+    model = GraniteForCausalLM(config)
+    model.config.logits_scaling = value
+    with pytest.raises(ValueError, match=r"^GraniteForCausalLM: its config's (1 / )?logits_scaling is .*> 0$") as err:
+        check_logit_transform(model)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="logits_scaling"):
+        logit_transform(model)
+
+
+@pytest.mark.parametrize(
+    "field", ["logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling", *CAP_NAMES]
+)
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("-inf"), "2.0", True])
+def test_every_transform_field_read_is_checked(field, value):
+    """Each config field :func:`logit_transform` reads, whatever the family: a value that is not a finite number > 0
+    is refused naming the field."""
+    model = types.SimpleNamespace(config=types.SimpleNamespace(**{field: value}))
+    with pytest.raises(ValueError, match=rf"^SimpleNamespace: its config's {field} is .*> 0$"):
+        logit_transform(model)
 
 
 def test_a_head_that_does_something_else_is_refused():
