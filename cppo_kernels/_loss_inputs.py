@@ -52,6 +52,12 @@ class Checks:
         if x.numel():
             self.add(~torch.isfinite(x).all(), lambda: f"{name} must be finite (found NaN or inf)")
 
+    def finite_lse(self, lse: Tensor, logits: Tensor, temperature: float) -> None:
+        """The log-sum-exp ``lse [N]`` of the counted rows of ``logits / temperature`` is finite; the message names
+        the cause: NaN or inf in ``logits``, or a quotient by the temperature beyond float32."""
+        if lse.numel():
+            self.add(~torch.isfinite(lse).all(), lambda: _lse_message(logits, temperature))
+
     def in_range(self, targets: Tensor, vocab: int) -> None:
         """Targets in ``[0, vocab)``."""
         if targets.numel():
@@ -70,6 +76,13 @@ class Checks:
             if flag:
                 raise ValueError(message())
         self._items.clear()
+
+
+def _lse_message(logits: Tensor, temperature: float) -> str:
+    finite = not bool((torch.isnan(logits) | torch.isposinf(logits)).any())  # -inf: a masked logit
+    if finite and temperature != 1.0 and bool((torch.isinf(logits.float() / temperature) & logits.isfinite()).any()):
+        return f"logits / temperature overflows float32 (temperature={temperature!r}): give a larger temperature"
+    return "logits must be finite (found NaN or inf)"
 
 
 def check_head(hidden: Tensor, weight, bias) -> None:
@@ -300,8 +313,32 @@ def logit_factors(temperature: float, logit_scale: float = 1.0, softcap: float |
     return LogitFactors(logit_scale / softcap, softcap * inv_t, logit_scale * inv_t)
 
 
-def check_logit_transform(logit_scale, logit_softcap) -> tuple[float, float | None]:
-    """``(logit_scale, logit_softcap)`` as floats: each finite and > 0 (the cap may be None), else a ``ValueError``."""
+#: float32's largest finite value: the backends hold the factors of :class:`LogitFactors` in fp32.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class HeadTransform(NamedTuple):
+    """The head's transform, checked: the keywords ``logit_scale`` / ``logit_softcap`` of the loss ops."""
+
+    logit_scale: float
+    logit_softcap: float | None
+
+
+def check_logit_transform(logit_scale, logit_softcap, temperature=1.0) -> HeadTransform:
+    """``(logit_scale, logit_softcap)`` as floats: each finite and > 0 (the cap may be None), and with ``temperature``
+    (finite, > 0) every factor of :func:`logit_factors` (``logit_scale / temperature``; with a cap ``logit_scale /
+    logit_softcap`` and ``logit_softcap / temperature``) at most float32's largest value, else a one-line
+    ``ValueError`` naming the arguments (a factor beyond it cannot be applied in fp32: ``temperature=1e-39``)."""
     scale = check_float("logit_scale", logit_scale, low=0.0, low_open=True)
     cap = None if logit_softcap is None else check_float("logit_softcap", logit_softcap, low=0.0, low_open=True)
-    return scale, cap
+    temp = check_float("temperature", temperature, low=0.0, low_open=True)
+    factors = {"logit_scale / temperature": scale / temp}
+    if cap is not None:
+        factors.update({"logit_scale / logit_softcap": scale / cap, "logit_softcap / temperature": cap / temp})
+    for name, value in factors.items():
+        if not value <= FP32_MAX:
+            raise ValueError(
+                f"{name} must be at most float32's {FP32_MAX:.4g}, got {value:.4g} (temperature={temp!r}, "
+                f"logit_scale={scale!r}, logit_softcap={cap!r}): the logits' factor must be a float32"
+            )
+    return HeadTransform(scale, cap)

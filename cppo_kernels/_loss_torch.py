@@ -24,7 +24,10 @@ allocation.
   ``dweight += Q^T @ (h * -g / temperature)``: 3 matmuls in all, against 4 for the two passes; the two gradient
   matmuls on the chunk's real tokens only (not its zero-padded tail: one short row costs a fraction of a chunk).
 - Backward (two-pass): ``[BWD_TOKENS, BWD_VOCAB]`` blocks, so all three matmuls are large: recompute the logits,
-  ``Q = exp(z - lse) - onehot`` in place, ``dhidden += Q @ W_b`` and ``dweight_b += Q^T @ (-g * h)``.
+  ``Q = exp(min(z - lse, 0)) - onehot`` in place, ``dhidden += Q @ W_b`` and ``dweight_b += Q^T @ (-g * h)``.
+  The forward's ``lse`` is ``max + log sum exp(z - max)``, never below the row's largest logit; the ``min`` keeps
+  each recomputed probability at most 1 where this block's GEMM rounds a logit above the forward's (at a logit
+  scale of 1e10 one ulp of a logit is 1e3 nats: ``exp`` would overflow and the gradients turn NaN).
   The upstream gradient ``g`` scales the small ``[tokens, H]`` operands, never the ``[tokens, V]`` block;
   ``dweight`` is read and written once per token block instead of once per small chunk.
 """
@@ -266,11 +269,13 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
             grads.keep_slope(z)
         zc = z[:n]  # [n, V]
         tgt = targets[start:stop].long().unsqueeze(1)  # [n, 1]
-        picked = zc.gather(1, tgt).squeeze(1)  # [n]
+        top, at = zc.max(1, keepdim=True)  # [n, 1] each row's largest logit and its column
         torch.log_softmax(zc, 1, out=zc)  # in place, row-local max / sum-exp / write
         logp_c = zc.gather(1, tgt).squeeze(1)  # [n]
         logp[start:stop] = logp_c
-        lse[start:stop] = picked - logp_c
+        # lse = max + log sum exp(z - max), from the log-softmax at the max (-log sum <= 0): never below the
+        # largest logit, so the backward's exp(z - lse) cannot overflow; picked - logp would cancel at large logits
+        lse[start:stop] = (top - zc.gather(1, at)).squeeze(1)
         if entropy is not None:
             entropy[start:stop] = _entropy(zc, scratch)
         if grads is not None:
@@ -335,7 +340,7 @@ def logprobs_fwd_grads(
 def _softmax_minus_onehot(q: Tensor, lse: Tensor, targets: Tensor, v0: int) -> None:
     """In place: the logits block ``q [n, Vb]`` (vocab columns ``v0 ...``) becomes ``softmax - onehot(target)``, so
     that ``dz = -g q / temperature``; a scatter, not ``nonzero()``: no device sync."""
-    q.sub_(lse).exp_()  # [n, Vb] softmax (lse: [n, 1])
+    q.sub_(lse).clamp_max_(0.0).exp_()  # [n, Vb] softmax (lse: [n, 1]), at most 1 (module docstring: Backward)
     width = q.shape[1]
     col = (targets - v0).clamp_(0, width - 1).unsqueeze(1)  # [n, 1]
     at = q.gather(1, col)  # [n, 1]
@@ -349,9 +354,11 @@ def _entropy_block(
     """In place: the logits block ``q [n, Vb]`` becomes ``g (p - onehot) + g_ent p (log p + H)`` (``-dz``), with
     ``p`` the softmax (in the scratch ``p``), ``g [n]`` / ``g_ent [n, 1]`` the upstream gradients of the log-prob
     and of the entropy ``ent [n, 1]``."""
-    q.sub_(lse)  # [n, Vb] log p
+    q.sub_(lse).clamp_max_(0.0)  # [n, Vb] log p, at most 0 (module docstring: Backward)
     torch.exp(q, out=p)
-    q.add_(ent).mul_(g_ent).add_(g.unsqueeze(1)).mul_(p)
+    # p (log p + H) first: at most 1 + H, and 0 where p underflows (log p of -1e10 at a logit scale of 1e10, times
+    # a large g_ent, would overflow before its product with p = 0: inf * 0 = NaN)
+    q.add_(ent).mul_(p).mul_(g_ent).addcmul_(p, g.unsqueeze(1))
     width = q.shape[1]
     col = (targets - v0).clamp(0, width - 1).unsqueeze(1)  # [n, 1]
     at = q.gather(1, col)  # [n, 1]

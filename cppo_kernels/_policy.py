@@ -428,7 +428,7 @@ def policy_loss(
     )  # fmt: skip
     per_token, ratio, kl, phi, ent_mask = policy_terms(logp, batch, cfg, entropy, entropy_threshold_fn)
     loss = aggregate(per_token, batch, cfg)
-    out = metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi, ent_mask=ent_mask)
+    out = metrics(logp, ratio, batch, kl, entropy, cfg, policy=loss, phi=phi, ent_mask=ent_mask)
     if cfg.entropy_coef != 0.0:
         loss = loss - entropy_bonus(entropy, ent_mask, cfg)
     return loss, out
@@ -438,7 +438,7 @@ def policy_loss(
 def metrics(
     logp: Tensor,
     ratio: Tensor,
-    adv: Tensor,
+    batch: Batch,
     kl: Tensor | None,
     entropy: Tensor | None,
     cfg: LossConfig,
@@ -451,13 +451,15 @@ def metrics(
     ``use_bias_correction_kl``), the fractions of tokens whose ratio is clipped below (``A < 0``) and above
     (``A > 0``), ``ratio_mean/min/max`` (1 when there are no tokens), ``num_tokens``, ``policy_loss`` (the loss
     without the entropy bonus), the mean ``entropy`` when the loss computes it, ``cispo_clip_fraction`` (ratio
-    above ``epsilon_high`` with ``A > 0``) for CISPO, ``vespo_phi_mean`` (mean over sequences) for VESPO, and
+    above ``epsilon_high`` with ``A > 0``) for CISPO, ``vespo_phi_mean`` (mean over sequences) for VESPO; with
+    ``importance_sampling="sequence"`` the same clip fractions over the sequences of ``batch`` (one ratio each, an
+    empty sequence's ``exp(0) = 1``): ``seq_clip_fraction_low`` / ``_high`` and for CISPO ``seq_cispo_clip_fraction``;
     with the entropy mask ``ent_mask`` (``top_entropy_quantile < 1``) the fraction of tokens it keeps,
     ``entropy_mask_fraction``, and their mean entropy, ``entropy_masked_mean`` (0 without such tokens: what the
     entropy bonus rewards, and TRL's adaptive entropy controller measures)."""
     num_tokens = logp.numel()
     denom = max(num_tokens, 1)
-    r = ratio.detach()  # [T]
+    r, adv = ratio.detach(), batch.adv  # [T]
     out = {
         "kl": (kl.detach().sum() / denom) if kl is not None else logp.new_zeros(()),
         "clip_fraction_low": ((r < 1.0 - cfg.epsilon_low) & (adv < 0)).sum() / denom,
@@ -474,6 +476,13 @@ def metrics(
         out["cispo_clip_fraction"] = ((r > cfg.eps_high) & (adv > 0)).sum() / denom
     if phi is not None:  # [S]
         out["vespo_phi_mean"] = phi.sum() / max(phi.numel(), 1)
+    if cfg.importance_sampling == "sequence":  # each sequence's one ratio (its tokens all carry it)
+        seq_r = torch.ones(batch.num_seqs, dtype=r.dtype, device=r.device).scatter(0, batch.seq_of, r)  # [S]
+        seq_adv, seqs = batch.seq_adv, max(batch.num_seqs, 1)
+        out["seq_clip_fraction_low"] = ((seq_r < 1.0 - cfg.epsilon_low) & (seq_adv < 0)).sum() / seqs
+        out["seq_clip_fraction_high"] = ((seq_r > 1.0 + cfg.eps_high) & (seq_adv > 0)).sum() / seqs
+        if cfg.surrogate == "cispo":
+            out["seq_cispo_clip_fraction"] = ((seq_r > cfg.eps_high) & (seq_adv > 0)).sum() / seqs
     if ent_mask is not None:  # [T]
         kept = ent_mask.sum()
         out["entropy_mask_fraction"] = kept / denom

@@ -187,9 +187,9 @@ def fused_cppo_loss(
         ``A < 0`` / above with ``A > 0``), ``ratio_mean``, ``ratio_min``, ``ratio_max`` (1 without tokens),
         ``num_tokens``, ``policy_loss`` (the loss without the entropy bonus), ``entropy`` (mean) when the loss
         computes it (``compute_entropy``, ``top_entropy_quantile``, ``entropy_coef``), ``cispo_clip_fraction``
-        with CISPO, ``vespo_phi_mean`` with VESPO, and with ``top_entropy_quantile < 1`` the fraction of tokens the
-        entropy mask keeps (``entropy_mask_fraction``) and their mean entropy (``entropy_masked_mean``). Empty
-        sequences and empty batches give 0, never NaN.
+        with CISPO, ``vespo_phi_mean`` with VESPO, ``seq_`` + the clip fractions per sequence (sequence-level ratios),
+        with ``top_entropy_quantile < 1`` the entropy mask's share of tokens (``entropy_mask_fraction``) and their
+        mean entropy (``entropy_masked_mean``). Empty sequences and empty batches give 0, never NaN.
     """
     cfg = loss_config(
         config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
@@ -203,7 +203,7 @@ def fused_cppo_loss(
     )  # fmt: skip
     check_mode(mode, cfg)
     check_threshold_fn(entropy_threshold_fn, cfg)
-    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
+    head = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)._asdict()
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
         if entropy_threshold_fn is not None:
             raise ValueError(
@@ -254,7 +254,7 @@ def eager_loss(
             sampling_logprobs=p.sampling_logprobs,
         )  # fmt: skip
         loss, logp, ratio, kl, entropy, phi = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
-        return loss, metrics(logp, ratio, batch.adv, kl, entropy, cfg, policy=loss, phi=phi)
+        return loss, metrics(logp, ratio, batch, kl, entropy, cfg, policy=loss, phi=phi)
     entropy_grad = cfg.entropy_coef != 0.0 and wants_grad(h, *head)
     logp, entropy = FusedLogProbs.apply(
         h, *head, tgt, cfg.temperature, cfg.needs_entropy, backend, transform, entropy_grad
@@ -289,7 +289,7 @@ def fused_logprobs(
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
-    head = dict(zip(("logit_scale", "logit_softcap"), check_logit_transform(logit_scale, logit_softcap)))
+    head = check_logit_transform(logit_scale, logit_softcap, temperature)._asdict()
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
         return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                  compute_entropy=compute_entropy, **head)  # fmt: skip
@@ -309,7 +309,7 @@ def eager_logprobs(
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
     cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
-    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap)
+    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
     check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
     targets = check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
@@ -412,7 +412,7 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
     if cfg.temperature != 1.0:
         z = z / cfg.temperature
     lse = torch.logsumexp(z, dim=-1)  # [N]
-    checks.finite("logits", (lse if p.flat is None else lse[p.flat]).detach())
+    checks.finite_lse((lse if p.flat is None else lse[p.flat]).detach(), p.x, cfg.temperature)
     checks.raise_first()
     # Targets at padding (any value) are clamped into range; their rows are dropped below.
     targets = p.targets if p.flat is None else p.targets.clamp(0, vocab - 1)
@@ -460,9 +460,9 @@ class FusedCPPOLoss(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.config = loss_config(config, **options)
+        cfg = self.config = loss_config(config, **options)
         self.mode = check_choice("mode", mode, MODES)
-        self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap)
+        self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
 
     def forward(
         self,

@@ -337,7 +337,7 @@ def policy_loss(
         if cut is None:
             cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
         ent_flag = (entropy.detach().double() >= cut).to(logp.dtype)
-    terms, seq_terms, ratios, kls, phis = [logp[:0]], [], [], [], []
+    terms, seq_terms, ratios, kls, phis, seq_ratios = [logp[:0]], [], [], [], [], []
     clipped_low = clipped_high = cispo_clipped = 0
     for s in range(num_seqs):
         rows = slice(bounds[s], bounds[s + 1])
@@ -348,14 +348,15 @@ def policy_loss(
         if importance_weights is not None:
             weights = importance_weights[s].expand(lp.shape) if weights_per_seq else importance_weights[rows]
             weights = weights.detach().to(lp.dtype)
-        log_is = 0.0
-        if weights is not None:
-            logs = torch.clamp(torch.log(weights), math.log(1e-8), LOG_RATIO_BOUND)
-            log_is = float(logs[0]) if weights_per_seq and lp.numel() else float(logs.sum())
+        log_is = 0.0  # VESPO: the sum of the sequence's clamped log importance weights (its one weight per sequence,
+        if importance_weights is not None:  # an empty sequence's too, as TRL's (B, 1) ratio of an all-masked row)
+            own = (importance_weights[s : s + 1] if weights_per_seq else importance_weights[rows]).detach()
+            log_is = float(torch.clamp(torch.log(own.to(lp.dtype)), math.log(1e-8), LOG_RATIO_BOUND).sum())
         base = (lp if old is None else old).detach().to(lp.dtype)
         phi = _gamma_weight(lp - base, log_is, adv, cfg) if cfg.surrogate == "vespo" else 0.0
         phis.append(phi)
         if bounds[s] == bounds[s + 1]:
+            seq_ratios.append(1.0)  # exp(0): an empty sequence's mean log-ratio is 0
             continue
         factor = ent_flag[rows].clone()
         if cfg.off_policy_mask_threshold is not None and adv < 0:
@@ -365,6 +366,7 @@ def policy_loss(
         if weights is not None and cfg.surrogate != "vespo":
             factor = factor * weights
         loss, ratio, kl = _sequence_loss(lp, adv, old, ref, cfg, factor, phi)
+        seq_ratios.append(float(ratio[0]))
         terms.append(loss)
         seq_terms.append(loss.sum() / (lp.numel() if cfg.loss_agg == "seq-mean-token-mean" else 1))
         ratios.append(ratio)
@@ -402,6 +404,13 @@ def policy_loss(
         metrics["cispo_clip_fraction"] = cispo_clipped / max(num_tokens, 1) * one
     if cfg.surrogate == "vespo":
         metrics["vespo_phi_mean"] = sum(phis) / max(num_seqs, 1) * one
+    if cfg.importance_sampling == "sequence":  # the clip fractions over the sequences' ratios
+        seq_adv = [float(a) for a in advantages]
+        pairs, seqs = list(zip(seq_ratios, seq_adv)), max(num_seqs, 1)
+        metrics["seq_clip_fraction_low"] = sum(r < 1 - cfg.epsilon_low and a < 0 for r, a in pairs) / seqs * one
+        metrics["seq_clip_fraction_high"] = sum(r > 1 + cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
+        if cfg.surrogate == "cispo":
+            metrics["seq_cispo_clip_fraction"] = sum(r > cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
     if cfg.top_entropy_quantile < 1.0:
         count = float(ent_flag.sum())
         metrics["entropy_mask_fraction"] = count / max(num_tokens, 1) * one

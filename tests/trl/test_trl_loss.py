@@ -1,7 +1,8 @@
-"""The fused policy loss equals TRL's own ``_compute_loss`` on the same inputs, for each of TRL's eight loss types,
-both importance sampling levels, ``delta``, the bias-corrected KL (TRL's default), the off-policy mask, the
-high-entropy token mask and the entropy bonus: loss, every parameter's gradient, and TRL's loss metrics; each on
-the fused path (``fused_cppo_loss`` called, no fallback)."""
+"""The fused policy loss equals TRL's own ``_compute_loss`` on the same inputs (completions of 0 to 8 tokens), for
+each of TRL's eight loss types, both importance sampling levels, ``delta``, the bias-corrected KL (TRL's default),
+the off-policy mask, the high-entropy token mask and the entropy bonus: loss, every parameter's gradient, and every
+loss metric both log (TRL's clip ratios per token, or per sequence with sequence-level ratios, and with ``delta``
+of the capped ratio); each on the fused path (``fused_cppo_loss`` called, no fallback)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ CASES = [
 ]
 #: TRL's per-sequence clip extremes, which the fused kernel does not compute.
 NOT_LOGGED = {"clip_ratio/low_min", "clip_ratio/high_max"}
-#: The options beyond the loss type, each on with TRL's default bias-corrected KL (beta = 0.04).
+#: The options beyond the loss type, each on with TRL's default bias-corrected KL (beta = 0.04). The fixture's
+#: clip range is [0.9, 1.15]: TRL's clip ratios read the ratio capped at ``delta``, so a ``delta`` below 1.15 clips
+#: nothing above, and one below 0.9 counts every ``A < 0`` token (or sequence) as clipped below.
 OPTION_CASES = {
     "delta": dict(args=dict(delta=1.2)),
+    "delta-below-high-clip": dict(args=dict(delta=1.1)),
+    "delta-below-low-clip": dict(args=dict(delta=0.85)),
     "bias-corrected-kl": dict(args=dict(use_bias_correction_kl=True)),
     "off-policy-mask": dict(trainer=dict(off_policy_mask_threshold=0.05), sampling=True),
     "off-policy-mask-old": dict(trainer=dict(off_policy_mask_threshold=0.0)),
@@ -98,10 +103,9 @@ def assert_equal_to_trl(trainer, inputs, monkeypatch) -> dict:
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
     names = sorted(set(want_metrics) - NOT_LOGGED)
-    if trainer.importance_sampling_level == "sequence":  # TRL's clip ratios are then per sequence; ours per token
-        names = [m for m in names if "clip_ratio" not in m]
-    assert set(names) <= set(got_metrics), set(names) - set(got_metrics)
-    torch.testing.assert_close([got_metrics[m] for m in names], [want_metrics[m] for m in names], atol=1e-5, rtol=1e-5)
+    assert set(names) == set(got_metrics), set(names) ^ set(got_metrics)
+    for name in names:
+        torch.testing.assert_close(got_metrics[name], want_metrics[name], atol=1e-6, rtol=1e-5, msg=name)
     return want_metrics
 
 
@@ -110,20 +114,23 @@ def test_fused_loss_equals_trls(trainer, inputs, monkeypatch, loss_type, level, 
     monkeypatch.setattr(trainer, "loss_type", loss_type)
     monkeypatch.setattr(trainer, "importance_sampling_level", level)
     monkeypatch.setattr(trainer, "beta", beta)
-    if loss_type == "cispo":
-        monkeypatch.setattr(trainer, "epsilon_high", 1.2)  # TRL's cap of the ratio itself (ScaleRL's 5.0 never bites)
+    if loss_type == "cispo":  # TRL's cap of the ratio itself (ScaleRL's 5.0 never bites); sequence ratios are nearer 1
+        monkeypatch.setattr(trainer, "epsilon_high", 1.2 if level == "token" else 1.05)
     want_metrics = assert_equal_to_trl(trainer, inputs, monkeypatch)
-    if loss_type not in ("cispo", "sapo", "vespo") and level == "token":
-        assert want_metrics["clip_ratio/region_mean"] > 0
-    if loss_type == "cispo" and level == "token":
-        assert want_metrics["cispo_clip_ratio"] > 0
+    if loss_type not in ("cispo", "sapo", "vespo"):  # some ratios (tokens or sequences) are clipped, not all
+        assert 0 < want_metrics["clip_ratio/region_mean"] < 1
+    if loss_type == "cispo":
+        assert 0 < want_metrics["cispo_clip_ratio"] < 1
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("case", OPTION_CASES)
-def test_fused_options_equal_trls(trainer, inputs, monkeypatch, loss_type, case):
-    """Each option beyond the loss type, through every loss type, with the bias-corrected KL (TRL's default) on."""
+def test_fused_options_equal_trls(trainer, inputs, monkeypatch, loss_type, case, level):
+    """Each option beyond the loss type, through every loss type and both importance sampling levels, with the
+    bias-corrected KL (TRL's default) on."""
     monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer, "importance_sampling_level", level)
     monkeypatch.setattr(trainer.args, "use_bias_correction_kl", True)
     option = OPTION_CASES[case]
     for name, value in option.get("args", {}).items():
@@ -133,3 +140,18 @@ def test_fused_options_equal_trls(trainer, inputs, monkeypatch, loss_type, case)
     if not option.get("sampling"):
         inputs = {k: v for k, v in inputs.items() if k != "sampling_per_token_logps"}
     assert_equal_to_trl(trainer, inputs, monkeypatch)
+
+
+def test_an_empty_completion_is_a_row_of_ratio_one(trainer, inputs, monkeypatch):
+    """With sequence-level ratios TRL's clip ratios are fractions of the rows, an empty completion's included (its
+    ratio is exp(0) = 1): a CISPO cap below 1 clips it when its advantage is positive, and not once it is negative."""
+    monkeypatch.setattr(trainer, "loss_type", "cispo")
+    monkeypatch.setattr(trainer, "importance_sampling_level", "sequence")
+    monkeypatch.setattr(trainer, "epsilon_high", 0.9)
+    empty = int((inputs["completion_mask"].sum(1) == 0).nonzero())
+    assert inputs["advantages"][empty] > 0
+    positive = assert_equal_to_trl(trainer, inputs, monkeypatch)["cispo_clip_ratio"]
+    flipped = {**inputs, "advantages": inputs["advantages"].clone()}
+    flipped["advantages"][empty] *= -1
+    negative = assert_equal_to_trl(trainer, flipped, monkeypatch)["cispo_clip_ratio"]
+    assert positive - negative == pytest.approx(1 / len(inputs["advantages"]))
