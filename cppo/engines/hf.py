@@ -48,7 +48,8 @@ class HFEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         config = self._generation_config(greedy=greedy)
-        # one prefill per prompt when it has several completions (every rank decides alike: FSDP2 stays in step)
+        # one prefill per prompt when it has several completions and the model's cache can be shared (decided by one
+        # probe forward per model, which every rank runs alike, as it decides alike: FSDP2 stays in step)
         shared = s.prefill_once and num_per_prompt > 1 and prefill_once_applies(self.model, config)
         generate = functools.partial(generate_prefilled_once, self.model) if shared else self.model.generate
         stopped = None

@@ -6,8 +6,8 @@ In the ``hf`` engine the continuation is transformers' ``generate`` resumed from
 surviving rows alone (``Cache.batch_select_indices``: the seam prefill-once uses), so a stopped row costs no decoding
 step after its checkpoint and the survivors decode in a smaller batch; under greedy decoding their tokens are those of
 an uninterrupted call. A stopped completion is its tokens up to the checkpoint, marked in :attr:`Rollout.stopped`.
-A model whose cache cannot be row-selected (recurrent and hybrid caches) decodes every row to the end and the stopped
-rows are cut at the checkpoint: the same completions' shape, no saving (:func:`can_select_rows` decides).
+A model whose cache cannot keep a subset of its rows (recurrent and hybrid caches: :func:`.prefill.cache_shares_rows`
+declines) decodes every row to the end and the stopped rows are cut at the checkpoint: the same choice, no saving.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .prefill import _cache_name, _forward_parameters
+from .prefill import _cache_name, _forward_parameters, cache_shares_rows
 
 __all__ = [
     "PartialRollout", "Stopper", "can_select_rows", "check_choice", "checkpoint_hidden", "checkpoint_tokens",
@@ -105,9 +105,12 @@ def checkpoint_hidden(model, prompt_ids: list[list[int]], completion_ids: list[l
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
     was_training = model.training
     model.eval()
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}  # logits unused
+    takes = _forward_parameters(model)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}  # the logits are not used
+    extra |= {"position_ids": positions.to(device)} if "position_ids" in takes else {}  # (recurrent models: none)
+    extra |= {"attention_mask": mask.to(device)} if "attention_mask" in takes else {}
     with _last_hidden(model) as box, autocast(device, compute_dtype):
-        model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device), **extra)
+        model(input_ids=ids.to(device), **extra)
     model.train(was_training)
     return box[0][:, -1, :]
 
@@ -142,6 +145,10 @@ def generate_with_stops(
     row is padded after its checkpoint tokens (``pad_id``), so the caller's cut (at the first EOS, at most
     ``max_completion_length`` tokens) needs the stopped rows' checkpoint length: :attr:`PartialRollout.at`."""
     width, total = input_ids.size(1), generation_config.max_new_tokens
+    if not cache_shares_rows(model):  # a recurrent / hybrid cache: decode every row, stop after the fact
+        return _stops_after_the_fact(model, generate, input_ids=input_ids, attention_mask=attention_mask,
+                                     generation_config=generation_config, stopper=stopper, eos=eos, pad_id=pad_id,
+                                     **generate_kwargs)  # fmt: skip
     first = copy.deepcopy(generation_config)
     first.max_new_tokens, first.return_dict_in_generate = stopper.at, True
     with _last_hidden(model) as box:
@@ -167,11 +174,11 @@ def generate_with_stops(
         return result, stopped
     cache = getattr(out, "past_key_values", None)
     cache = getattr(out, "cache", None) if cache is None else cache  # the output's name for it
-    name = _cache_name()  # generate's keyword for a cache to continue from
+    name = _cache_name(model)  # generate's keyword for a cache to continue from
     rest = copy.deepcopy(generation_config)
     rest.max_new_tokens = total - stopper.at
-    if len(keep) < len(new) and not can_select_rows(cache):  # every row decodes on; the stopped ones are cut later
-        keep = list(range(len(new)))
+    if len(keep) < len(new) and not can_select_rows(cache):
+        raise RuntimeError(f"{type(model).__name__}: the checkpoint's cache cannot keep the surviving rows")
     index = torch.tensor(keep, device=sequences.device)
     if len(keep) < len(new):
         cache.batch_select_indices(index)
@@ -183,6 +190,31 @@ def generate_with_stops(
     for j, i in enumerate(keep):
         if not (finished[i] or stopped[i]):
             result[i, : cont.size(1)] = cont[j]
+    return result, stopped
+
+
+def _stops_after_the_fact(model, generate, *, input_ids, attention_mask, generation_config, stopper, eos, pad_id,
+                          **generate_kwargs) -> tuple[torch.Tensor, list[bool]]:
+    """:func:`generate_with_stops` for a model whose cache cannot keep a subset of its rows
+    (:func:`cache_shares_rows` declines: recurrent and hybrid layers): one uninterrupted ``generate``, then the
+    stopper asked on each row's first ``at`` tokens (hidden states from :func:`checkpoint_hidden`) and the stopped
+    rows cut there. The same completions' shape and choice, no decoding saved."""
+    width = input_ids.size(1)
+    out = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                   **generate_kwargs)  # fmt: skip
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences  # [N, Lp + Lc]
+    new = [row[: stopper.at] for row in sequences[:, width:].tolist()]
+    partial_ids = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in new]
+    finished = [len(c) < stopper.at or c[-1] in eos for c in partial_ids]
+    prompts = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+    hidden = checkpoint_hidden(model, prompts, partial_ids)
+    stopped = check_choice(stopper.choose(PartialRollout(prompts, partial_ids, finished, hidden, stopper.at)), finished)
+    result = torch.full((len(new), width + generation_config.max_new_tokens), pad_id, dtype=sequences.dtype,
+                        device=sequences.device)  # fmt: skip
+    result[:, : sequences.size(1)] = sequences
+    for i, s in enumerate(stopped):
+        if s:
+            result[i, width + stopper.at :] = pad_id
     return result, stopped
 
 

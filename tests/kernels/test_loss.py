@@ -141,8 +141,11 @@ def test_loss_matches_reference(
     )
     loss_tol, grad_tol = TOL[dtype][0], TOL[dtype][1 if path.backend == "torch" else 2]
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    assert_close("loss", loss, want, loss_tol)
-    assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set())
+    # the loss holds beta * kl, whose fp32 error scales with |logp| (see the kl metric below), not with the loss
+    kl_atol = loss_tol * 0.04 * float(logp64.abs().max()) if kl and T else 0.0
+    assert_close("loss", loss, want, loss_tol, max(1e-7, kl_atol))
+    sequence_keys = {"seq_clip_fraction_low", "seq_clip_fraction_high"} if importance_sampling == "sequence" else set()
+    assert set(metrics) == set(METRIC_KEYS) | ({"entropy"} if compute_entropy else set()) | sequence_keys
     for key, value in metrics.items():
         assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad, key
         # kl = f(logp - ref) cancels: its fp32 error scales with |logp|, not with kl itself.

@@ -12,6 +12,7 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 from trl_tiny import digit_reward, losses, make_config, tiny_dataset, weights
 
+from cppo.engines.prefill import cache_shares_rows
 from cppo.trl import CPPOConfig, CPPOTrainer
 
 OPTIONS = dict(beta=0.04, num_iterations=2)  # 8 completions of 2 prompts (4 each) per generation
@@ -37,6 +38,7 @@ def train(cls, config_cls, model: str, out, **options):
         model=model, reward_funcs=digit_reward, args=make_config(config_cls, out, **{**OPTIONS, **options}),
         train_dataset=tiny_dataset(),
     )  # fmt: skip
+    cache_shares_rows(trainer.model)  # its one probe of the model's cache, before the rows are counted
     with generation_rows(trainer.model) as rows:
         trainer.train()
     return trainer, rows, torch.get_rng_state()
@@ -65,3 +67,39 @@ def test_off_when_set_false_or_when_a_dropout_fires(tiny_model, tmp_path):
     with generation_rows(trainer.model) as rows:
         trainer.train()  # TRL generates in training mode: LoRA's dropout draws per row, so each row is prefilled
     assert set(rows) == {8}
+
+
+def test_a_recurrent_model_trains_as_stock_trl_with_prefill_once_declined(tmp_path):
+    """A tiny Mamba: its cache's recurrent layers cannot be copied to a prompt's rows (issue 40), so prefill-once
+    declines (:func:`cppo.engines.prefill.cache_shares_rows`) and CPPOTrainer, with ``prefill_once`` on, trains as
+    stock TRL (the same losses, weights and RNG state) instead of crashing in its generation."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from cppo.engines import prefill_once_applies
+    from cppo.step import tiny_tokenizer
+
+    tok = tiny_tokenizer(300)
+    torch.manual_seed(0)
+    config = MambaConfig(
+        vocab_size=300, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    MambaForCausalLM(config).save_pretrained(tmp_path / "mamba")
+    tok.save_pretrained(tmp_path / "mamba")
+    runs = {}
+    for name, cls, config_cls, options in (
+        ("stock", GRPOTrainer, GRPOConfig, {}),
+        ("cppo", CPPOTrainer, CPPOConfig, dict(pruning_rate=0.0)),
+    ):
+        trainer = cls(
+            model=str(tmp_path / "mamba"), reward_funcs=digit_reward, train_dataset=tiny_dataset(),
+            args=make_config(config_cls, tmp_path / name, **OPTIONS, **options),
+        )  # fmt: skip
+        trainer.train()
+        runs[name] = trainer, torch.get_rng_state()
+    (stock, stock_rng), (cppo, rng) = runs["stock"], runs["cppo"]
+    assert cppo.args.prefill_once and not prefill_once_applies(cppo.model, cppo.generation_config)
+    torch.testing.assert_close(losses(cppo), losses(stock), atol=1e-6, rtol=1e-5)
+    for name, value in weights(stock).items():
+        torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4, msg=name)
+    assert torch.equal(rng, stock_rng)

@@ -51,7 +51,9 @@ def engine(model, tok, *, prefill_once: bool, completion: int = 10) -> HFEngine:
 
 
 def first_forward_shapes(model) -> list[tuple[int, int]]:
-    """The ``input_ids`` shape of every forward ``model`` runs from now on."""
+    """The ``input_ids`` shape of every forward ``model`` runs from now on (after the one probe of its cache,
+    :func:`cppo.engines.prefill.cache_shares_rows`, which runs once per model)."""
+    assert prefill.cache_shares_rows(model)
     shapes = []
     model.register_forward_pre_hook(
         lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
@@ -156,8 +158,11 @@ def test_off_with_one_completion_per_prompt_and_when_it_cannot_apply():
     assert not prefill_once_applies(model, GenerationConfig(**sampled))
 
 
-def test_a_forward_without_a_cache_is_one_error_naming_the_setting(monkeypatch):
+def test_a_forward_without_a_cache_is_declined_and_one_error_if_forced(monkeypatch):
+    """A forward that returns no cache: prefill-once declines it (the engine runs the plain ``generate``, the same
+    completions), and ``generate_prefilled_once`` called anyway is one error line naming the setting."""
     model, tok = tiny("qwen2")
+    plain = engine(model, tok, prefill_once=False).generate(PROMPTS, G, greedy=True)
     forward = model.forward
 
     def no_cache(*args, **kwargs):
@@ -166,8 +171,12 @@ def test_a_forward_without_a_cache_is_one_error_naming_the_setting(monkeypatch):
         return out
 
     monkeypatch.setattr(model, "forward", no_cache)
+    shared = engine(model, tok, prefill_once=True).generate(PROMPTS, G, greedy=True)
+    assert shared.completion_ids == plain.completion_ids
+    assert not prefill_once_applies(model, model.generation_config)
+    ids, mask = _padded(tok, PROMPTS)
     with pytest.raises(ValueError, match="^prefill_once: Qwen2ForCausalLM's forward returned no KV cache"):
-        engine(model, tok, prefill_once=True).generate(PROMPTS, G)
+        generate_prefilled_once(model, input_ids=ids, attention_mask=mask, max_new_tokens=2)
 
 
 def test_the_trainer_setting_reaches_the_engine(tmp_path):

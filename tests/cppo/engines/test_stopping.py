@@ -83,7 +83,10 @@ def test_the_stopper_sees_the_hidden_state_that_produced_the_checkpoint_token():
 
 
 def test_every_row_stopped_or_ended_decodes_nothing_more():
+    from cppo.engines.prefill import cache_shares_rows
+
     model, tok = tiny("llama", eos_bias=0.0)
+    assert cache_shares_rows(model)  # its one-time probe forward, before the count starts
     rows = forward_rows(model)
     got, _ = run(model, tok, Stopper(at=AT, choose=lambda p: [True] * len(p.finished)), greedy=True,
                  prefill_once=False)  # fmt: skip
@@ -141,3 +144,31 @@ def test_one_forward_over_the_partial_completions_gives_the_engines_hidden_state
     open_rows = [i for i, f in enumerate(partial.finished) if not f]
     assert open_rows
     torch.testing.assert_close(again[open_rows], partial.hidden[open_rows], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_h1"])
+def test_a_cache_that_cannot_keep_rows_decodes_all_and_stops_after_the_fact(family):
+    """Recurrent and hybrid caches (prefill-once declines them: their states do not follow a row selection): one
+    uninterrupted generate, the stopped rows cut at the checkpoint; nothing stopped is the plain call exactly."""
+    from test_prefill_once_families import tiny_family
+
+    from cppo.engines import EngineSettings, HFEngine
+    from cppo.step import tiny_tokenizer
+
+    tok = tiny_tokenizer(128)
+    model = tiny_family(family, tok)
+    eng = HFEngine(model, tok, EngineSettings(model_name="x", max_prompt_length=64, max_completion_length=LENGTH))
+    prompts = PROMPTS[:3]
+
+    def call(stopper, seed=3):
+        torch.manual_seed(seed)
+        return eng(prompts, G, stopper=stopper), torch.get_rng_state()
+
+    (plain, rng) = call(None)
+    (none, rng_none) = call(Stopper(at=AT, choose=lambda p: [False] * len(p.finished)))
+    assert none.completion_ids == plain.completion_ids and torch.equal(rng, rng_none)
+    seen = []
+    (odd, _) = call(Stopper(at=AT, choose=lambda p: seen.append(p) or [i % 2 == 1 for i in range(len(p.finished))]))
+    for i, (got, want) in enumerate(zip(odd.completion_ids, plain.completion_ids)):
+        assert got == (want[:AT] if odd.stopped[i] else want)
+    assert any(odd.stopped) and seen[0].hidden.shape == (len(prompts) * G, model.config.hidden_size)
