@@ -64,6 +64,20 @@ LOSS_AGGS = tuple(LOSS_AGG_UNITS)
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
 
 
+#: TRL 1.16's ``loss_type`` -> ``(surrogate, loss_agg)`` of :class:`LossConfig` (``dr_grpo`` also needs
+#: ``max_completion_length``): the one table CPPOTrainer and ``cppo train``'s ``loss.loss_type`` read.
+LOSS_TYPES: dict[str, tuple[str, str]] = {
+    "grpo": ("clip", "seq-mean-token-mean"),
+    "bnpo": ("clip", "token-mean"),
+    "dr_grpo": ("clip", "seq-mean-token-sum-norm"),
+    "dapo": ("clip", "token-mean"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+    "luspo": ("clip", "seq-mean-token-sum"),
+    "vespo": ("vespo", "token-mean"),
+}
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Options of :func:`cppo_kernels.fused_cppo_loss` and :func:`cppo_kernels.cppo_loss_from_logits`, validated

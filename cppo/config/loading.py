@@ -81,9 +81,16 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r} must look like key=value")
         try:
-            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({_yaml_problem(e)})") from None
+        section, dot, name = key.strip().partition(".")
+        if dot and section == "loss" and name:  # --set loss.NAME=VALUE: one option of the loss section
+            loss = values.get("loss")
+            values["loss"] = {**(loss if isinstance(loss, dict) else {}), name: value}
+            origin["loss"] = f"{origin['loss']} {item}" if "loss" in origin else f"--set {item}"
+            continue
+        values[key.strip()] = value
         origin[key.strip()] = f"--set {item}"
     hints = field_types()
     for key in values:

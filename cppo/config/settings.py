@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 
 from cppo_kernels import LossConfig
-from cppo_kernels.config import check_choice, check_float, check_int
+from cppo_kernels.config import LOSS_TYPES, check_choice, check_float, check_int
 
 from ..distributed import PARALLELISMS, check_device
 from ..engines import check_engine_installed, check_engine_name, checkpoint_tokens, engine_supports
@@ -18,7 +18,7 @@ from ..step import SCORERS, Pruning, check_mode
 from ..tasks import check_arith_eval_limit, check_greso, check_timeout
 from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
 from .sources import check_model_and_data
-from .values import check_type
+from .values import check_type, did_you_mean
 
 
 def setting(default, help: str, *, factory=None):
@@ -135,6 +135,11 @@ class TrainConfig:
     loss_agg: str = setting(
         "token-mean", "token-mean (DAPO / CPPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO)"
     )
+    loss: dict = setting(
+        None, "the loss's other options, as fields of cppo_kernels.LossConfig (surrogate, importance_sampling, "
+        "delta, dual_clip, entropy_coef, top_entropy_quantile, ...) or loss_type (TRL's name: its surrogate and "
+        "loss_agg); --set loss.NAME=VALUE", factory=dict,
+    )  # fmt: skip
     # optimiser
     lr: float = setting(1e-6, "peak learning rate of AdamW")
     lr_schedule: str = setting("cosine", "cosine, linear or constant, after a linear warm-up")
@@ -204,17 +209,36 @@ class TrainConfig:
 
     @property
     def loss_config(self) -> LossConfig:
-        """The options of ``fused_cppo_loss``, with entropy (a step metric); ``LossConfig`` validates them."""
-        return LossConfig(
-            temperature=self.temperature,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            beta=self.beta,
-            kl_estimator=self.kl_estimator,
-            loss_agg=self.loss_agg,
-            max_completion_length=self.max_completion_length,
-            compute_entropy=True,
-        )
+        """The options of ``fused_cppo_loss``: the flat settings, then the ``loss`` section's (its ``loss_type``
+        expanded to TRL's surrogate and aggregation), with entropy (a step metric); ``LossConfig`` validates them.
+        A ``loss`` key that is not a ``LossConfig`` field, or names a flat setting, is refused naming it."""
+        extra = dict(self.loss)
+        flat = dict(
+            temperature=self.temperature, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            beta=self.beta, kl_estimator=self.kl_estimator, loss_agg=self.loss_agg,
+            max_completion_length=self.max_completion_length, compute_entropy=True,
+        )  # fmt: skip
+        fields = {f.name for f in dataclasses.fields(LossConfig)}
+        for key in extra:
+            if key in flat:
+                raise ValueError(f"loss.{key}: {key} is a setting of its own; set {key}={extra[key]!r}")
+            if key not in fields | {"loss_type"}:
+                raise ValueError(
+                    f"loss.{key}: not an option of the loss{did_you_mean(key, sorted(fields | {'loss_type'}))}; the "
+                    f"options are loss_type and {sorted(fields - set(flat))}"
+                )
+        loss_type = extra.pop("loss_type", None)
+        if loss_type is not None:
+            if loss_type not in LOSS_TYPES:
+                raise ValueError(f"loss.loss_type must be one of {sorted(LOSS_TYPES)} (TRL's), got {loss_type!r}")
+            if "surrogate" in extra:
+                raise ValueError(f"loss.loss_type={loss_type} sets the surrogate; do not also set loss.surrogate")
+            extra["surrogate"], extra["loss_agg"] = LOSS_TYPES[loss_type]  # (the flat loss_agg gives way)
+        try:
+            return LossConfig(**{**flat, **extra})
+        except ValueError as e:  # an option of the section: name it as the section does
+            name = str(e).split(" ", 1)[0]
+            raise ValueError(f"loss.{e}" if name in extra else str(e)) from None
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first bad setting."""

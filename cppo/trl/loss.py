@@ -50,6 +50,7 @@ from accelerate.utils import is_peft_model
 from torch import Tensor
 
 from cppo_kernels import fused_cppo_loss
+from cppo_kernels.config import LOSS_TYPES
 
 from ..step import LogitTransform, check_logit_transform
 from .sharding import gathered_head
@@ -59,19 +60,10 @@ __all__ = [
     "model_logit_transform", "padded_hidden", "fused_policy_loss",
 ]  # fmt: skip
 
-#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg``.
-LOSS_AGG = {
-    "grpo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "sapo": "seq-mean-token-mean",
-    "luspo": "seq-mean-token-sum",
-    "vespo": "token-mean",
-}
-#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``surrogate`` (the PPO clip for the others).
-SURROGATE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg`` and ``surrogate`` (the PPO clip for the others): the
+#: kernels' one table (:data:`cppo_kernels.config.LOSS_TYPES`, which ``cppo train``'s ``loss.loss_type`` reads too).
+LOSS_AGG = {name: agg for name, (_, agg) in LOSS_TYPES.items()}
+SURROGATE = {name: surrogate for name, (surrogate, _) in LOSS_TYPES.items() if surrogate != "clip"}
 #: The loss types TRL normalises by ``num_items_in_batch`` (the tokens of the whole generation batch).
 ITEM_NORMALISED = ("dapo", "cispo", "vespo")
 
