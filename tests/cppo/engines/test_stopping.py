@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prefill_once import ARCHS, PROMPTS, engine, tiny
+from tiny_generation import ARCHS, PROMPTS, engine, tiny
 
 from cppo.engines import PartialRollout, Rollout, RolloutEngine, Stopper, checkpoint_tokens
 
@@ -150,7 +150,7 @@ def test_one_forward_over_the_partial_completions_gives_the_engines_hidden_state
 def test_a_cache_that_cannot_keep_rows_decodes_all_and_stops_after_the_fact(family):
     """Recurrent and hybrid caches (prefill-once declines them: their states do not follow a row selection): one
     uninterrupted generate, the stopped rows cut at the checkpoint; nothing stopped is the plain call exactly."""
-    from test_prefill_once_families import tiny_family
+    from tiny_families import tiny_family
 
     from cppo.engines import EngineSettings, HFEngine
     from cppo.step import tiny_tokenizer
