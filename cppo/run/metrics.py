@@ -24,7 +24,7 @@ PHASES = ("generate", "reward", "select", "logprobs", "update", "optimizer")
 SUMMED = frozenset(
     {"questions", "completions", "completions_kept", "tokens_trained", "tokens_forward", "micro_batches"}
     | {"tokens/generate_prompt", "tokens/generate_completion", "tokens/train_prompt", "tokens/train_completion"}
-    | {"rollout_stop/stopped"}
+    | {"rollout_stop/stopped", "rollout_stop/tokens_saved_max"}
     | {"loss", "kl", "clip_fraction", "entropy", "kept_zero_advantage", "filter_groups/zero_variance_dropped"}
 )
 #: Equal on every rank (computed from gathered or synchronised values); wall times take the slowest rank too.

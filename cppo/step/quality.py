@@ -212,6 +212,7 @@ class RolloutStopping:
         self.warmup = config.rollout_stop_warmup
         self.at = checkpoint_tokens(config.rollout_stop_at, config.max_completion_length)
         self.group_size, self.tokenizer, self.info = config.group_size, tokenizer, info
+        self.max_length = config.max_completion_length
         self.stop = stops_per_group(self.rate, self.group_size)
         self.head = QualityHead(hidden_size) if self.scorer == "learned" else None
         self.partial = None
@@ -252,7 +253,9 @@ class RolloutStopping:
 
         info = self.info if self.info is not None else DistInfo()
         stopped = rollout.stopped or [False] * len(correct)
-        out = {"rollout_stop/stopped": float(sum(stopped)), "rollout_stop/fraction": sum(stopped) / len(stopped)}
+        out = {"rollout_stop/stopped": float(sum(stopped)), "rollout_stop/fraction": sum(stopped) / len(stopped),
+               # tokens a stopped completion would have decoded at most (it might have ended sooner)
+               "rollout_stop/tokens_saved_max": float(sum(stopped) * (self.max_length - self.at))}  # fmt: skip
         alive = torch.tensor([not x for x in stopped])
         ran = torch.stack([rewards.float().cpu(), torch.tensor(correct, dtype=torch.float32)], 1)[alive]  # [n, 2]
         every, _ = all_gather_varlen(ran, info=info)

@@ -91,6 +91,7 @@ def test_stopped_completions_are_never_decoded_further_nor_trained(tmp_path, sco
         assert h["reward_mean"] == pytest.approx(sum(ran) / len(ran))  # over the completions that ran to the end
         n = len(stopped)
         assert h["rollout_stop/stopped"] == sum(stopped) > 0
+        assert h["rollout_stop/tokens_saved_max"] == sum(stopped) * (8 - 3)  # max_completion_length - checkpoint
         for g in range(n // 8):  # at most int(8 * 0.5) = 4 of each group, and only unfinished ones
             assert sum(stopped[g * 8 : (g + 1) * 8]) <= 4
         assert all(len(rollout.completion_ids[i]) == 3 for i in range(n) if stopped[i])  # cut at the checkpoint
