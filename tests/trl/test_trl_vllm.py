@@ -120,3 +120,12 @@ def test_the_kept_rows_ratio_is_what_the_fused_loss_gets_as_importance_weights(t
     expected = ratio if mode.startswith("token") else ratio.squeeze(1)
     assert weights is not None and weights.shape == expected.shape and not weights.requires_grad
     assert torch.equal(weights, expected) and weights.shape[0] == batch["completion_ids"].size(0) < 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_server_mode_without_cuda_is_one_line_before_anything_waits_for_a_server(tiny_model, tmp_path):
+    """vllm_mode='server' sends weights over NCCL: on a CPU the trainer says so at once (TRL would wait for a server
+    for server_timeout seconds, then fail on the weight transfer)."""
+    args = make_config(CPPOConfig, tmp_path / "cppo", use_vllm=True, vllm_mode="server", vllm_server_timeout=1.0)
+    with pytest.raises(ValueError, match="vllm_mode='server' sends the weights to the vLLM server over NCCL"):
+        CPPOTrainer(model=tiny_model, reward_funcs=digit_reward, args=args, train_dataset=tiny_dataset())
