@@ -295,9 +295,15 @@ def _check_not_a_run_folder(model: str) -> None:
 
     found = latest(model) if os.path.isdir(model) else None
     folder = model_folder(model)
-    if found and not (os.path.isfile(os.path.join(folder, "config.json")) or is_adapter_folder(folder)):
+    is_model = os.path.isfile(os.path.join(folder, "config.json")) or is_adapter_folder(folder)
+    if found and not is_model:
         raise ValueError(
             f"--model {model!r} is a run folder, not a model: evaluate its latest checkpoint, --model {found}"
+        )
+    if os.path.isdir(model) and not is_model:
+        raise ValueError(
+            f"--model {model!r} is a folder without a config.json: not a model (a transformers save, a cppo checkpoint "
+            "or a LoRA adapter)"
         )
 
 

@@ -44,6 +44,12 @@ def check_model_and_data(
         raise ValueError(
             f"model {shown_path(model)} does not exist (not a local folder or file, nor a hub name owner/name)"
         )
+    owner = model.split("/", 1)[0]
+    if "/" in model and not os.path.exists(model) and os.path.isdir(owner):  # a mistyped local path, not a hub name
+        raise ValueError(
+            f"model {shown_path(model)} does not exist ({owner}/ is a folder here, so this names a local path, not a "
+            "hub model)"
+        )
     if model_config is not None and not model.startswith("tiny-"):
         raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
     if model_config is not None:

@@ -100,6 +100,10 @@ def cases(tmp: pathlib.Path) -> dict[str, tuple[list[str], list[str]]]:
             ["eval", "--model", str(tmp / "runs" / "tiny-cpu" / "checkpoint-000008")],
             [f"'{tmp / 'runs' / 'tiny-cpu' / 'checkpoint-000008'}' does not exist"],
         ),
+        "eval a folder that is no model": (
+            ["eval", "--model", str(tmp)],
+            [f"--model {str(tmp)!r} is a folder without a config.json: not a model"],
+        ),
         "typo'd dataset (train)": ([*train, "dataset=gsm8kk"], ["did you mean 'gsm8k'", "'arith'", "'math500'"]),
         "typo'd dataset (eval)": (["eval", "--model", "tiny-qwen2", "--dataset", "math5000"], ["'math500'"]),
         "unknown model_config key": (
@@ -266,3 +270,14 @@ def test_ddp_wrapping_raises_no_warning_of_ours(tmp_path):
         assert not [w for w in caught if "parallel.py" in w.filename or "broadcast_buffers" in str(w.message)]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, capsys, monkeypatch, no_model):
+    """``runs/tiny-cpuu`` looks like a hub name owner/name; with a ``runs/`` folder here it is a local path with a
+    typo: one line, at once (the hub would be retried for about a minute first)."""
+    (tmp_path / "runs" / "tiny-cpu").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["eval", "--model", "runs/tiny-cpuu"], ["train", "--config", "tiny-cpu", "--set", "model=runs/x"]):
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert "runs/ is a folder here, so this names a local path, not a hub model" in line, line
