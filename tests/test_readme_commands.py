@@ -325,6 +325,20 @@ def trl_snippet() -> str:
     return code
 
 
+def section_code(title: str) -> str:
+    """The Python block of the README's section ``title``."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    return code
+
+
+def test_the_kernels_snippet_runs_as_written(tmp_path):
+    """The README's Kernels snippet selects, computes the fused loss and its backward on the toy tensors it builds."""
+    done = run([sys.executable, "-c", section_code("Kernels")], tmp_path)
+    assert re.fullmatch(r"loss -?\d+\.\d{4}: 8 of 32 completions kept, kl \S+\n", done.stdout), done.stdout
+
+
 @pytest.mark.slow
 def test_the_trl_snippet_runs_as_written(tmp_path):
     """The README's TRL snippet (about ten lines) trains as written, on the tiny model it builds (issue 18)."""
