@@ -55,8 +55,7 @@ from bench_args import check_output_file, count
 from bench_out import out_file
 
 from cppo.fileio import atomic_path, run_metadata, write_json
-from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
-from cppo_kernels._loss_torch import chunk_tokens
+from cppo_kernels import chunk_tokens, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
 #: TRL 1.16's loss types on the fused loss: the options each sets beyond :data:`OPTIONS` (dapo: none).
