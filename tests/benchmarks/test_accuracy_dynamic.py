@@ -16,7 +16,7 @@ import accuracy_seeds
 import pytest
 import seeds_report
 import torch
-from test_accuracy_sweep import META, PRESET, _row
+from sweep_cases import META, PRESET, unit_row
 
 from cppo import fileio
 
@@ -80,7 +80,7 @@ PAIRS = {
 def _write_pair(out):
     for seed, arms in PAIRS.items():
         for arm, (acc, seconds, completions, zero, skipped) in zip(PAIR, arms):
-            row = {**_row(seed, "cppo-pooled", acc, seconds), **accuracy_arm.arm_settings(arm), "arm": arm}
+            row = {**unit_row(seed, "cppo-pooled", acc, seconds), **accuracy_arm.arm_settings(arm), "arm": arm}
             ids, steps = [f"q{seed}-{i}" for i in range(32)], 24 if arm == PAIR[0] else 20
             row.update(questions=32, train_question_ids=ids, completions=completions, kept_zero_advantage=zero,
                        greso_questions_skipped=skipped, steps=steps)  # fmt: skip

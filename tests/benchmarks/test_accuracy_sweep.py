@@ -18,17 +18,22 @@ import accuracy_arm
 import accuracy_seeds
 import pytest
 import torch
+from sweep_cases import (
+    ARMS5,
+    COMMITTED,
+    FORMER,
+    PRESET,
+    SWEEP,
+    argv_of,
+    former_file,
+    question_ids,
+    seed_files,
+    summary_inputs,
+    sweep_args,
+    write_unit,
+)
 
 from cppo import fileio
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-COMMITTED = REPO / "benchmarks" / "results" / "accuracy-smollm2-seeds.json"
-#: The real preset's settings with the built-in tiny model (nothing loads for a plan).
-PRESET = ["--config", "smollm2-accuracy-cpu", "--set", "model=tiny-qwen2", "model_config=null"]
-ARMS5 = ["grpo", "cppo-pooled", "cppo-group", "max-variance", "control"]
-META = {"model": "m.gguf", "lr": 2e-5, "group_size": 8, "max_completion_length": 32, "questions": 64,
-        "eval": {"problems": 300, "points": 1}}  # fmt: skip
-
 
 #: Row columns added after the committed rows (issue 30: the run's bound, its features and their counts).
 ISSUE30_KEYS = {"planned_steps", "num_epochs", "filter_groups", "greso", "kept_zero_advantage", "generation_calls",
@@ -40,51 +45,8 @@ ISSUE41_KEYS = {"tokens_generate_prompt", "tokens_generate_completion", "tokens_
 ISSUE38_KEYS = {"rollout_stop_rate", "rollout_stop_at", "rollout_stop_scorer", "rollout_stopped"}
 
 
-def _ids(seed):
-    return [f"q{seed}-{i}" for i in range(64)]
-
-
-def _row(seed, arm, acc, seconds, **extra):
-    return {
-        "arm": arm, "seed": seed, **accuracy_arm.arm_settings(arm), "accuracy_after": acc, "accuracy_before": 0.2,
-        "total_seconds": seconds, "train_seconds": seconds / 2, "cpu_seconds": seconds, "eval_problems": 300,
-        "eval_problems_scored": 300, "questions": 64, "group_size": 8, "train_question_ids": _ids(seed),
-        "ideal_speedup_train": 1.0 / (1.0 - accuracy_arm.arm_settings(arm)["pruning_rate"]),
-        "accuracy_after_ci95": [acc - 0.05, acc + 0.05], "accuracy_curve": [[0, 0, 0.2], [seconds, 16, acc]], **extra,
-    }  # fmt: skip
-
-
-#: seed -> accuracy per arm of ARMS5 (the sweep's seeds) and the former file's seeds (no cppo-group, no control).
-SWEEP = {45: (0.40, 0.38, 0.41, 0.44, 0.39), 46: (0.35, 0.37, 0.30, 0.36, 0.33), 47: (0.42, 0.42, 0.40, 0.41, 0.45)}
-FORMER = {42: (0.47, 0.31, 0.45), 43: (0.42, 0.41, 0.46), 44: (0.40, 0.40, 0.40)}  # grpo, cppo-pooled, max-variance
-
-
-def _former(tmp_path, **meta):
-    rows = [
-        {k: v for k, v in _row(seed, arm, acc, 1000.0 if arm == "grpo" else 400.0).items() if k != "arm"}
-        for seed, accs in FORMER.items()
-        for arm, acc in zip(["grpo", "cppo-pooled", "max-variance"], accs)
-    ]
-    path = tmp_path / "former-seeds.json"
-    fileio.write_json(path, {"meta": {**META, **meta}, "rows": rows, "summary": {}})
-    return path
-
-
-def _write_unit(out, seed, arm, acc, *, meta=None, row=None):
-    folder = out / "units" / f"seed{seed}-{arm}"
-    folder.mkdir(parents=True, exist_ok=True)
-    seconds = 1000.0 if arm in ("grpo", "control") else 400.0 + seed
-    data = {"meta": {**META, **(meta or {})}, "rows": [{**_row(seed, arm, acc, seconds), **(row or {})}]}
-    fileio.write_json(folder / "result.json", data)
-
-
-def _sweep_args(out, *extra, seeds=SWEEP, arms=ARMS5):
-    argv = ["--seeds", *map(str, seeds), "--arms", *arms, "--out", str(out), *extra, "--", *PRESET]
-    return accuracy_seeds.parse_args(argv)
-
-
 def test_arms_plan_the_control_as_grpos_steps_and_every_arm_on_the_seeds_questions(capsys):
-    args = _sweep_args(pathlib.Path("unused"), "--dry-run", seeds=[45, 46])
+    args = sweep_args(pathlib.Path("unused"), "--dry-run", seeds=[45, 46])
     plan = accuracy_seeds.sweep_dry_run(args)
     assert plan["units"] == ["before-seed45", "before-seed46"] + [f"seed{s}-{a}" for s in (45, 46) for a in ARMS5]
     p = plan["plans"]
@@ -107,7 +69,7 @@ def test_arm_settings_name_the_committed_rows():
     assert sorted({accuracy_arm.arm_of(r) for r in rows}) == ["cppo-pooled", "grpo", "max-variance", "random"]
     assert accuracy_arm.arm_of({"pruning_rate": 0.75, "selection_metric": "smallest", "selection_scope": "batch",
                                 "allocation": False}) == "control"  # fmt: skip
-    assert accuracy_arm.before_name(accuracy_arm.arm_config(_sweep_args("x").base, None, 3)) == "before-seed3.json"
+    assert accuracy_arm.before_name(accuracy_arm.arm_config(sweep_args("x").base, None, 3)) == "before-seed3.json"
 
 
 @pytest.mark.parametrize(
@@ -126,7 +88,7 @@ def test_bad_sweep_arguments(argv, match):
 
 
 def test_a_questions_count_a_step_does_not_divide_is_refused():
-    args = _sweep_args("x", "--dry-run").base
+    args = sweep_args("x", "--dry-run").base
     args.questions = 62
     with pytest.raises(ValueError, match="--questions must be a multiple of 4"):
         accuracy_arm.plan(args, "cppo-pooled", 45)
@@ -170,7 +132,7 @@ def fake_worker(tmp_path, monkeypatch):
 
 def test_finished_units_are_skipped_and_torn_ones_rerun_in_a_fresh_folder(tmp_path, fake_worker, monkeypatch):
     out = tmp_path / "sweep"
-    args = _sweep_args(out, "--jobs", "1", seeds=[45, 46], arms=["grpo", "control"])
+    args = sweep_args(out, "--jobs", "1", seeds=[45, 46], arms=["grpo", "control"])
     units = accuracy_seeds.plan_units(args)
     names = ["before-seed45", "before-seed46", "seed45-grpo", "seed45-control", "seed46-grpo", "seed46-control"]
     assert [u.name for u in units] == names  # a tiny model is measured before training per seed
@@ -195,7 +157,7 @@ def test_finished_units_are_skipped_and_torn_ones_rerun_in_a_fresh_folder(tmp_pa
 
 def test_a_failed_unit_is_reported_and_the_arms_of_a_failed_before_are_not_run(tmp_path, fake_worker, monkeypatch):
     out = tmp_path / "sweep"
-    args = _sweep_args(out, "--jobs", "1", seeds=[45], arms=["grpo", "control"])
+    args = sweep_args(out, "--jobs", "1", seeds=[45], arms=["grpo", "control"])
     monkeypatch.setenv("FAIL", "seed45-grpo")
     assert accuracy_seeds.run_units(args, accuracy_seeds.plan_units(args), out, poll=0.05) == ["seed45-grpo"]
     assert fake_worker() == ["before-seed45", "seed45-grpo", "seed45-control"]
@@ -208,8 +170,8 @@ def test_a_failed_unit_is_reported_and_the_arms_of_a_failed_before_are_not_run(t
 def test_a_changed_sweep_is_refused_and_new_arms_are_added(tmp_path):
     out = tmp_path / "sweep"
     out.mkdir()
-    accuracy_seeds.check_sweep_folder(_sweep_args(out, arms=["grpo"]), out)
-    accuracy_seeds.check_sweep_folder(_sweep_args(out, arms=["grpo", "control"]), out)
+    accuracy_seeds.check_sweep_folder(sweep_args(out, arms=["grpo"]), out)
+    accuracy_seeds.check_sweep_folder(sweep_args(out, arms=["grpo", "control"]), out)
     assert set(json.loads((out / "sweep.json").read_text())["arms"]) == {"grpo", "control"}
     other = accuracy_seeds.parse_args(["--arms", "grpo", "--out", str(out), "--", *PRESET, "--eval", "100"])
     with pytest.raises(
@@ -218,19 +180,10 @@ def test_a_changed_sweep_is_refused_and_new_arms_are_added(tmp_path):
         accuracy_seeds.check_sweep_folder(other, out)
 
 
-def _summary_inputs(tmp_path):
-    out = tmp_path / "sweep"
-    for seed, accs in SWEEP.items():
-        for arm, acc in zip(ARMS5, accs):
-            _write_unit(out, seed, arm, acc)
-    accuracy_seeds.check_sweep_folder(_sweep_args(out), out)  # its sweep.json, as the run wrote it
-    return out, _former(tmp_path)
-
-
 def test_the_sweep_combines_with_the_former_seeds_over_the_seeds_each_pair_shares(tmp_path):
-    out, former = _summary_inputs(tmp_path)
-    args = _sweep_args(out, "--combine", "--with", str(former))
-    data = accuracy_seeds.main([*map(str, _argv(args))])
+    out, former = summary_inputs(tmp_path)
+    args = sweep_args(out, "--combine", "--with", str(former))
+    data = accuracy_seeds.main([*map(str, argv_of(args))])
     s = data["summary"]
     assert s["seeds"] == [42, 43, 44, 45, 46, 47] and s["cppo"] == "CPPO P=0.75"
     d = s["accuracy_differences"]
@@ -260,10 +213,10 @@ def test_the_sweep_combines_with_the_former_seeds_over_the_seeds_each_pair_share
 
 
 def test_the_combination_names_the_units_it_left_out_but_not_those_a_former_file_holds(tmp_path, capsys):
-    out, former = _summary_inputs(tmp_path)
+    out, former = summary_inputs(tmp_path)
     (out / "units" / "seed46-control" / "result.json").unlink()  # an unfinished unit
-    _write_unit(out, 42, "cppo-group", 0.44)  # a new arm on a former seed: its grpo row comes from the former file
-    data = accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former), seeds=[42, *SWEEP])))
+    write_unit(out, 42, "cppo-group", 0.44)  # a new arm on a former seed: its grpo row comes from the former file
+    data = accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former), seeds=[42, *SWEEP])))
     assert data["meta"]["sweep"]["missing"] == ["seed42-control", "seed46-control"]
     assert "left out (not finished, and in no --with file): seed42-control, seed46-control" in capsys.readouterr().out
     d = data["summary"]["accuracy_differences"]
@@ -276,16 +229,10 @@ def test_the_combination_names_the_units_it_left_out_but_not_those_a_former_file
 def test_arms_combined_without_grpo_or_pooled_cppo_are_refused_naming_what_is_missing(tmp_path):
     out = tmp_path / "sweep"
     for seed in (42, 43):
-        _write_unit(out, seed, "cppo-group", 0.4)
-    accuracy_seeds.check_sweep_folder(_sweep_args(out, arms=["cppo-group"]), out)
+        write_unit(out, seed, "cppo-group", 0.4)
+    accuracy_seeds.check_sweep_folder(sweep_args(out, arms=["cppo-group"]), out)
     with pytest.raises(ValueError, match=r"need GRPO and a pooled CPPO row with allocation .*--with file"):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", seeds=[42, 43], arms=["cppo-group"])))
-
-
-def _argv(args):
-    """The command line of a parsed sweep (``--combine``, the ``--with`` files)."""
-    argv = ["--seeds", *map(str, args.seeds), "--arms", *args.arms, "--out", str(args.out), "--combine"]
-    return [*argv, *(a for f in args.with_files for a in ("--with", str(f))), "--", *args.unit_args]
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", seeds=[42, 43], arms=["cppo-group"])))
 
 
 @pytest.mark.parametrize(
@@ -296,41 +243,30 @@ def _argv(args):
         ({"meta": {"eval": {"problems": 100, "points": 1}}}, "eval problems is 100"),
         ({"meta": {"questions": 32}}, "questions \\(per seed\\) is 32"),
         ({"row": {"accuracy_before": 0.25}}, "rows' accuracy_before is 0.25"),
-        ({"row": {"train_question_ids": _ids(99)}}, "seed 46's CPPO group P=0.75 trained other questions"),
+        ({"row": {"train_question_ids": question_ids(99)}}, "seed 46's CPPO group P=0.75 trained other questions"),
         ({"row": {"selection_scope": "batch"}}, "says arm 'cppo-group', but its settings are those of 'cppo-pooled'"),
     ],
 )
 def test_a_unit_that_does_not_agree_is_refused_naming_its_file(tmp_path, change, match):
-    out, former = _summary_inputs(tmp_path)
-    _write_unit(out, 46, "cppo-group", 0.3, **change)
+    out, former = summary_inputs(tmp_path)
+    write_unit(out, 46, "cppo-group", 0.3, **change)
     with pytest.raises(ValueError, match=f"seed46-cppo-group/result.json: .*{match}"):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
 
 
 def test_a_former_file_that_does_not_agree_is_refused(tmp_path):
-    out, _ = _summary_inputs(tmp_path)
+    out, _ = summary_inputs(tmp_path)
     for meta, match in (({"max_completion_length": 64}, "max_completion_length is 64"), ({"group_size": 16}, "")):
-        former = _former(tmp_path, **meta)
+        former = former_file(tmp_path, **meta)
         with pytest.raises(ValueError, match=f"former-seeds.json: .*{match}"):
-            accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+            accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
 
 
 def test_a_seed_and_method_in_both_is_refused(tmp_path):
-    out, former = _summary_inputs(tmp_path)
-    _write_unit(out, 42, "grpo", 0.47)
+    out, former = summary_inputs(tmp_path)
+    write_unit(out, 42, "grpo", 0.47)
     with pytest.raises(ValueError, match="seed 42 has two GRPO rows"):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former), seeds=[42, *SWEEP])))
-
-
-def _seed_files(runs, **per_seed):
-    runs.mkdir(exist_ok=True)
-    args = accuracy_seeds.parse_args(["--seeds", "42", "43", "44"])
-    for seed in (42, 43, 44):
-        meta, rows = dict(META, seed=seed), [_row(seed, a, 0.4, 100.0) for a in ("grpo", "cppo-pooled")]
-        meta["argv"] = accuracy_seeds.seed_command(args, seed, runs)[2:]  # what speedup.py records of its command
-        meta.update(per_seed.get(f"meta{seed}", {}))
-        rows = [{**r, **per_seed.get(f"row{seed}", {})} for r in rows]
-        fileio.write_json(runs / f"accuracy-smollm2-seed{seed}.json", {"meta": meta, "rows": rows})
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former), seeds=[42, *SWEEP])))
 
 
 @pytest.mark.parametrize(
@@ -339,20 +275,21 @@ def _seed_files(runs, **per_seed):
         ({"meta43": {"model": "other.gguf"}}, "seed43.json: model is 'other.gguf', but 'm.gguf' in .*seed42.json"),
         ({"row44": {"eval_problems": 100}}, "seed44.json: rows' eval_problems is 100, but 300"),
         ({"meta44": {"questions": 32}}, "seed44.json: questions \\(per seed\\) is 32, but 64"),
-        ({"row44": {"seed": 99, "train_question_ids": _ids(99)}}, "seed44.json: its rows or meta are of seed\\(s\\) "),
+        ({"row44": {"seed": 99, "train_question_ids": question_ids(99)}},
+         "seed44.json: its rows or meta are of seed\\(s\\) "),
         ({"meta44": {"seed": 99}}, "seed44.json: .*seed\\(s\\) \\[44, 99\\], but the file is named for seed 44"),
     ],
 )
 def test_from_runs_refuses_files_of_other_settings_or_seeds(tmp_path, change, match):
     runs = tmp_path / "runs"
-    _seed_files(runs, **change)
+    seed_files(runs, **change)
     with pytest.raises(ValueError, match=match):
         accuracy_seeds.main(["--seeds", "42", "43", "44", "--from-runs", str(runs), "--out", str(tmp_path / "o")])
 
 
 def test_from_runs_refusal_is_one_line_and_a_failing_exit(tmp_path):
     runs = tmp_path / "runs"
-    _seed_files(runs, row44={"seed": 99})
+    seed_files(runs, row44={"seed": 99})
     cmd = [sys.executable, str(accuracy_seeds.HERE / "accuracy_seeds.py"), "--from-runs", str(runs), "--out",
            str(tmp_path / "o")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -362,7 +299,7 @@ def test_from_runs_refusal_is_one_line_and_a_failing_exit(tmp_path):
 
 
 def test_before_of_another_model_or_size_is_refused(tmp_path):
-    args = _sweep_args("x").base
+    args = sweep_args("x").base
     config = accuracy_arm.arm_config(args, "grpo", 45)
     before = tmp_path / "before.json"
     point = {"train_seconds": 0.0, "step": 0, "correct": 60, "total": 300}

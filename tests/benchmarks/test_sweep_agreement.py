@@ -18,8 +18,7 @@ import accuracy_seeds
 import pytest
 import seeds_files
 import sweep_units
-from test_accuracy_sweep import ARMS5, COMMITTED, META, _argv, _row, _seed_files, _summary_inputs, _sweep_args
-from test_accuracy_sweep import _write_unit as write_unit
+from sweep_cases import ARMS5, COMMITTED, META, argv_of, seed_files, summary_inputs, sweep_args, unit_row, write_unit
 
 from cppo import TrainConfig, fileio
 
@@ -53,7 +52,7 @@ def test_the_allow_list_is_the_arms_and_the_sweeps_settings_and_every_other_sett
 
 @pytest.mark.parametrize("key", MUST_AGREE)
 def test_a_file_that_differs_in_any_setting_outside_the_allow_list_is_refused(tmp_path, key):
-    rows = [_row(45, "grpo", 0.4, 100.0)]
+    rows = [unit_row(45, "grpo", 0.4, 100.0)]
     sources = [(tmp_path / "a.json", dict(META), rows), (tmp_path / "b.json", {**META, key: "changed"}, rows)]
     with pytest.raises(ValueError, match=rf"b.json: {key} is 'changed', but .* in .*a.json \(the runs would not"):
         seeds_files.check_agree(sources)
@@ -71,29 +70,29 @@ def test_a_file_that_differs_in_any_setting_outside_the_allow_list_is_refused(tm
     ],  # fmt: skip
 )
 def test_a_unit_of_other_issue_30_settings_or_another_environment_is_refused(tmp_path, meta):
-    out, former = _summary_inputs(tmp_path)
+    out, former = summary_inputs(tmp_path)
     write_unit(out, 46, "cppo-group", 0.3, meta=meta)
     ((key, value),) = meta.items()
     match = rf"seed46-cppo-group/result.json: {key} is {value!r}, but .* in .*seed45-grpo/result.json"
     with pytest.raises(ValueError, match=match):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
 
 
 def test_a_setting_a_file_predates_counts_as_its_default(tmp_path):
-    out, former = _summary_inputs(tmp_path)  # the former file records no prefill_once: it ran before the setting
+    out, former = summary_inputs(tmp_path)  # the former file records no prefill_once: it ran before the setting
     write_unit(out, 46, "cppo-group", 0.3, meta={"prefill_once": True, "max_num_gen_batches": 4})  # the defaults
-    accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+    accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
     write_unit(out, 46, "cppo-group", 0.3, meta={"prefill_once": False})
     match = r"prefill_once is False, but True \(not recorded: the default\) in .*/result.json"
     with pytest.raises(ValueError, match=match):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
 
 
 def test_where_and_when_a_file_ran_is_recorded_not_compared(tmp_path):
-    out, former = _summary_inputs(tmp_path)
+    out, former = summary_inputs(tmp_path)
     ran = {"git_commit": "abc", "git_dirty": True, "device_name": "other", "date": "2027", "cpu_count": 64}
     write_unit(out, 46, "cppo-group", 0.3, meta=ran)
-    data = accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))
+    data = accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))
     source = next(s for s in data["meta"]["sources"] if s["file"].endswith("seed46-cppo-group/result.json"))
     assert {k: source[k] for k in ran} == ran
     # the combination records every setting agreed on, so that it can itself be combined later (--with)
@@ -102,18 +101,18 @@ def test_where_and_when_a_file_ran_is_recorded_not_compared(tmp_path):
 
 
 def test_combine_refuses_a_command_line_other_than_the_sweeps(tmp_path):
-    out, former = _summary_inputs(tmp_path)  # sweep.json: the preset, 64 questions, 300 problems, 1 point
-    other = [*_argv(_sweep_args(out, "--combine")), "--eval", "100", "--questions", "32"]
+    out, former = summary_inputs(tmp_path)  # sweep.json: the preset, 64 questions, 300 problems, 1 point
+    other = [*argv_of(sweep_args(out, "--combine")), "--eval", "100", "--questions", "32"]
     with pytest.raises(ValueError, match=r"sweep.json: this folder's sweep ran with eval 300 \(--eval\), this comm"):
         accuracy_seeds.main(other)
     data = json.loads((out / "sweep.json").read_text())
     fileio.write_json(out / "sweep.json", {**data, "arms": {**data["arms"], "control": ["pruning_rate=0.5"]}})
     with pytest.raises(ValueError, match=r"sweep.json: the arm control was \['pruning_rate=0.5'\] when this sweep"):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine")))
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine")))
     del data["unit_args"]["eval_points"]  # a sweep.json written before the flag existed: its default (1)
     fileio.write_json(out / "sweep.json", data)
     assert (
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine", "--with", str(former))))["meta"]["sweep"]["unit_args"][
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine", "--with", str(former))))["meta"]["sweep"]["unit_args"][
             "eval_points"
         ]
         == 1
@@ -132,20 +131,20 @@ BAD = "is not a sweep's settings file \\("
      ('{"unit_args": {}}', BAD + "TypeError: its arms")],
 )  # fmt: skip
 def test_a_missing_empty_or_malformed_sweep_json_is_refused_naming_it(tmp_path, text, why):
-    out, _ = _summary_inputs(tmp_path)
+    out, _ = summary_inputs(tmp_path)
     (out / "sweep.json").unlink()
     if text is not None:
         (out / "sweep.json").write_text(text)
         with pytest.raises(ValueError, match=f"sweep.json {why}"):  # a run (continuing) reads it too
-            accuracy_seeds.check_sweep_folder(_sweep_args(out), out)
+            accuracy_seeds.check_sweep_folder(sweep_args(out), out)
     with pytest.raises(ValueError, match=f"{out}/sweep.json {why}"):
-        accuracy_seeds.main(_argv(_sweep_args(out, "--combine")))
+        accuracy_seeds.main(argv_of(sweep_args(out, "--combine")))
 
 
 def test_an_empty_sweep_json_is_one_line_and_a_failing_exit(tmp_path):
-    out, _ = _summary_inputs(tmp_path)
+    out, _ = summary_inputs(tmp_path)
     (out / "sweep.json").write_text("")
-    cmd = [sys.executable, str(accuracy_seeds.HERE / "accuracy_seeds.py"), *_argv(_sweep_args(out, "--combine"))]
+    cmd = [sys.executable, str(accuracy_seeds.HERE / "accuracy_seeds.py"), *argv_of(sweep_args(out, "--combine"))]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     line = done.stderr.strip()
     assert done.returncode != 0 and "\n" not in line and f"{out}/sweep.json is not a sweep's" in line, line
@@ -158,18 +157,18 @@ def _from_runs(tmp_path, *extra):
 
 def test_from_runs_refuses_files_of_other_speedup_arguments_or_settings(tmp_path):
     runs = tmp_path / "runs"
-    _seed_files(runs)
+    seed_files(runs)
     assert _from_runs(tmp_path)["meta"]["speedup_args"] == list(accuracy_seeds.DEFAULT_SPEEDUP_ARGS)
     with pytest.raises(ValueError, match=r"seed42.json: it ran speedup.py with eval 300, but this command passes 100"):
         _from_runs(tmp_path, "--", *accuracy_seeds.DEFAULT_SPEEDUP_ARGS, "--eval", "100")
     smaller = accuracy_seeds.parse_args(["--", *accuracy_seeds.DEFAULT_SPEEDUP_ARGS, "--questions", "32"])
-    _seed_files(runs, meta44={"argv": accuracy_seeds.seed_command(smaller, 44, runs)[2:]})
+    seed_files(runs, meta44={"argv": accuracy_seeds.seed_command(smaller, 44, runs)[2:]})
     with pytest.raises(ValueError, match=r"seed44.json: it ran speedup.py with questions 32, but this command passes"):
         _from_runs(tmp_path)
-    _seed_files(runs, meta43={"max_num_gen_batches": 2})
+    seed_files(runs, meta43={"max_num_gen_batches": 2})
     with pytest.raises(ValueError, match=r"seed43.json: max_num_gen_batches is 2, but 4 \(not recorded: the def"):
         _from_runs(tmp_path)
-    _seed_files(runs, meta43={"argv": None})
+    seed_files(runs, meta43={"argv": None})
     with pytest.raises(ValueError, match=r"seed43.json: its meta.argv is None, not the speedup.py command line"):
         _from_runs(tmp_path)
 
@@ -202,14 +201,14 @@ def test_a_continued_sweep_refuses_finished_units_of_other_settings_or_environme
     """Before it runs anything, a continued sweep checks its finished units against what it would run now (an
     edited preset, an upgraded library): such units would never combine with the new ones."""
     out = tmp_path / "sweep"
-    args = _sweep_args(out, seeds=[45], arms=["grpo"])
+    args = sweep_args(out, seeds=[45], arms=["grpo"])
     unit = accuracy_seeds.plan_units(args)[1]
     unit.folder(out).mkdir(parents=True)
     env = fileio.run_metadata(argv=[])
     meta = {**accuracy_arm.arm_config(args.base, "grpo", 45).to_dict(), **env, "torch_threads": 1}
     for change, match in (({}, None), ({"max_num_gen_batches": 8}, "max_num_gen_batches is 8, but this command would"),
                           ({"transformers": "0.1"}, "transformers is '0.1', but this command would run")):  # fmt: skip
-        fileio.write_json(unit.result(out), {"meta": {**meta, **change}, "rows": [_row(45, "grpo", 0.4, 100.0)]})
+        fileio.write_json(unit.result(out), {"meta": {**meta, **change}, "rows": [unit_row(45, "grpo", 0.4, 100.0)]})
         assert accuracy_seeds.finished(unit, out)
         if match is None:
             sweep_units.check_finished_units(args, [unit], out)
