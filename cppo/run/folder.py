@@ -46,7 +46,8 @@ def refuse_existing_run(output_dir: str) -> None:
         shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
         raise ValueError(
             f"output_dir {output_dir!r} already holds a run ({shown}): pass --resume to continue it, --overwrite to "
-            "delete it and start again, or set another output_dir"
+            "delete it and start again, or set another output_dir (from Python: another output_dir, or "
+            "trainer.load_checkpoint(cppo.run.latest(output_dir)) to continue)"
         )
 
 
