@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import cut_after_eos
 from .prefill import _cache_name, _forward_parameters, cache_shares_rows
 
 __all__ = [
@@ -79,6 +80,11 @@ def can_select_rows(cache) -> bool:
     if layers is None:
         return hasattr(cache, "batch_select_indices")
     return all(callable(getattr(layer, "batch_select_indices", None)) for layer in layers)
+
+
+def _unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each left-padded row's prompt token ids (its masked positions left out)."""
+    return [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
 
 
 def check_choice(chosen, finished: list[bool]) -> list[bool]:
@@ -158,9 +164,8 @@ def generate_with_stops(
     finished = [any(t in eos for t in row) for row in new]
     hidden = None if box[0] is None else box[0][:, -1, :]  # [N, H]: each row's last forwarded position
     partial = PartialRollout(
-        prompt_ids=[[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(),
-                                                                           attention_mask.tolist())],
-        completion_ids=[row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in new],
+        prompt_ids=_unpadded(input_ids, attention_mask),
+        completion_ids=[cut_after_eos(row, eos, stopper.at) for row in new],
         finished=finished, hidden=hidden, at=stopper.at,
     )  # fmt: skip
     stopped = check_choice(stopper.choose(partial), finished)
@@ -204,9 +209,9 @@ def _stops_after_the_fact(model, generate, *, input_ids, attention_mask, generat
                    **generate_kwargs)  # fmt: skip
     sequences = out if isinstance(out, torch.Tensor) else out.sequences  # [N, Lp + Lc]
     new = [row[: stopper.at] for row in sequences[:, width:].tolist()]
-    partial_ids = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in new]
+    partial_ids = [cut_after_eos(row, eos, stopper.at) for row in new]
     finished = [len(c) < stopper.at or c[-1] in eos for c in partial_ids]
-    prompts = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+    prompts = _unpadded(input_ids, attention_mask)
     hidden = checkpoint_hidden(model, prompts, partial_ids)
     stopped = check_choice(stopper.choose(PartialRollout(prompts, partial_ids, finished, hidden, stopper.at)), finished)
     result = torch.full((len(new), width + generation_config.max_new_tokens), pad_id, dtype=sequences.dtype,
