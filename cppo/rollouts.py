@@ -53,13 +53,14 @@ class StepRollouts:
         dynamic sampling's selection (``filled``; ``None``: the plain rule's to make) and both features' metrics."""
         cfg, parts, skipped = self.config, [], []
 
-        def draw(n: int) -> torch.Tensor:
+        def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
             with timer("generate"):
                 problems, prompts, rollout = self._generate(n)
             skipped.append(len(self.sampler.skipped))
             with timer("reward"):
                 parts.append((self.drawn, problems, prompts, rollout, *self._reward(problems, prompts, rollout)))
-            return parts[-1][4]
+            stopped = rollout.stopped or [False] * len(rollout.texts)  # pruning while generating: no final reward
+            return parts[-1][4], torch.tensor(stopped, dtype=torch.bool)
 
         if cfg.filter_groups:
             seed, calls = self._step_seed(rank=0), cfg.max_num_gen_batches
@@ -67,13 +68,10 @@ class StepRollouts:
             zero, extra = filled.zero_variance, filled.metrics()
         else:  # GRESO alone: one call, selected by the plain rule (train_step's select stage)
             filled, extra = None, {}
-            zero = step.zero_variance_groups(draw(self.pruning.questions_drawn), cfg.group_size)
+            first, stopped = draw(self.pruning.questions_drawn)
+            zero = step.zero_variance_groups(first, cfg.group_size, stopped)
         drawn, problems, prompts, rollouts, rewards, scores, correct = (list(x) for x in zip(*parts))
-        fields = ("prompt_ids", "completion_ids", "texts")
-        rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
-        if all(r.sampling_logprobs is not None for r in rollouts):  # the engine's log-probs, call after call
-            rollout.sampling_logprobs = sum((r.sampling_logprobs for r in rollouts), [])
-        rollout.prefill_tokens = sum(r.prefill_positions for r in rollouts)
+        rollout = concatenate(rollouts)
         scores = {name: sum((s[name] for s in scores), []) for name in scores[0]}
         if self.greso is not None:  # every rank's groups, in rank order: the same history on every rank
             pairs = torch.tensor([[q, z] for q, z in zip(sum(drawn, []), zero.tolist())])
@@ -81,8 +79,10 @@ class StepRollouts:
             if len(gathered):
                 self.greso.observe(*zip(*gathered.tolist()))
             extra.update({"greso/questions_skipped": sum(skipped), "greso/explore": self.greso.explore})
-        problems, prompts = sum(problems, []), sum(prompts, [])
-        return problems, prompts, rollout, torch.cat(rewards), scores, sum(correct, []), filled, extra
+        problems, prompts, rewards, correct = sum(problems, []), sum(prompts, []), torch.cat(rewards), sum(correct, [])
+        if getattr(self, "stopping", None) is not None:  # the head's metrics and update over every call's rows
+            extra.update(self.stopping.observe(rollout, correct, rewards))
+        return problems, prompts, rollout, rewards, scores, correct, filled, extra
 
     def stop_reason(self) -> str | None:
         """Why the run ends after this step (None: it goes on). ``num_steps`` set: after that many steps. Otherwise
@@ -100,3 +100,16 @@ class StepRollouts:
                 f"{self.num_steps} steps; the learning-rate schedule is cut short there)"
             )
         return None
+
+
+def concatenate(rollouts: list[Rollout]) -> Rollout:
+    """One :class:`Rollout` of a step's generation calls, call after call: the engine's log-probs where every call
+    has them, the prefill positions summed, the stopped flags where any call ran with a stopper."""
+    fields = ("prompt_ids", "completion_ids", "texts")
+    rollout = Rollout(*(sum((getattr(r, k) for r in rollouts), []) for k in fields))
+    if all(r.sampling_logprobs is not None for r in rollouts):  # the engine's log-probs, call after call
+        rollout.sampling_logprobs = sum((r.sampling_logprobs for r in rollouts), [])
+    rollout.prefill_tokens = sum(r.prefill_positions for r in rollouts)
+    if any(r.stopped is not None for r in rollouts):
+        rollout.stopped = sum((r.stopped or [False] * len(r.texts) for r in rollouts), [])
+    return rollout

@@ -230,15 +230,15 @@ class Trainer(StepRollouts):
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
         this rank's selection kept; ``filled``: dynamic sampling's selection, already made."""
         # advantages over each full group, then this rank's survivors of the scope's official count
-        if rollout.stopped is not None and any(rollout.stopped):  # over the survivors of pruning while generating
-            selected = step.Selection(*step.survivor_selection(rewards, rollout.stopped, self.pruning))
-            kept, kept_advantages = selected.kept, selected.kept_advantages
-        elif filled is None:
-            selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
-            kept, kept_advantages = selected.kept, selected.kept_advantages  # [K] of [Q * G]
-        else:
+        if filled is not None:  # dynamic sampling's, over the survivors where rows were stopped mid-generation
             kept, order = filled.rows(self.config.group_size).sort()  # ascending: a question's rows together
             kept_advantages = filled.selection.kept_advantages[order]
+        elif rollout.stopped is not None and any(rollout.stopped):  # over the survivors of pruning while generating
+            selected = step.Selection(*step.survivor_selection(rewards, rollout.stopped, self.pruning))
+            kept, kept_advantages = selected.kept, selected.kept_advantages
+        else:
+            selected = self.pruning.select(rewards, seed=self._step_seed(rank=0), info=self.info)
+            kept, kept_advantages = selected.kept, selected.kept_advantages  # [K] of [Q * G]
         self.kept_zero = int((kept_advantages == 0).sum())
         sampled = rollout.sampling_logprobs  # the engine's log-probs (vllm), for the mismatch correction
         samples = [

@@ -372,13 +372,13 @@ def _check_rollout_stop(cfg: TrainConfig) -> None:
         )
     blockers = {
         "selection_metric": cfg.selection_metric != "smallest", "selection_scope": cfg.selection_scope == "global",
-        "filter_groups": cfg.filter_groups, "greso": cfg.greso, "parallelism": cfg.parallelism == "fsdp2",
+        "parallelism": cfg.parallelism == "fsdp2",
     }  # fmt: skip
     named = [k for k, v in blockers.items() if v]
     if named:
         raise ValueError(
             f"rollout_stop_rate > 0 runs with selection_metric smallest, selection_scope group or batch, "
-            f"filter_groups and greso off, parallelism ddp; this config sets {named}"
+            f"parallelism ddp; this config sets {named}"
         )
     if not engine_supports(cfg.rollout_backend, "supports_stopping"):
         raise ValueError(

@@ -198,8 +198,9 @@ def generate_with_stops(
     return result, stopped
 
 
-def _stops_after_the_fact(model, generate, *, input_ids, attention_mask, generation_config, stopper, eos, pad_id,
-                          **generate_kwargs) -> tuple[torch.Tensor, list[bool]]:
+def _stops_after_the_fact(
+    model, generate, *, input_ids, attention_mask, generation_config, stopper, eos, pad_id, **generate_kwargs
+) -> tuple[torch.Tensor, list[bool]]:
     """:func:`generate_with_stops` for a model whose cache cannot keep a subset of its rows
     (:func:`cache_shares_rows` declines: recurrent and hybrid layers): one uninterrupted ``generate``, then the
     stopper asked on each row's first ``at`` tokens (hidden states from :func:`checkpoint_hidden`) and the stopped

@@ -20,7 +20,7 @@ from .packing import (
     PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, phase_tokens, prompt_groups,
     shared_tokens,
 )  # fmt: skip
-from .quality import SCORERS, QualityHead, RolloutStopping, survivor_selection
+from .quality import SCORERS, QualityHead, RolloutStopping, choose_stops, stops_per_group, survivor_selection
 from .selection import SCOPES, Pruning, Selection, kept_count
 
 __all__ = [
@@ -39,5 +39,6 @@ __all__ = [
     "logit_transform", "config_logit_transform", "NonFiniteUpdates", "SkipCounter",
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
     "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "phase_tokens", "prompt_groups", "shared_tokens",
-    "SCORERS", "QualityHead", "RolloutStopping", "survivor_selection", "SCOPES", "Pruning", "Selection", "kept_count",
+    "SCORERS", "QualityHead", "RolloutStopping", "choose_stops", "stops_per_group", "survivor_selection", "SCOPES",
+    "Pruning", "Selection", "kept_count",
 ]  # fmt: skip

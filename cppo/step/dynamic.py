@@ -30,15 +30,24 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import DistInfo, max_across_ranks, sum_across_ranks
+from .quality import survivor_advantages, survivor_selection
 from .selection import Pruning, Selection
 
 __all__ = ["FilledStep", "fill_step", "zero_variance_groups"]
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """bool ``[Q]``: whether each group of ``rewards [Q * G]`` has all G rewards equal."""
+def zero_variance_groups(rewards: torch.Tensor, group_size: int, stopped: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[Q]``: whether each group of ``rewards [Q * G]`` has all G rewards equal. With ``stopped`` (bool
+    ``[Q * G]``, pruning while generating: those rows have no final reward), whether its survivors' rewards are all
+    equal, a group of fewer than two survivors included: exactly the groups whose every advantage over the survivors
+    is 0 (:func:`cppo.step.quality.survivor_advantages`), which give no gradient."""
     grouped = rewards.reshape(-1, group_size)  # [Q, G]
-    return (grouped == grouped[:, :1]).all(dim=1)
+    if stopped is None or not bool(stopped.any()):
+        return (grouped == grouped[:, :1]).all(dim=1)
+    alive = ~stopped.bool().reshape(-1, group_size)  # [Q, G]
+    big = torch.where(alive, grouped, torch.full_like(grouped, float("-inf"))).amax(dim=1)
+    small = torch.where(alive, grouped, torch.full_like(grouped, float("inf"))).amin(dim=1)
+    return (alive.sum(dim=1) < 2) | (big == small)
 
 
 @dataclass(frozen=True)
@@ -76,13 +85,37 @@ class FilledStep:
         }
 
 
-def _useful(pruning: Pruning, rewards: torch.Tensor, zero: torch.Tensor) -> int:
+def _useful(pruning: Pruning, rewards: torch.Tensor, zero: torch.Tensor, stopped: torch.Tensor) -> int:
     """What fills the budget on this rank: non-zero-variance groups (``group`` scope) or completions of non-zero
-    advantage in them (the pooled scopes)."""
+    advantage in them (the pooled scopes; over each group's survivors when rows were stopped mid-generation)."""
     if pruning.scope == "group":
         return int((~zero).sum())
-    advantages = pruning.advantages(rewards)
+    advantages = _advantages(pruning, rewards, stopped)
     return int((advantages.reshape(-1, pruning.group_size)[~zero] != 0).sum())
+
+
+def _advantages(pruning: Pruning, rewards: torch.Tensor, stopped: torch.Tensor) -> torch.Tensor:
+    """The selection's advantages: over each full group, or over its survivors when rows were stopped."""
+    if not bool(stopped.any()):
+        return pruning.advantages(rewards)
+    return survivor_advantages(rewards, stopped, group_size=pruning.group_size, scale=pruning.scale, eps=pruning.eps)
+
+
+def _select(pruning: Pruning, rewards: torch.Tensor, stopped: torch.Tensor, **kwargs) -> Selection:
+    """:meth:`Pruning.select` over the pool, or CPPO's selection over its survivors when rows were stopped."""
+    if not bool(stopped.any()):
+        return pruning.select(rewards, **kwargs)
+    return Selection(*survivor_selection(rewards, stopped, pruning, num_kept=kwargs.get("num_kept")))
+
+
+def _call(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``draw``'s answer as ``(rewards [n], stopped [n] bool)``."""
+    rewards, stopped = out if isinstance(out, tuple) else (out, None)
+    rewards = rewards.reshape(-1).float()
+    stopped = torch.zeros(len(rewards), dtype=torch.bool) if stopped is None else torch.as_tensor(stopped).bool()
+    if stopped.shape != rewards.shape:
+        raise ValueError(f"fill_step: draw gave {len(rewards)} rewards but {tuple(stopped.shape)} stopped flags")
+    return rewards, stopped.cpu()
 
 
 def fill_step(
@@ -93,22 +126,24 @@ def fill_step(
     seed: int = 0,
     info: DistInfo | None = None,
 ) -> FilledStep:
-    """Calls ``draw(n)`` (``n`` questions over all ranks; it returns this rank's rewards ``[n / world * G]``, and the
-    caller keeps what it generated) until the budget is filled with useful completions or ``max_calls`` calls were
-    made, then selects the budget from the pool (module docstring). ``seed``: as in :meth:`Pruning.select`."""
+    """Calls ``draw(n)`` (``n`` questions over all ranks; it returns this rank's rewards ``[n / world * G]``, or
+    ``(rewards, stopped)`` with the rows pruning while generating stopped, and the caller keeps what it generated)
+    until the budget is filled with useful completions or ``max_calls`` calls were made, then selects the budget from
+    the pool (module docstring; with rows stopped, over each group's survivors, never a stopped row). ``seed``: as in
+    :meth:`Pruning.select`."""
     info = info if info is not None else DistInfo()
     G, world = pruning.group_size, info.world_size
     budget = pruning.kept_budget(info)
     need = pruning.questions_per_rank(info) if pruning.scope == "group" else budget  # useful units per rank / all
     pooled_over_ranks = pruning.scope == "global" and info.distributed
-    chunks: list[torch.Tensor] = []
+    chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
     n, calls = pruning.questions_drawn, 0
     while True:
-        chunks.append(draw(n).reshape(-1).float())
+        chunks.append(_call(draw(n)))
         calls += 1
-        rewards = torch.cat(chunks)  # [Q_all * G]
-        zero = zero_variance_groups(rewards, G)
-        useful = _useful(pruning, rewards, zero)
+        rewards, stopped = (torch.cat(x) for x in zip(*chunks))  # [Q_all * G] each
+        zero = zero_variance_groups(rewards, G, stopped)
+        useful = _useful(pruning, rewards, zero, stopped)
         useful_all, questions_all = sum_across_ranks([useful, len(zero)], info=info)
         # global: what all ranks miss together; else what the neediest rank misses
         short = max(need - useful_all, 0) if pooled_over_ranks else max_across_ranks(max(need - useful, 0), info=info)
@@ -122,10 +157,10 @@ def fill_step(
     pool = valid + ([g for g in range(len(zero)) if zero[g]] if short else [])  # bound reached: dropped come back
     if pruning.scope == "group":
         pool = pool[: pruning.questions_per_rank(info)]
-        pool_rewards = _rows(rewards, pool, G)
-        selection = pruning.select(pool_rewards, seed=seed, info=info)
+        selection = _select(pruning, _rows(rewards, pool, G), _rows(stopped, pool, G), seed=seed, info=info)
     else:
-        selection = pruning.select(_rows(rewards, pool, G), seed=seed, info=info, num_kept=budget)
+        selection = _select(pruning, _rows(rewards, pool, G), _rows(stopped, pool, G), seed=seed, info=info,
+                            num_kept=budget)  # fmt: skip
     return FilledStep(rewards, zero, pool, selection, calls, bool(short))
 
 

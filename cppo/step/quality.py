@@ -173,12 +173,16 @@ def survivor_advantages(
     return adv.reshape(-1).float()
 
 
-def survivor_selection(rewards: torch.Tensor, stopped: list[bool], pruning) -> tuple[torch.Tensor, torch.Tensor]:
+def survivor_selection(
+    rewards: torch.Tensor, stopped, pruning, *, num_kept: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CPPO's exact selection over the survivors (``pruning``: a :class:`cppo.step.Pruning` with the ``smallest``
-    metric, the ``group`` or ``batch`` scope): the advantages over each group's survivors, then the official count
-    of the completions with the largest ``|A|`` (per group ``keep``; pooled ``N - int(N * P)``), ties to the lower
-    index, never a stopped row. ``(advantages [N], kept [K] ascending)``."""
-    mask = torch.tensor(stopped, dtype=torch.bool)
+    metric, the ``group`` or ``batch`` scope; ``stopped``: a bool per row, list or tensor): the advantages over each
+    group's survivors, then the official count of the completions with the largest ``|A|`` (per group ``keep``;
+    pooled ``N - int(N * P)``, or ``num_kept``: dynamic sampling's budget over a pool of another size), ties to the
+    lower index, never a stopped row. ``(advantages [N], kept [K] ascending)``."""
+    mask = torch.as_tensor(stopped, dtype=torch.bool).cpu()
+    stopped = mask.tolist()
     adv = survivor_advantages(rewards, mask, group_size=pruning.group_size, scale=pruning.scale, eps=pruning.eps)
     score = torch.where(mask, torch.full_like(adv, -1.0, dtype=torch.float64), adv.double().abs())  # [N]
     n, order = len(stopped), None
@@ -190,7 +194,7 @@ def survivor_selection(rewards: torch.Tensor, stopped: list[bool], pruning) -> t
             kept += rows
     else:
         order = sorted(range(n), key=lambda i: (-float(score[i]), i))
-        kept = order[: pruning.kept_count(n)]
+        kept = order[: pruning.kept_count(n) if num_kept is None else num_kept]
     if any(stopped[i] for i in kept):
         raise ValueError(
             "rollout_stop_rate stopped more completions than CPPO's selection can leave out (it keeps "
@@ -215,25 +219,39 @@ class RolloutStopping:
         self.max_length = config.max_completion_length
         self.stop = stops_per_group(self.rate, self.group_size)
         self.head = QualityHead(hidden_size) if self.scorer == "learned" else None
-        self.partial = None
-        self.predicted: torch.Tensor | None = None
+        self.step: int | None = None
+        #: This step's generation calls, call after call: each checkpoint's rows and their scores.
+        self.calls: list[tuple] = []
 
     def stopper(self, step: int, seed: int):
-        """This step's :class:`Stopper` (it records the checkpoint's rows and their scores); None during the
-        warm-up when no head is trained (nothing to record for)."""
+        """A :class:`Stopper` for one generation call of step ``step`` (a step of dynamic sampling makes several): it
+        records the checkpoint's rows and their scores for :meth:`observe`; during the warm-up it stops nothing."""
         from ..engines import Stopper
 
-        learning = step < self.warmup
+        if step != self.step:
+            self.step, self.calls = step, []
+        learning, call = step < self.warmup, len(self.calls)
+        call_seed = seed if call == 0 else hash((seed, call)) % 2**62  # the random scorer's draws differ per call
 
         def choose(partial) -> list[bool]:
-            self.partial = partial
-            self.predicted = self._scores(partial, seed)
+            predicted = self._scores(partial, call_seed)
+            self.calls.append((partial, predicted))
             if learning:
                 return [False] * len(partial.finished)
-            return choose_stops(self.predicted, partial.finished, group_size=self.group_size, stop=self.stop)
+            return choose_stops(predicted, partial.finished, group_size=self.group_size, stop=self.stop)
 
-        self.partial = self.predicted = None
         return Stopper(at=self.at, choose=choose)
+
+    def _recorded(self, num_rows: int):
+        """``(finished [N], predicted [N], hidden [N, H] or None)`` of this step's calls, or None when they do not
+        cover exactly the step's ``num_rows`` rows (a call that never reached its checkpoint)."""
+        calls, self.calls = self.calls, []
+        if not calls or sum(len(p.finished) for p, _ in calls) != num_rows:
+            return None
+        finished = sum((list(p.finished) for p, _ in calls), [])
+        predicted = torch.cat([x.float().cpu() for _, x in calls])
+        hidden = [p.hidden for p, _ in calls]
+        return finished, predicted, None if any(h is None for h in hidden) else torch.cat(hidden)
 
     def _scores(self, partial, seed: int) -> torch.Tensor:
         n = len(partial.finished)
@@ -262,18 +280,20 @@ class RolloutStopping:
         if len(every) < len(stopped) * info.world_size or any(stopped):
             out.update(reward_mean=float(every[:, 0].mean()), accuracy=float(every[:, 1].mean()),
                        reward_std=float(every[:, 0].std()) if len(every) > 1 else 0.0)  # fmt: skip
-        if self.partial is None:
+        recorded = self._recorded(len(stopped))
+        if recorded is None:
             return out
-        ran = torch.tensor([not f and not s for f, s in zip(self.partial.finished, stopped)])  # [N]
+        finished, predicted, hidden = recorded
+        ran = torch.tensor([not f and not s for f, s in zip(finished, stopped)])  # [N]
         label = torch.tensor(correct, dtype=torch.float32)[ran]
-        pred, _ = all_gather_varlen(self.predicted.float()[ran].reshape(-1, 1), info=info)
+        pred, _ = all_gather_varlen(predicted[ran].reshape(-1, 1), info=info)
         label_all, _ = all_gather_varlen(label.reshape(-1, 1), info=info)
         area = auc(pred.flatten(), label_all.flatten())
         score = brier(pred.flatten(), label_all.flatten()) if self.scorer != "length" else None  # not a probability
         out.update({"rollout_stop/auc": float("nan") if area is None else area,
                     "rollout_stop/brier": float("nan") if score is None else score})  # fmt: skip
-        if self.head is not None and self.partial.hidden is not None:
-            hidden, _ = all_gather_varlen(self.partial.hidden.float()[ran.to(self.partial.hidden.device)], info=info)
+        if self.head is not None and hidden is not None:
+            hidden, _ = all_gather_varlen(hidden.float()[ran.to(hidden.device)], info=info)
             self.head.update(hidden, label_all.flatten())
         return out
 

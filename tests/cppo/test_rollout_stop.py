@@ -33,7 +33,7 @@ def stop_config(tmp_path, **overrides) -> TrainConfig:
         (dict(rollout_stop_at=0), "rollout_stop_at"),
         (dict(rollout_stop_warmup=-1), "rollout_stop_warmup"),
         (dict(selection_metric="random"), r"this config sets \['selection_metric'\]"),
-        (dict(filter_groups=True, greso=True), r"\['filter_groups', 'greso'\]"),
+        (dict(selection_scope="global"), r"this config sets \['selection_scope'\]"),
     ],
 )
 def test_settings_it_cannot_run_with_are_one_line_naming_them(tmp_path, overrides, match):
@@ -133,7 +133,8 @@ def test_the_head_resumes_exactly(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra", [dict(use_peft=True, lr=1e-3), dict(prefix_sharing=False), dict(selection_scope="batch")],
+    "extra",
+    [dict(use_peft=True, lr=1e-3), dict(prefix_sharing=False), dict(selection_scope="batch")],
     ids=["lora", "no-prefix-sharing", "pooled"],
 )
 def test_it_composes_with_lora_prefix_sharing_and_the_pooled_scope(tmp_path, extra):
@@ -142,3 +143,94 @@ def test_it_composes_with_lora_prefix_sharing_and_the_pooled_scope(tmp_path, ext
     assert sum(h["rollout_stop/stopped"] for h in history[1:]) > 0
     assert all(h["completions_kept"] == h["completions"] - int(h["completions"] * 0.75) for h in history)
     assert all(math.isfinite(h["loss"]) for h in history)
+
+
+DYNAMIC = [dict(filter_groups=True), dict(greso=True), dict(filter_groups=True, greso=True)]
+
+
+@pytest.mark.parametrize("extra", DYNAMIC, ids=["filter_groups", "greso", "both"])
+def test_stopping_nothing_with_dynamic_sampling_and_greso_is_today_s_run_bit_for_bit(tmp_path, extra):
+    runs = {}
+    for name, rate in (("plain", 0.0), ("warmup", 0.5)):
+        trainer = Trainer(stop_config(tmp_path / name, rollout_stop_rate=rate, rollout_stop_warmup=99, **extra))
+        history = [trainer.train_step() for _ in range(3)]
+        runs[name] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (plain, plain_w), (warm, warm_w) = runs["plain"], runs["warmup"]
+    for key in ("loss", "tokens/generate_completion", "completions", "completions_kept", "reward_mean"):
+        assert [h[key] for h in warm] == [h[key] for h in plain], key
+    assert all(torch.equal(plain_w[k], warm_w[k]) for k in plain_w)
+
+
+@pytest.mark.parametrize("extra", DYNAMIC, ids=["filter_groups", "greso", "both"])
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_it_composes_with_dynamic_sampling_and_greso(tmp_path, extra, scope, monkeypatch):
+    """Every generation call of a step stops rows; the head sees every call's rows; the selection (dynamic
+    sampling's, over the survivors) keeps the plain rule's count and never a stopped row; GRESO's history and the
+    zero-variance drops are over the survivors."""
+    trainer = Trainer(stop_config(tmp_path, selection_scope=scope, num_steps=4, max_num_gen_batches=3, **extra))
+    seen, select, reward, firsts = [], trainer._select_and_pack, trainer._reward, set()
+
+    def spy(rewards, rollout, filled=None):
+        seen.append((rollout, filled))
+        return select(rewards, rollout, filled)
+
+    def flat_first_call(problems, prompts, rollout):  # a step's first call all-equal: dynamic sampling draws again
+        rewards, scores, correct = reward(problems, prompts, rollout)
+        first = trainer.step not in firsts
+        firsts.add(trainer.step)
+        return (torch.zeros_like(rewards) if first else rewards), scores, correct
+
+    monkeypatch.setattr(trainer, "_select_and_pack", spy)
+    monkeypatch.setattr(trainer, "_reward", flat_first_call)
+    history = [trainer.train_step() for _ in range(4)]
+    assert sum(h["rollout_stop/stopped"] for h in history[1:]) > 0
+    for (rollout, filled), h in zip(seen, history):
+        n = len(rollout.texts)
+        assert len(rollout.stopped) == n == h["completions"]  # every call's flags, call after call
+        if "filter_groups" in extra:
+            assert h["generation_calls"] >= 2 and n == 32 * h["generation_calls"]
+            assert h["step"] == 1 or sum(rollout.stopped[32:]) > 0  # the second call stopped rows too
+        assert "rollout_stop/auc" in h  # the head saw every call's rows (nan: the tiny model is never right)
+        assert h["completions_kept"] == 8  # 4 questions drawn x 8 at P = 0.75: 2 of each group, or 8 of the 32 pooled
+        if filled is not None:
+            kept = filled.rows(8).tolist()
+            assert not any(rollout.stopped[i] for i in kept)
+            zero = step_zero(filled.rewards, torch.tensor(rollout.stopped))
+            assert filled.zero_variance.tolist() == zero
+        assert math.isfinite(h["loss"])
+    assert all(0.0 <= h["rollout_stop/fraction"] <= 0.5 for h in history)
+
+
+def step_zero(rewards, stopped):
+    """The zero-variance verdict over each group's survivors, by hand."""
+    out = []
+    for g in range(len(rewards) // 8):
+        alive = [float(r) for r, s in zip(rewards[g * 8 : (g + 1) * 8], stopped[g * 8 : (g + 1) * 8]) if not s]
+        out.append(len(alive) < 2 or len(set(alive)) == 1)
+    return out
+
+
+def test_dynamic_sampling_fills_its_budget_from_survivors_only():
+    """fill_step with stopped rows: a group whose survivors agree is dropped (no gradient), the budget filled from
+    the others, the selection over survivors; with nothing stopped, exactly the plain call."""
+    from cppo.step import fill_step, zero_variance_groups
+
+    pruning = Pruning(group_size=4, pruning_rate=0.5, scope="group", questions_per_step=1)  # draws 2 questions
+    calls = iter([
+        (torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]), torch.tensor([0, 1, 0, 0, 0, 0, 0, 0]).bool()),
+        (torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 0, 0, 0, 0, 1]).bool()),
+    ])  # fmt: skip
+    filled = fill_step(pruning, lambda n: next(calls), max_calls=3)
+    # call 1: group 0's survivors 1, 1, 1 agree (dropped), group 1 has spread: 1 useful of the 2 needed
+    # call 2: group 2's survivors 0, 1, 0 spread, group 3's 1, 0, 1 spread -> full
+    assert filled.zero_variance.tolist() == [True, False, False, False] and filled.calls == 2
+    assert filled.pool == [1, 2]
+    kept = filled.rows(4).tolist()
+    stopped = [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert len(kept) == 4 and not any(stopped[i] for i in kept)
+    assert zero_variance_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), 4, torch.tensor([0, 0, 1, 0]).bool()).item()
+    plain = iter([torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])] * 2)
+    none = iter([(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]), torch.zeros(8, dtype=torch.bool))] * 2)
+    a, b = fill_step(pruning, lambda n: next(plain), max_calls=2), fill_step(pruning, lambda n: next(none), max_calls=2)
+    assert a.pool == b.pool and torch.equal(a.selection.kept, b.selection.kept)
+    assert torch.equal(a.selection.advantages, b.selection.advantages)

@@ -183,14 +183,14 @@ def worker(out_dir: str) -> None:
 
     record("ddp_filter_groups_and_greso_ranks_agree", filter_groups_and_greso)
 
-    def rollout_stop():
+    def rollout_stop(name: str, **extra):
         """Pruning while generating on two ranks (issue 38): the real hf engine stops completions on each rank; the
         counts add up over the ranks, the kept count is the official one, and both ranks train the same quality
-        head (every rank's rows gathered), so they predict alike."""
+        head (every rank's rows gathered), so they predict alike; with dynamic sampling and GRESO too."""
         from cppo import TrainConfig, Trainer
 
-        settings = dict(CONFIG, output_dir=str(out / "rollout-stop"), selection_scope="group", rollout_stop_rate=0.5,
-                        rollout_stop_at=3, rollout_stop_warmup=1, num_steps=3, **packed)  # fmt: skip
+        settings = dict(CONFIG, output_dir=str(out / name), selection_scope="group", rollout_stop_rate=0.5,
+                        rollout_stop_at=3, rollout_stop_warmup=1, num_steps=3, **packed, **extra)  # fmt: skip
         trainer = Trainer(TrainConfig(**settings), info=info)
         stopped_here = []
         select = trainer._select_and_pack
@@ -204,13 +204,20 @@ def worker(out_dir: str) -> None:
         for m, mine in zip(history, stopped_here):
             both, _ = D.all_gather_varlen(torch.tensor([[mine, m["rollout_stop/stopped"]]]), info=info)
             assert both[:, 0].sum() == both[0, 1] == both[1, 1], (both, m)
-            assert m["completions"] == 16 and m["completions_kept"] == 8, m  # G - int(G * P) = 2 of each of 4
+            calls = m.get("generation_calls", 1)  # dynamic sampling: every rank makes the same calls
+            assert m["completions"] == 16 * calls and m["completions_kept"] == 8, m  # G - int(G * P) = 2 of each of 4
         assert history[0]["rollout_stop/stopped"] == 0 and sum(h["rollout_stop/stopped"] for h in history) > 0
         weight = torch.cat([trainer.stopping.head.linear.weight.reshape(-1), trainer.stopping.head.mean.float()])
         gathered, _ = D.all_gather_varlen(weight[None], info=info)
         assert torch.equal(gathered[0], gathered[1]) and bool(weight.abs().sum() > 0), "the ranks' heads differ"
 
-    record("ddp_rollout_stop_ranks_agree", rollout_stop)
+    record("ddp_rollout_stop_ranks_agree", lambda: rollout_stop("rollout-stop"))
+    record(
+        "ddp_rollout_stop_with_filter_groups_and_greso_ranks_agree",
+        lambda: rollout_stop(
+            "rollout-stop-dynamic", filter_groups=True, greso=True, rewards=["gated"], max_questions=8
+        ),
+    )  # fmt: skip  (gated: registered by filter_groups_and_greso)
 
     def resume(parallelism: str):
         path = str(out / f"resume-{parallelism}")
@@ -260,6 +267,7 @@ def worker(out_dir: str) -> None:
 
 CHECKS = [f"ddp_{s}_ranks_agree" for s in SCOPES] + ["fsdp2_global_ranks_agree", "ddp_global_uneven_count_ranks_agree"]
 CHECKS += ["ddp_filter_groups_and_greso_ranks_agree", "ddp_rollout_stop_ranks_agree"]
+CHECKS += ["ddp_rollout_stop_with_filter_groups_and_greso_ranks_agree"]
 CHECKS += ["ddp_resume_matches_uninterrupted", "fsdp2_resume_matches_uninterrupted"]
 # the 1-process comparisons run on one rank each
 OWNER = {"two_processes_match_one_group": 0, "two_processes_match_one_global": 0, "two_processes_match_one_batch": 1}
