@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from ..tasks import DATASETS as _TASK_DATASETS
+
 #: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
 #: ``dtype``: the compute dtype (master weights and optimizer state are always float32).
@@ -13,8 +15,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 #: ``kernel_backend``: the cppo_kernels path (``auto`` leaves ``$CPPO_KERNELS_BACKEND`` in charge).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-#: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``).
-DATASETS = ("arith", "gsm8k", "math", "math500")
+#: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``): those the task kinds provide
+#: (:mod:`cppo.tasks.registry`; read each time, so a kind registered later adds its own), sorted.
+DATASETS = _TASK_DATASETS
 #: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 #: ``lora_target_modules`` by default: the attention and MLP projections (Llama, Qwen2, Mistral, SmolLM2 names).

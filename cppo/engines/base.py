@@ -91,6 +91,10 @@ class RolloutEngine(ABC):
     #: Can stop completions at a checkpoint mid-generation (``generate(..., stopper=...)``: issue 38).
     supports_stopping: ClassVar[bool] = False
 
+    #: Decodes greedily (``generate(..., greedy=True)``), so greedy evaluation runs on the engine itself
+    #: (:meth:`for_evaluation`); an engine that does not declare it is evaluated by ``hf`` on the policy.
+    supports_greedy: ClassVar[bool] = False
+
     #: The packages it imports when built (``{module: what to install}``), checked before any model loads
     #: (:func:`check_engine_installed`).
     requires: ClassVar[dict[str, str]] = {}
@@ -133,9 +137,9 @@ class RolloutEngine(ABC):
         engine that generates with ``model`` itself)."""
 
     def for_evaluation(self) -> RolloutEngine:
-        """The engine greedy evaluation decodes with: by default transformers ``generate`` (the ``hf`` engine) on
-        the same model, tokenizer, lengths and compute dtype."""
-        return make_engine("hf", self.model, self.tokenizer, self.settings)
+        """The engine greedy evaluation decodes with: itself when it declares ``supports_greedy``, else
+        transformers ``generate`` (the ``hf`` engine) on the same model, tokenizer, lengths and compute dtype."""
+        return self if self.supports_greedy else make_engine("hf", self.model, self.tokenizer, self.settings)
 
 
 #: Builds an engine: ``factory(model, tokenizer, settings)``; a :class:`RolloutEngine` subclass is one. Its
@@ -181,7 +185,8 @@ def check_engine_installed(name: str) -> str:
 
 def engine_supports(name: str, capability: str) -> bool:
     """Whether the engine ``name`` (registered; ``auto`` asks every engine auto may pick) declares ``capability``
-    (``supports_lora``, ``supports_sharded``: a class attribute of its factory, False when absent)."""
+    (``supports_lora``, ``supports_sharded``, ``supports_stopping``, ``supports_greedy``: a class attribute of its
+    factory, False when absent)."""
     names = ("hf", "vllm") if name == "auto" else (check_engine_name(name),)
     return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
 

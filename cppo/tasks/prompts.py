@@ -7,6 +7,8 @@ newline; the MATH prompt keeps its doubled braces ``{{ANSWER}}`` and its trailin
 
 from __future__ import annotations
 
+from .registry import SystemPrompts, task_kind
+
 GSM8K_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant "
     "first thinks about the reasoning process in the mind and then provides the user with the answer. The reasoning "
@@ -21,17 +23,16 @@ MATH_SYSTEM_PROMPT = (
     "process and answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "
     "<think> reasoning process here </think>\n<answer> answer here </answer>. "
 )
-#: The default system prompt of each problem kind (``arith`` uses the GSM8K recipe's).
-SYSTEM_PROMPTS = {"gsm8k": GSM8K_SYSTEM_PROMPT, "math": MATH_SYSTEM_PROMPT, "arith": GSM8K_SYSTEM_PROMPT}
+#: The default system prompt of each problem kind, registered kinds included (``arith`` uses the GSM8K recipe's).
+SYSTEM_PROMPTS = SystemPrompts()
 
 
 def system_prompt_for(kind: str, system_prompt: str | None = None) -> str:
-    """``system_prompt`` when given, else the official prompt of problem ``kind``."""
+    """``system_prompt`` when given, else the default prompt of problem ``kind`` (its
+    :class:`~cppo.tasks.registry.TaskKind`'s: the official recipe's for the built-in kinds)."""
     if system_prompt is not None:
         return system_prompt
-    if kind not in SYSTEM_PROMPTS:
-        raise ValueError(f"unknown problem kind {kind!r}; kinds: {sorted(SYSTEM_PROMPTS)}")
-    return SYSTEM_PROMPTS[kind]
+    return task_kind(kind).system_prompt
 
 
 def build_prompt(tokenizer, problem: dict, *, system_prompt: str | None = None) -> str:

@@ -2,7 +2,9 @@
 evaluation.
 
 ``row`` holds the problem's columns as lists aligned with ``completions``: ``answer`` (the gold answer), ``kind``
-("gsm8k", "math", "arith") and ``solution`` (MATH: the text math-verify parses the gold from; else None).
+("gsm8k", "math", "arith" or a registered kind) and ``solution`` (MATH: the text math-verify parses the gold from;
+else None). ``accuracy`` and the correctness checks ask each completion's kind (:mod:`cppo.tasks.registry`; the
+built-in kinds' checks are registered in :mod:`cppo.tasks.kinds`).
 
 ``format`` and ``accuracy`` are the official CPPO rewards (lzhxmu/CPPO ``src/open_r1/rewards_gsm.py`` and
 ``rewards_math.py``), reproduced to the letter, quirks included, but in linear time (the official regular expressions
@@ -26,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from . import math_grading
+from .registry import grade
 
 RewardFn = Callable[..., list[float]]
 
@@ -157,64 +159,25 @@ def last_boxed(text: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _solutions(answer: list[str], solution: list | None) -> list[str]:
-    """Each problem's math-verify gold text: its solution, else its answer in ``$...$``."""
-    solution = solution if solution is not None else [None] * len(answer)
-    return [s if s is not None else f"${a}$" for a, s in zip(answer, solution, strict=True)]
-
-
-def _math_scores(mode: str, completions: list[str], kind: list[str], answer: list[str], solution) -> dict[int, float]:
-    """math-verify verdicts of the MATH completions, by index (one worker request)."""
-    index = [i for i, k in enumerate(kind) if k == "math"]
-    if not index:
-        return {}
-    golds = _solutions(answer, solution)
-    scores = math_grading.verifier().scores(mode, [completions[i] for i in index], [golds[i] for i in index])
-    return dict(zip(index, scores))
-
-
-def _check_kinds(kind: list[str]) -> None:
-    unknown = sorted(set(kind) - {"gsm8k", "math", "arith"})
-    if unknown:
-        raise ValueError(f"unknown problem kind {unknown[0]!r}; kinds: arith, gsm8k, math")
-
-
 def accuracy_reward(
     prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], solution=None, **row
 ) -> list[float]:
-    """The ``accuracy`` reward (see the module docstring)."""
-    _check_kinds(kind)
-    math = _math_scores("reward", completions, kind, answer, solution)
-    out = []
-    for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True)):
-        if k == "gsm8k":
-            out.append(gsm8k_score(c, gold))
-        else:
-            out.append(math[i] if k == "math" else float(arith_correct(c, gold)))
-    return out
+    """The ``accuracy`` reward (see the module docstring): each completion's kind's reward."""
+    return [float(s) for s in grade("reward", completions, answer=answer, kind=kind, solution=solution, **row)]
 
 
-def training_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None) -> list[bool]:
+def training_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None, **row) -> list[bool]:
     """Whether each completion is correct, for the training metric: GSM8K a positive official reward, MATH
-    math-verify's verdict (the reward's, memoised: math-verify is not run again), arithmetic :func:`arith_correct`."""
-    _check_kinds(kind)
-    math = _math_scores("reward", completions, kind, answer, solution)
-    return [
-        gsm8k_score(c, gold) > 0 if k == "gsm8k" else math[i] == 2.0 if k == "math" else arith_correct(c, gold)
-        for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True))
-    ]
+    math-verify's verdict (the reward's, memoised: math-verify is not run again), arithmetic :func:`arith_correct`
+    (each kind's ``correct``)."""
+    return [bool(c) for c in grade("correct", completions, answer=answer, kind=kind, solution=solution, **row)]
 
 
-def eval_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None) -> list[bool]:
+def eval_correct(completions: list[str], *, answer: list[str], kind: list[str], solution=None, **row) -> list[bool]:
     """Whether each completion is correct under the official evaluation: GSM8K :func:`gsm8k_eval_correct`, MATH
     math-verify with the gold first (``verify(gold, answer)``; an unparseable gold is wrong), arithmetic
-    :func:`arith_correct`."""
-    _check_kinds(kind)
-    math = _math_scores("eval", completions, kind, answer, solution)
-    return [
-        gsm8k_eval_correct(c, gold) if k == "gsm8k" else math[i] == 1.0 if k == "math" else arith_correct(c, gold)
-        for i, (c, gold, k) in enumerate(zip(completions, answer, kind, strict=True))
-    ]
+    :func:`arith_correct` (each kind's ``eval_correct``)."""
+    return [bool(c) for c in grade("eval", completions, answer=answer, kind=kind, solution=solution, **row)]
 
 
 def format_reward(prompts: list[str], completions: list[str], **row) -> list[float]:
@@ -222,7 +185,7 @@ def format_reward(prompts: list[str], completions: list[str], **row) -> list[flo
 
 
 def accuracy01_reward(prompts: list[str], completions: list[str], *, answer: list[str], kind: list[str], **row):
-    return [float(ok) for ok in training_correct(completions, answer=answer, kind=kind, solution=row.get("solution"))]
+    return [float(ok) for ok in training_correct(completions, answer=answer, kind=kind, **row)]
 
 
 def tag_count_reward(prompts: list[str], completions: list[str], **row) -> list[float]:
