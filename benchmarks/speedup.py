@@ -90,7 +90,7 @@ from tqdm.auto import tqdm
 
 import cppo
 from cppo import TrainConfig
-from cppo.tasks import count_local_problems, load_problems, question_id
+from cppo.tasks import count_local_problems, dataset_source, load_problems, question_id
 
 #: ``on_step(plan, metrics)`` after every measured step (progress).
 OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
@@ -325,7 +325,8 @@ def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPl
             f"--eval needs held-out test problems, but dataset {base.dataset!r} is one file: its test split would be "
             "its training problems (use a folder with train.jsonl and test.jsonl as dataset_path)"
         )
-    if base.dataset == "arith" or base.dataset_path is not None:
+    source = dataset_source(base.dataset)  # a generated dataset (arith) has its test split without a path
+    if (source is not None and source.generate is not None) or base.dataset_path is not None:
         try:
             test = load_problems(base.dataset, split="test", dataset_path=base.dataset_path, max_questions=args.eval)
         except ValueError as e:
