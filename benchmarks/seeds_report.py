@@ -176,10 +176,13 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
     methods = sorted({m for runs in table.values() for m in runs})
     if "GRPO" not in methods and dynamic_pairs(table):  # issue 30's benchmark: the pairs alone
         return dynamic_summary(table, methods)
+    from seeds_stop import stop_pairs, stop_summary  # issue 38's pairs (seeds_stop imports this module)
+
+    stop = stop_pairs(table)
+    found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m]
+    if stop and cppo is None and not found:  # issue 38's benchmark: the pairs (and GRPO) alone
+        return stop_summary(table, methods, stop)
     if cppo is None:  # the one pooled CPPO run with allocation
-        found = [
-            m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m
-        ]
         cppo = (
             found[0] if len(found) == 1
             else f"one CPPO rate (found {found}: name one)" if found
@@ -225,6 +228,7 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
         "time_ratio_train": times[cppo]["train"],
         "target": target,
         **({"dynamic": dynamic_pairs(table)} if dynamic_pairs(table) else {}),
+        **({"stop": stop} if stop else {}),
         **({"preregistered": pre} if (pre := preregistered(table)) else {}),
     }
 
@@ -337,12 +341,13 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
     for name, d in summary["accuracy_differences"].items():
         per = ", ".join(f"{100 * v:+.1f}" for v in d["per_seed"].values())
         lines.append(f"| {name} | {d['n']} | {per} | {100 * d['mean']:+.1f} | {_pct(d['ci95'])} | {_signs(d)} |")
+    timed = summary["time_ratios"] or not summary.get("stop")  # issue 38's rows without GRPO: no table
     lines += [
         "",
         "| time / GRPO's | seeds | CPU seconds, mean (95% interval) | wall, mean (95% interval) | wall of the summed "
         "seconds | training wall |",
         "| --- | --- | --- | --- | --- | --- |",
-    ]
+    ] if timed else []  # fmt: skip
 
     def mean_ci(r: dict[str, Any] | None) -> str:
         if r is None:
@@ -358,7 +363,12 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
     if summary.get("preregistered"):
         lines += format_preregistered(summary["preregistered"])
     lines += format_dynamic(summary["dynamic"]) if summary.get("dynamic") else []
-    lines.append(f"\ntarget ({summary['cppo'] or 'issue 30'}): {summary['target']}")
+    if summary.get("stop"):
+        from seeds_stop import format_stop
+
+        lines += format_stop(summary["stop"])
+    if summary["cppo"] or not summary.get("stop"):  # issue 38's alone: format_stop gave each group's target
+        lines.append(f"\ntarget ({summary['cppo'] or 'issue 30'}): {summary['target']}")
     return "\n".join(lines)
 
 
@@ -390,7 +400,11 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
     """Two panels. Left: final accuracy against whole-run wall time, one small marker per seed and method (95%
     Wilson bar of its own test problems), one large marker per method at its seeds' means with the t interval of
     the mean. Right: every paired accuracy difference, its mean over the seeds the pair shares with the 95% t
-    interval, labelled with the seeds and their signs."""
+    interval, labelled with the seeds and their signs. Issue 38's rows alone: :func:`seeds_stop.plot_stop`."""
+    if summary.get("stop") and summary["cppo"] is None:
+        from seeds_stop import plot_stop
+
+        return plot_stop(path, summary, table, meta)
     plt = _pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.0, 5.5), gridspec_kw={"width_ratios": [1.25, 1.0]})
     for i, m in enumerate(summary["methods"]):
