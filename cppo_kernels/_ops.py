@@ -26,7 +26,9 @@ kept count) are symbolic ints in the fakes, so they do not recompile either: the
 or ``num_kept``, a function of the input sizes and ints, not of the data.
 
 Value checks that read tensors back (finite values, targets in range, offsets) run inside the real implementations
-(they are the eager functions), so a compiled call raises the eager one-line ``ValueError`` at run time.
+(they are the eager functions), so a compiled call raises the eager one-line ``ValueError`` at run time. The
+:class:`cppo_kernels.LossConfig` is validated by the public function, and once more where the op rebuilds it
+(:func:`_config`): a number that travels as data reaches the op without the public function running again.
 """
 
 from __future__ import annotations
@@ -112,11 +114,21 @@ def decode(text: str, numbers: Tensor | None = None) -> dict[str, object]:
 # --------------------------------------------------------------------------------------------
 
 
+def _config(options: dict) -> LossConfig:
+    """The LossConfig of the decoded ``options`` (its fields, every number exact in float64; the other keys are the
+    op's own)."""
+    # Validated again, on purpose (eager calls never come here): a number that travels as data (an input of the graph)
+    # reaches here with a new value without the public function running again, and dynamo does not guard every check
+    # of it (beta, entropy_coef, temperature or off_policy_mask_threshold at +-inf ran the graph traced at 0.01 under
+    # torch 2.13; tests/kernels/test_loss_options.py): this is that value's one check, ~20 comparisons beside a loss.
+    return LossConfig(**{k: v for k, v in options.items() if k in LOSS_OPTIONS})
+
+
 def _split(options: dict) -> tuple[LossConfig, str, tuple[bool, bool, bool], dict[str, object]]:
     """(LossConfig, mode, which of hidden / weight / bias want gradients, the keywords of the head's transform) of
     the loss options of :func:`compiled_loss`, decoded with their numbers."""
-    cfg = LossConfig(**{k: v for k, v in options.items() if k in LOSS_OPTIONS})
-    return cfg, options["mode"], _needs(options), {k[5:]: v for k, v in options.items() if k.startswith("head.")}
+    head = {k[5:]: v for k, v in options.items() if k.startswith("head.")}
+    return _config(options), options["mode"], _needs(options), head
 
 
 def _needs(options: dict) -> tuple[bool, bool, bool]:
@@ -301,11 +313,15 @@ def _logprobs_op(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, head: str, numbers: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(logp, entropy)`` of the eager function (``entropy`` empty without ``compute_entropy``); ``head``,
-    ``numbers``: :func:`encode`'s of its keywords."""
+    ``numbers``: :func:`encode`'s of its LossConfig fields (``temperature``, ``compute_entropy``) and the head's
+    transform (``logit_scale``, ``logit_softcap``)."""
     options = decode(head, numbers)
+    cfg = _config(options)
     with torch.no_grad():
-        out = _EAGER["logprobs"](hidden, weight, targets, bias=bias, **options)
-    if options.get("compute_entropy"):
+        out = _EAGER["logprobs"](
+            hidden, weight, targets, bias=bias, cfg=cfg, **{k: v for k, v in options.items() if k not in LOSS_OPTIONS}
+        )
+    if cfg.compute_entropy:
         return out
     return out, out.new_empty(0)
 
@@ -316,10 +332,12 @@ def _logprobs_fake(hidden, weight, targets, bias, head, numbers):
     return logp, torch.empty_like(logp) if decode(head).get("compute_entropy") else logp.new_empty(0)
 
 
-def compiled_logprobs(hidden, weight, targets, *, bias, **head) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`cppo_kernels.fused_logprobs` as one ``cppo_kernels::fused_logprobs`` node."""
-    logp, entropy = _logprobs_op(hidden, weight, targets, bias, *encode(**head))
-    return (logp, entropy) if head.get("compute_entropy") else logp
+def compiled_logprobs(hidden, weight, targets, *, bias, cfg: LossConfig, **head) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`cppo_kernels.fused_logprobs` as one ``cppo_kernels::fused_logprobs`` node: of ``cfg``, the two fields
+    the op reads travel (another field changes neither the text nor the graph)."""
+    options = encode(temperature=cfg.temperature, compute_entropy=cfg.compute_entropy, **head)
+    logp, entropy = _logprobs_op(hidden, weight, targets, bias, *options)
+    return (logp, entropy) if cfg.compute_entropy else logp
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """Public options of the ops: the choices each option accepts, the scalar checks every layer shares (also used by
 the ``cppo`` trainer), and the loss hyper-parameters as one frozen dataclass (:class:`LossConfig`): its fields are
-the one definition of the loss options and their defaults (the public loss functions take them as keywords and
-build the LossConfig through :func:`loss_config`)."""
+the one definition of the loss options and their defaults. The public loss functions take ``config=LossConfig(...)``
+or the same options as keywords (``**options``), from which :func:`loss_config` builds the one LossConfig of the
+call; no signature restates a field or its default.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from difflib import get_close_matches
 
 #: ``scale`` of :func:`cppo_kernels.group_advantages`.
 SCALES = ("group", "batch", "none")
@@ -237,21 +241,33 @@ LOSS_OPTIONS = tuple(f.name for f in fields(LossConfig))
 _LOSS_DEFAULTS = {f.name: f.default for f in fields(LossConfig)}
 
 
-def loss_config(config: LossConfig | None, **options: object) -> LossConfig:
-    """The :class:`LossConfig` of a call: ``config`` when given, else ``LossConfig(**options)``.
+def loss_config(
+    caller: str, config: LossConfig | None, options: Mapping[str, object], accepted: tuple[str, ...] = LOSS_OPTIONS
+) -> LossConfig:
+    """The one :class:`LossConfig` of a call of the public function ``caller``: ``config`` when given, else
+    ``LossConfig(**options)`` (validated there, once: the layers below take it as it is).
 
-    ``options`` are loss options passed as keywords (names of :data:`LOSS_OPTIONS`; any other name is a
-    ``ValueError``). Next to ``config``, an option that differs from its LossConfig default is a ``ValueError``: it
-    would be silently overridden otherwise.
+    ``options``: the call's ``**options``, loss options by field name. A name not in ``accepted`` (the LossConfig
+    fields, or the few a function reads) is a ``TypeError`` naming it and the valid names, as Python's own for an
+    unexpected keyword. Next to ``config``, an option passed with another value than ``config``'s is a ``ValueError``
+    (one of the two would be silently ignored otherwise), an option repeating ``config``'s value is allowed.
+    ``config`` that is not a LossConfig is a ``ValueError``.
     """
-    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    unknown = [name for name in options if name not in accepted]
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown}: the options are {list(LOSS_OPTIONS)}")
+        names = ", ".join(repr(name) for name in unknown)
+        close = [m for name in unknown for m in get_close_matches(name, accepted, n=1)]
+        hint = f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
+        got = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments"
+        raise TypeError(f"{caller}() got {got} {names}{hint}; its options are LossConfig fields: {', '.join(accepted)}")
     if config is None:
         return LossConfig(**options)
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig or None, got {type(config).__name__}")
     for name, value in options.items():
-        if value != _LOSS_DEFAULTS[name]:
-            raise ValueError(f"{name}={value!r} conflicts with config=: pass {name} inside the LossConfig")
+        if value != getattr(config, name):
+            raise ValueError(
+                f"{name}={value!r} conflicts with config=LossConfig(..., {name}={getattr(config, name)!r}): pass "
+                f"{name} inside the LossConfig only"
+            )
     return config

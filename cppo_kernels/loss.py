@@ -13,8 +13,10 @@ over the backend module the dispatcher gives for that mode (:func:`cppo_kernels.
 - gradient-in-forward (gradients wanted, no option needing the whole call): the forward computes the gradients
   too, chunk by chunk while the logits are in memory (3 matmuls); ``_loss_torch`` runs it whatever the backend.
 
-The options are the fields of :class:`cppo_kernels.LossConfig` (their one definition, with the defaults): the
-public signatures list them as keywords for ``help`` and IDEs, and tests check that they equal the fields.
+The options are the fields of :class:`cppo_kernels.LossConfig` (their one definition, with the defaults): each
+public function takes ``config=LossConfig(...)`` or the same options as keywords (``**options``), builds the one
+LossConfig of the call with :func:`cppo_kernels.config.loss_config` (validated there, once) and hands it down as it
+is; no signature restates a field (tests/kernels/test_loss_options.py checks it).
 """
 
 from __future__ import annotations
@@ -90,29 +92,8 @@ def fused_cppo_loss(
     logit_softcap: float | None = None,
     entropy_threshold_fn: ThresholdFn | None = None,
     config: LossConfig | None = None,
-    temperature: float = 1.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    dual_clip: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    importance_sampling: str = "token",
-    loss_agg: str = "token-mean",
-    max_completion_length: int | None = None,
-    compute_entropy: bool = False,
-    surrogate: str = "clip",
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    use_bias_correction_kl: bool = False,
-    off_policy_mask_threshold: float | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
     mode: str = "auto",
+    **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPPO/GRPO policy loss straight from hidden states, never materialising ``[T, V]`` logits.
 
@@ -172,13 +153,16 @@ def fused_cppo_loss(
             included; default: their ``1 - top_entropy_quantile`` quantile. A caller on several processes passes one
             that gathers every process's entropies first (TRL's ``get_high_entropy_mask``). Eager only:
             ``torch.compile`` breaks the graph there (``fullgraph=True`` stops, naming this option).
-        config: the options below as one :class:`LossConfig`; an option also passed as a keyword must then keep
-            its default (else ``ValueError``).
-        temperature, ..., entropy_coef: the loss options, each documented in :class:`LossConfig`.
+        config: the loss options as one :class:`LossConfig` (default: ``LossConfig(**options)``).
         mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
             PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides; two-pass whatever the
             rule for the options of :attr:`LossConfig.call_rule`), ``"two-pass"`` or ``"grad-in-forward"`` (a
             ``ValueError`` with those options, or with a sequence longer than a chunk for a sequence rule).
+        **options: any :class:`LossConfig` field by name (``temperature``, ``epsilon_low``, ``beta``,
+            ``kl_estimator``, ``loss_agg``, ``surrogate``, ``entropy_coef``, ...: LossConfig documents every one, its
+            meaning and its default), a shortcut for ``config=LossConfig(**options)``. Another name is a
+            ``TypeError``; next to ``config``, an option away from its default is a ``ValueError`` (it would be
+            overridden).
 
     Returns:
         ``(loss, metrics)``: the fp32 scalar loss, with gradients to ``hidden``, ``weight`` and ``bias`` (in their
@@ -191,16 +175,7 @@ def fused_cppo_loss(
         with ``top_entropy_quantile < 1`` the entropy mask's share of tokens (``entropy_mask_fraction``) and their
         mean entropy (``entropy_masked_mean``). Empty sequences and empty batches give 0, never NaN.
     """
-    cfg = loss_config(
-        config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
-        beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
-        max_completion_length=max_completion_length, compute_entropy=compute_entropy, surrogate=surrogate,
-        delta=delta, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, use_bias_correction_kl=use_bias_correction_kl,
-        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        entropy_coef=entropy_coef,
-    )  # fmt: skip
+    cfg = loss_config("fused_cppo_loss", config, options)
     check_mode(mode, cfg)
     check_threshold_fn(entropy_threshold_fn, cfg)
     head = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)._asdict()
@@ -271,8 +246,8 @@ def fused_logprobs(
     bias: Tensor | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
+    config: LossConfig | None = None,
+    **options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs (and entropies) without autograd: the old-policy and reference passes.
 
@@ -282,34 +257,37 @@ def fused_logprobs(
         targets: integer token ids in ``[0, V)`` of hidden's leading shape (``[T]`` or ``[B, L]``).
         bias: ``[V]`` LM-head bias, weight's dtype.
         logit_scale, logit_softcap: the model's own logit transform, as in :func:`fused_cppo_loss`.
-        temperature: divides the (transformed) logits (> 0).
-        compute_entropy: also return each token distribution's entropy.
+        config: a :class:`LossConfig` of which two fields apply here: ``temperature`` (divides the transformed
+            logits) and ``compute_entropy`` (also return each token distribution's entropy); the loss's own config
+            may be passed as it is (its other fields change nothing).
+        **options: ``temperature`` and ``compute_entropy`` by name (:class:`LossConfig` documents them and holds
+            their defaults): a shortcut for ``config=LossConfig(**options)``; another name is a ``TypeError``.
 
     Returns:
         fp32 ``logp`` of the leading shape, or ``(logp, entropy)`` with ``compute_entropy=True``. Deterministic,
         and a token's values do not depend on the other tokens of the batch.
     """
-    head = check_logit_transform(logit_scale, logit_softcap, temperature)._asdict()
+    cfg = loss_config("fused_logprobs", config, options, LOGPROBS_OPTIONS)
+    head = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)._asdict()
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_logprobs node, validated inside (cppo_kernels._ops)
-        return compiled_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                 compute_entropy=compute_entropy, **head)  # fmt: skip
-    return eager_logprobs(
-        hidden, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy, **head
-    )
+        return compiled_logprobs(hidden, weight, targets, bias=bias, cfg=cfg, **head)
+    return eager_logprobs(hidden, weight, targets, bias=bias, cfg=cfg, **head)
+
+
+#: The :class:`LossConfig` fields that :func:`fused_logprobs` reads (and takes as keywords).
+LOGPROBS_OPTIONS = ("temperature", "compute_entropy")
 
 
 @implements("logprobs")
 def eager_logprobs(
-    hidden, weight, targets, *, bias, temperature: float, compute_entropy: bool, logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The body of :func:`fused_logprobs` (call it under ``torch.no_grad``); also the real implementation of the
+    hidden, weight, targets, *, bias, cfg: LossConfig, logit_scale: float = 1.0, logit_softcap: float | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The body of :func:`fused_logprobs` after its options are checked (``cfg``, the head's transform ``logit_scale``
+    / ``logit_softcap``; call it under ``torch.no_grad``); also the real implementation of the
     ``cppo_kernels::fused_logprobs`` op."""
     hidden = check_tensor("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, L, H], got shape {list(hidden.shape)}")
-    cfg = LossConfig(temperature=temperature, compute_entropy=compute_entropy)
-    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
     check_head(hidden, weight, bias)
     lead = tuple(hidden.shape[:-1])
     targets = check_targets(targets, lead, hidden.device, "[T]" if len(lead) == 1 else "[B, L]")
@@ -345,28 +323,7 @@ def cppo_loss_from_logits(
     sampling_logprobs: Tensor | None = None,
     entropy_threshold_fn: ThresholdFn | None = None,
     config: LossConfig | None = None,
-    temperature: float = 1.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    dual_clip: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    importance_sampling: str = "token",
-    loss_agg: str = "token-mean",
-    max_completion_length: int | None = None,
-    compute_entropy: bool = False,
-    surrogate: str = "clip",
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    use_bias_correction_kl: bool = False,
-    off_policy_mask_threshold: float | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
+    **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_cppo_loss` for callers that already hold the logits: same layouts, options and results.
 
@@ -375,21 +332,13 @@ def cppo_loss_from_logits(
     Args:
         logits: ``[T, V]`` (packed) or ``[B, L, V]`` (padded), floating, finite where counted.
         targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs: as in :func:`fused_cppo_loss`.
-        entropy_threshold_fn, config, temperature, ..., entropy_coef: as in :func:`fused_cppo_loss`.
+        entropy_threshold_fn, config: as in :func:`fused_cppo_loss`.
+        **options: any :class:`LossConfig` field by name, as in :func:`fused_cppo_loss`.
 
     Returns:
         ``(loss, metrics)`` as :func:`fused_cppo_loss`, the loss with gradients to ``logits``.
     """
-    cfg = loss_config(
-        config, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
-        beta=beta, kl_estimator=kl_estimator, importance_sampling=importance_sampling, loss_agg=loss_agg,
-        max_completion_length=max_completion_length, compute_entropy=compute_entropy, surrogate=surrogate,
-        delta=delta, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, use_bias_correction_kl=use_bias_correction_kl,
-        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        entropy_coef=entropy_coef,
-    )  # fmt: skip
+    cfg = loss_config("cppo_loss_from_logits", config, options)
     p, checks = pack(
         "logits", logits, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False, importance_weights=importance_weights,
@@ -438,12 +387,12 @@ class FusedCPPOLoss(nn.Module):
     """:func:`fused_cppo_loss` as a module that holds the options (the Liger-Kernel habit).
 
     Args:
-        config: the options as a :class:`LossConfig`; or pass them as keywords (``beta=0.04, ...``), not both
-            (a keyword that differs from its default next to ``config`` is a ``ValueError``).
+        config: the loss options as a :class:`LossConfig` (default: ``LossConfig(**options)``).
         mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
         logit_scale, logit_softcap: the model's own logit transform (:func:`fused_cppo_loss`), held with the
             options.
-        **options: the keyword options of :func:`fused_cppo_loss` (``temperature``, ``epsilon_low``, ...).
+        **options: any :class:`LossConfig` field by name (``beta=0.04, ...``), as in :func:`fused_cppo_loss`:
+            another name is a ``TypeError``; next to ``config``, one away from its default a ``ValueError``.
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
     ref_logprobs=None, bias=None)`` takes the tensors of :func:`fused_cppo_loss` (same shapes and layouts) and
@@ -460,7 +409,7 @@ class FusedCPPOLoss(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        cfg = self.config = loss_config(config, **options)
+        cfg = self.config = loss_config("FusedCPPOLoss", config, options)
         self.mode = check_choice("mode", mode, MODES)
         self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from .config import MAX_VARIANCE_RTOL, LossConfig
+from .config import MAX_VARIANCE_RTOL, LossConfig, loss_config
 
 __all__ = [
     "group_advantages",
@@ -192,21 +194,17 @@ def cppo_select(
 
 
 def token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    *,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-) -> tuple[Tensor, Tensor]:
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None, logit_scale: float = 1.0,
+    logit_softcap: float | None = None, config: LossConfig | None = None, **options: Any,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(logp, entropy)`` of each target under ``softmax(logits / temperature)``, the model's logits
     ``logit_softcap * tanh((hidden @ weight^T + bias) * logit_scale / logit_softcap)`` (no tanh without a cap):
     Gemma 2's forward, the scale first, then the cap; TRL divides the model's logits by the temperature.
 
     ``hidden [..., H]``, ``weight [V, H]``, ``targets [...]``, from the full logits ``[..., V]``. Differentiable.
+    ``temperature``: of ``config`` (a :class:`LossConfig`), or as a keyword (``**options``).
     """
+    temperature = loss_config("token_logprobs", config, options, ("temperature",)).temperature
     logits = hidden @ weight.t()  # [..., V]
     if bias is not None:
         logits = logits + bias
@@ -296,20 +294,138 @@ def _interpolated_quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+class _Inputs(NamedTuple):
+    """The per-token and per-sequence tensors of :func:`policy_loss`."""
+
+    logp: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor | None
+    ref_logprobs: Tensor | None
+    sampling_logprobs: Tensor | None
+    importance_weights: Tensor | None
+    weights_per_seq: bool
+
+
+@dataclass
+class _Sums:
+    """What the sequences of :func:`policy_loss` add up to, in their order: loss terms, ratios, metric counts."""
+
+    terms: list[Tensor]
+    seq_terms: list[Tensor] = field(default_factory=list)
+    ratios: list[Tensor] = field(default_factory=list)
+    kls: list[Tensor] = field(default_factory=list)
+    phis: list[float] = field(default_factory=list)
+    seq_ratios: list[float] = field(default_factory=list)
+    clipped_low: int = 0
+    clipped_high: int = 0
+    cispo_clipped: int = 0
+
+
+def _entropy_flags(logp: Tensor, entropy: Tensor | None, cfg: LossConfig, cut: float | None) -> Tensor:
+    """``[T]``: 1 where a token's entropy is at least ``cut`` (default: the (1 - q)-quantile of the call's
+    entropies), else 0; all 1 with ``top_entropy_quantile = 1`` or no tokens."""
+    ent_flag = torch.ones(logp.numel(), dtype=logp.dtype, device=logp.device)
+    if cfg.top_entropy_quantile < 1.0 and logp.numel():
+        if cut is None:
+            cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
+        ent_flag = (entropy.detach().double() >= cut).to(logp.dtype)
+    return ent_flag
+
+
+def _importance(x: _Inputs, s: int, rows: slice, lp: Tensor) -> tuple[Tensor | None, float]:
+    """(sequence ``s``'s importance weights per token in ``lp``'s dtype, or None; VESPO's sum of its clamped log
+    weights: one per sequence, an empty one's too, as TRL's (B, 1) ratio of an all-masked row)."""
+    if x.importance_weights is None:
+        return None, 0.0
+    weights = x.importance_weights[s].expand(lp.shape) if x.weights_per_seq else x.importance_weights[rows]
+    own = (x.importance_weights[s : s + 1] if x.weights_per_seq else x.importance_weights[rows]).detach()
+    log_is = float(torch.clamp(torch.log(own.to(lp.dtype)), math.log(1e-8), LOG_RATIO_BOUND).sum())
+    return weights.detach().to(lp.dtype), log_is
+
+
+def _add_sequence(sums: _Sums, x: _Inputs, s: int, rows: slice, ent_flag: Tensor, cfg: LossConfig) -> None:
+    """Adds sequence ``s`` (its tokens at ``rows``) to ``sums``."""
+    adv = float(x.advantages[s])
+    old, ref, sampled = (None if t is None else t[rows] for t in (x.old_logprobs, x.ref_logprobs, x.sampling_logprobs))
+    lp = x.logp[rows]
+    weights, log_is = _importance(x, s, rows, lp)
+    base = (lp if old is None else old).detach().to(lp.dtype)
+    phi = _gamma_weight(lp - base, log_is, adv, cfg) if cfg.surrogate == "vespo" else 0.0
+    sums.phis.append(phi)
+    if rows.start == rows.stop:
+        sums.seq_ratios.append(1.0)  # exp(0): an empty sequence's mean log-ratio is 0
+        return
+    factor = ent_flag[rows].clone()
+    if cfg.off_policy_mask_threshold is not None and adv < 0:
+        sampler = base if sampled is None else sampled.detach().to(lp.dtype)
+        gap = torch.nan_to_num(sampler - lp.detach(), nan=0.0)
+        factor = factor * float(gap.mean() <= cfg.off_policy_mask_threshold)
+    if weights is not None and cfg.surrogate != "vespo":
+        factor = factor * weights
+    loss, ratio, kl = _sequence_loss(lp, adv, old, ref, cfg, factor, phi)
+    sums.seq_ratios.append(float(ratio[0]))
+    sums.terms.append(loss)
+    sums.seq_terms.append(loss.sum() / (lp.numel() if cfg.loss_agg == "seq-mean-token-mean" else 1))
+    sums.ratios.append(ratio)
+    sums.kls += [] if kl is None else [kl.detach()]
+    sums.clipped_low += int((ratio < 1 - cfg.epsilon_low).sum()) if adv < 0 else 0  # where the clip is active
+    sums.clipped_high += int((ratio > 1 + cfg.eps_high).sum()) if adv > 0 else 0
+    sums.cispo_clipped += int((ratio > cfg.eps_high).sum()) if adv > 0 else 0
+
+
+def _aggregate(sums: _Sums, num_tokens: int, num_seqs: int, cfg: LossConfig) -> Tensor:
+    """The loss of the sequences' terms by ``loss_agg`` (before the entropy bonus)."""
+    total = torch.cat(sums.terms).sum()
+    if cfg.loss_agg == "token-mean":
+        return total / max(num_tokens, 1)
+    if cfg.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (torch.stack(sums.seq_terms).sum() if sums.seq_terms else total) / max(num_seqs, 1)
+    return total / (max(num_seqs, 1) * cfg.max_completion_length)
+
+
+def _metrics(
+    sums: _Sums, x: _Inputs, entropy: Tensor | None, ent_flag: Tensor, policy: Tensor, cfg: LossConfig
+) -> dict[str, Tensor]:
+    """The metrics of :func:`policy_loss` (``policy``: the loss without the entropy bonus, detached)."""
+    num_tokens, num_seqs = x.logp.numel(), x.advantages.numel()
+    r = torch.cat(sums.ratios) if sums.ratios else x.logp.new_ones(1).detach()
+    one = x.logp.new_ones(()).detach()
+    metrics = {
+        "kl": torch.cat(sums.kls).sum() / max(num_tokens, 1) if sums.kls else 0 * one,
+        "clip_fraction_low": sums.clipped_low / max(num_tokens, 1) * one,
+        "clip_fraction_high": sums.clipped_high / max(num_tokens, 1) * one,
+        "ratio_mean": r.mean(),
+        "ratio_min": r.min(),
+        "ratio_max": r.max(),
+        "num_tokens": num_tokens * one,
+        "policy_loss": policy,
+    }
+    if cfg.needs_entropy:
+        metrics["entropy"] = entropy.detach().sum() / max(num_tokens, 1)
+    if cfg.surrogate == "cispo":
+        metrics["cispo_clip_fraction"] = sums.cispo_clipped / max(num_tokens, 1) * one
+    if cfg.surrogate == "vespo":
+        metrics["vespo_phi_mean"] = sum(sums.phis) / max(num_seqs, 1) * one
+    if cfg.importance_sampling == "sequence":  # the clip fractions over the sequences' ratios
+        seq_adv = [float(a) for a in x.advantages]
+        pairs, seqs = list(zip(sums.seq_ratios, seq_adv)), max(num_seqs, 1)
+        metrics["seq_clip_fraction_low"] = sum(r < 1 - cfg.epsilon_low and a < 0 for r, a in pairs) / seqs * one
+        metrics["seq_clip_fraction_high"] = sum(r > 1 + cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
+        if cfg.surrogate == "cispo":
+            metrics["seq_cispo_clip_fraction"] = sum(r > cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
+    if cfg.top_entropy_quantile < 1.0:
+        count = float(ent_flag.sum())
+        metrics["entropy_mask_fraction"] = count / max(num_tokens, 1) * one
+        metrics["entropy_masked_mean"] = (entropy.detach() * ent_flag).sum() / max(count, 1.0)
+    return metrics
+
+
 def policy_loss(
-    logp: Tensor,
-    advantages: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    entropy: Tensor | None = None,
-    config: LossConfig = LossConfig(),
-    importance_weights: Tensor | None = None,
-    weights_per_seq: bool = False,
-    sampling_logprobs: Tensor | None = None,
-    entropy_threshold: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    logp: Tensor, advantages: Tensor, cu_seqlens: Tensor, *, old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, config: LossConfig | None = None,
+    importance_weights: Tensor | None = None, weights_per_seq: bool = False, sampling_logprobs: Tensor | None = None,
+    entropy_threshold: float | None = None, **options: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The CPPO/GRPO loss and metrics from packed per-token log-probs, one sequence at a time.
 
     ``logp [T]`` (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]``, ``old_logprobs`` / ``ref_logprobs``
@@ -326,96 +442,24 @@ def policy_loss(
     summed and divided by ``S * max_completion_length`` (seq-mean-token-sum-norm) or by ``S``
     (seq-mean-token-sum); minus ``entropy_coef`` times the mean entropy of the flagged tokens. An empty sequence or
     batch gives 0. ``entropy_threshold``: the entropy flag's cut itself instead of the call's quantile (what a
-    caller's ``entropy_threshold_fn`` returned, e.g. the quantile over every process's tokens).
+    caller's ``entropy_threshold_fn`` returned, e.g. the quantile over every process's tokens). ``config``: the
+    loss options as a :class:`LossConfig`, or ``**options``: any of its fields by name (as the public loss takes
+    them).
     """
-    cfg = config
+    cfg = loss_config("policy_loss", config, options)
+    x = _Inputs(logp, advantages, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights, weights_per_seq)
     bounds = cu_seqlens.tolist()
-    num_tokens, num_seqs = logp.numel(), advantages.numel()
-    ent_flag = torch.ones(num_tokens, dtype=logp.dtype, device=logp.device)
-    if cfg.top_entropy_quantile < 1.0 and num_tokens:
-        cut = entropy_threshold
-        if cut is None:
-            cut = _interpolated_quantile(entropy.detach().double().tolist(), 1.0 - cfg.top_entropy_quantile)
-        ent_flag = (entropy.detach().double() >= cut).to(logp.dtype)
-    terms, seq_terms, ratios, kls, phis, seq_ratios = [logp[:0]], [], [], [], [], []
-    clipped_low = clipped_high = cispo_clipped = 0
-    for s in range(num_seqs):
-        rows = slice(bounds[s], bounds[s + 1])
-        adv = float(advantages[s])
-        old, ref, sampled = (None if x is None else x[rows] for x in (old_logprobs, ref_logprobs, sampling_logprobs))
-        lp = logp[rows]
-        weights = None
-        if importance_weights is not None:
-            weights = importance_weights[s].expand(lp.shape) if weights_per_seq else importance_weights[rows]
-            weights = weights.detach().to(lp.dtype)
-        log_is = 0.0  # VESPO: the sum of the sequence's clamped log importance weights (its one weight per sequence,
-        if importance_weights is not None:  # an empty sequence's too, as TRL's (B, 1) ratio of an all-masked row)
-            own = (importance_weights[s : s + 1] if weights_per_seq else importance_weights[rows]).detach()
-            log_is = float(torch.clamp(torch.log(own.to(lp.dtype)), math.log(1e-8), LOG_RATIO_BOUND).sum())
-        base = (lp if old is None else old).detach().to(lp.dtype)
-        phi = _gamma_weight(lp - base, log_is, adv, cfg) if cfg.surrogate == "vespo" else 0.0
-        phis.append(phi)
-        if bounds[s] == bounds[s + 1]:
-            seq_ratios.append(1.0)  # exp(0): an empty sequence's mean log-ratio is 0
-            continue
-        factor = ent_flag[rows].clone()
-        if cfg.off_policy_mask_threshold is not None and adv < 0:
-            sampler = base if sampled is None else sampled.detach().to(lp.dtype)
-            gap = torch.nan_to_num(sampler - lp.detach(), nan=0.0)
-            factor = factor * float(gap.mean() <= cfg.off_policy_mask_threshold)
-        if weights is not None and cfg.surrogate != "vespo":
-            factor = factor * weights
-        loss, ratio, kl = _sequence_loss(lp, adv, old, ref, cfg, factor, phi)
-        seq_ratios.append(float(ratio[0]))
-        terms.append(loss)
-        seq_terms.append(loss.sum() / (lp.numel() if cfg.loss_agg == "seq-mean-token-mean" else 1))
-        ratios.append(ratio)
-        kls += [] if kl is None else [kl.detach()]
-        clipped_low += int((ratio < 1 - cfg.epsilon_low).sum()) if adv < 0 else 0  # where the clip is active
-        clipped_high += int((ratio > 1 + cfg.eps_high).sum()) if adv > 0 else 0
-        cispo_clipped += int((ratio > cfg.eps_high).sum()) if adv > 0 else 0
-    total = torch.cat(terms).sum()
-    if cfg.loss_agg == "token-mean":
-        loss = total / max(num_tokens, 1)
-    elif cfg.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        loss = (torch.stack(seq_terms).sum() if seq_terms else total) / max(num_seqs, 1)
-    else:
-        loss = total / (max(num_seqs, 1) * cfg.max_completion_length)
+    ent_flag = _entropy_flags(logp, entropy, cfg, entropy_threshold)
+    sums = _Sums(terms=[logp[:0]])
+    for s in range(advantages.numel()):
+        _add_sequence(sums, x, s, slice(bounds[s], bounds[s + 1]), ent_flag, cfg)
+    loss = _aggregate(sums, logp.numel(), advantages.numel(), cfg)
     policy = loss.detach()
     if cfg.entropy_coef != 0.0:
         count = float(ent_flag.sum())
         mean_entropy = (entropy * ent_flag).sum() / max(count, 1.0)
         loss = loss - _bound(cfg.entropy_coef * mean_entropy)
-    r = torch.cat(ratios) if ratios else logp.new_ones(1).detach()
-    one = logp.new_ones(()).detach()
-    metrics = {
-        "kl": torch.cat(kls).sum() / max(num_tokens, 1) if kls else 0 * one,
-        "clip_fraction_low": clipped_low / max(num_tokens, 1) * one,
-        "clip_fraction_high": clipped_high / max(num_tokens, 1) * one,
-        "ratio_mean": r.mean(),
-        "ratio_min": r.min(),
-        "ratio_max": r.max(),
-        "num_tokens": num_tokens * one,
-        "policy_loss": policy,
-    }
-    if cfg.needs_entropy:
-        metrics["entropy"] = entropy.detach().sum() / max(num_tokens, 1)
-    if cfg.surrogate == "cispo":
-        metrics["cispo_clip_fraction"] = cispo_clipped / max(num_tokens, 1) * one
-    if cfg.surrogate == "vespo":
-        metrics["vespo_phi_mean"] = sum(phis) / max(num_seqs, 1) * one
-    if cfg.importance_sampling == "sequence":  # the clip fractions over the sequences' ratios
-        seq_adv = [float(a) for a in advantages]
-        pairs, seqs = list(zip(seq_ratios, seq_adv)), max(num_seqs, 1)
-        metrics["seq_clip_fraction_low"] = sum(r < 1 - cfg.epsilon_low and a < 0 for r, a in pairs) / seqs * one
-        metrics["seq_clip_fraction_high"] = sum(r > 1 + cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
-        if cfg.surrogate == "cispo":
-            metrics["seq_cispo_clip_fraction"] = sum(r > cfg.eps_high and a > 0 for r, a in pairs) / seqs * one
-    if cfg.top_entropy_quantile < 1.0:
-        count = float(ent_flag.sum())
-        metrics["entropy_mask_fraction"] = count / max(num_tokens, 1) * one
-        metrics["entropy_masked_mean"] = (entropy.detach() * ent_flag).sum() / max(count, 1.0)
-    return loss, metrics
+    return loss, _metrics(sums, x, entropy, ent_flag, policy, cfg)
 
 
 def _packed(mask: Tensor, *per_position: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
@@ -427,28 +471,17 @@ def _packed(mask: Tensor, *per_position: Tensor | None) -> tuple[Tensor, list[Te
 
 
 def fused_cppo_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    advantages: Tensor,
-    *,
-    cu_seqlens: Tensor | None = None,
-    mask: Tensor | None = None,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    bias: Tensor | None = None,
-    importance_weights: Tensor | None = None,
-    weights_per_seq: bool = False,
-    sampling_logprobs: Tensor | None = None,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-    config: LossConfig = LossConfig(),
-    entropy_threshold: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    hidden: Tensor, weight: Tensor, targets: Tensor, advantages: Tensor, *, cu_seqlens: Tensor | None = None,
+    mask: Tensor | None = None, old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
+    bias: Tensor | None = None, importance_weights: Tensor | None = None, weights_per_seq: bool = False,
+    sampling_logprobs: Tensor | None = None, logit_scale: float = 1.0, logit_softcap: float | None = None,
+    config: LossConfig | None = None, entropy_threshold: float | None = None, **options: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`token_logprobs` (full logits, the model's ``logit_scale`` and ``logit_softcap``) then
     :func:`policy_loss`, in the packed (``cu_seqlens``) or padded (``mask [B, L]``) layout of
     :func:`cppo_kernels.fused_cppo_loss` (``importance_weights`` per token, or per sequence with
-    ``weights_per_seq``)."""
+    ``weights_per_seq``); the loss options as ``config`` (a :class:`LossConfig`) or ``**options``, as there."""
+    config = loss_config("fused_cppo_loss", config, options)
     if mask is not None:
         per_token_weights = None if weights_per_seq else importance_weights
         cu_seqlens, (hidden, targets, old_logprobs, ref_logprobs, sampling_logprobs, per_token_weights) = _packed(
@@ -456,17 +489,9 @@ def fused_cppo_loss(
         )
         importance_weights = importance_weights if weights_per_seq else per_token_weights
     head = dict(bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap)
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=config.temperature, **head)
+    logp, entropy = token_logprobs(hidden, weight, targets, config=config, **head)
     return policy_loss(
-        logp,
-        advantages,
-        cu_seqlens,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        entropy=entropy,
-        config=config,
-        importance_weights=importance_weights,
-        weights_per_seq=weights_per_seq,
-        sampling_logprobs=sampling_logprobs,
-        entropy_threshold=entropy_threshold,
-    )
+        logp, advantages, cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+        config=config, importance_weights=importance_weights, weights_per_seq=weights_per_seq,
+        sampling_logprobs=sampling_logprobs, entropy_threshold=entropy_threshold,
+    )  # fmt: skip
