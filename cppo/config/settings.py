@@ -39,7 +39,7 @@ class TrainConfig:
     setting; it reads no file and loads no library: whether the model and the data exist is checked where they
     load (:func:`check_model_and_data`, by the trainer and the CLI before anything trains).
 
-    The pruning rule (counts, scopes, allocation) is :class:`cppo.step.selection.Pruning`, built by :attr:`pruning`.
+    The pruning rule (counts, scopes, allocation) is :class:`cppo.step.selection.Pruning`, built once: :attr:`pruning`.
     """
 
     # model
@@ -200,8 +200,10 @@ class TrainConfig:
 
     @property
     def pruning(self) -> Pruning:
-        """The run's pruning policy (:class:`cppo.step.selection.Pruning`): counts per step and the selection itself."""
-        return Pruning.from_config(self)
+        """The run's pruning policy (:class:`cppo.step.selection.Pruning`): counts per step and the selection itself.
+        Built and validated once, on construction, and the same object on every read (the trainer, the CLI, the
+        counts here); built anew only when a pruning setting has been assigned since (:meth:`Pruning.held_by`)."""
+        return Pruning.held_by(self, **Pruning.config_settings(self))
 
     def steps_for(self, problems: int) -> int:
         """Training steps over ``problems`` questions: ``num_steps``, else ``num_epochs`` passes (at least 1)."""

@@ -24,6 +24,9 @@ This is the one module of :mod:`cppo` that calls the selection kernels of :mod:`
 - allocation (``allocation=True``): a step draws ``ceil(questions_per_step / (1 - P))`` questions (rounded up, so
   a step never trains fewer completions than GRPO would), else ``questions_per_step``.
 
+A run builds its :class:`Pruning` once: a config's ``pruning`` (:meth:`Pruning.held_by`) keeps the one it built and
+validated, and builds a new one only when a pruning setting has been assigned since.
+
 The vocabulary is the kernels' (:data:`cppo_kernels.config.SCOPES`, :data:`cppo_kernels.config.METRICS`) plus
 ``"global"``, which is the kernels' ``"batch"`` over the gathered step.
 """
@@ -98,15 +101,28 @@ class Pruning:
 
     @classmethod
     def from_config(cls, config) -> Pruning:
-        """The policy of a :class:`cppo.config.TrainConfig` (or anything with its setting names)."""
-        return cls(
-            group_size=config.group_size,
-            pruning_rate=config.pruning_rate,
-            scope=config.selection_scope,
-            metric=config.selection_metric,
-            allocation=config.allocation,
-            questions_per_step=config.questions_per_step,
-        )
+        """The policy of a :class:`cppo.config.TrainConfig` (or anything with its setting names), built anew; a
+        config's own ``pruning`` is built once (:meth:`held_by`)."""
+        return cls(**cls.config_settings(config))
+
+    @staticmethod
+    def config_settings(config) -> dict:
+        """This class's fields from a :class:`cppo.config.TrainConfig`'s setting names."""
+        return dict(
+            group_size=config.group_size, pruning_rate=config.pruning_rate, scope=config.selection_scope,
+            metric=config.selection_metric, allocation=config.allocation, questions_per_step=config.questions_per_step,
+        )  # fmt: skip
+
+    @classmethod
+    def held_by(cls, owner: object, **settings) -> Pruning:
+        """``owner``'s policy of ``settings`` (this class's fields; ``owner``: the config they come from), built and
+        validated once: kept on ``owner`` and built anew only when one of ``settings`` differs from the kept
+        policy's (a setting assigned after the config was built), so every reader of a run's config shares one."""
+        held = owner.__dict__.get(_HELD)
+        if held is None or any(not _same(getattr(held, k), v) for k, v in settings.items()):
+            held = cls(**settings)
+            owner.__dict__[_HELD] = held  # not a field: dataclasses' asdict, eq and repr never see it
+        return held
 
     # ---------------------------------------------------------------------------------------------------------
     # Counts
@@ -134,6 +150,13 @@ class Pruning:
         """Completions a step generates (over all processes): ``questions_drawn * G``."""
         return self.questions_drawn * self.group_size
 
+    def kept_of_local(self, num_completions: int) -> int:
+        """Completions one rank's own selection keeps of its pool of ``num_completions`` (whole groups): ``keep``
+        per question with ``scope="group"``, else ``N - int(N * P)`` (``global`` on one process is ``batch``)."""
+        if self.scope == "group":
+            return self.keep * (num_completions // self.group_size)
+        return self.kept_count(num_completions)
+
     @property
     def kept_per_step(self) -> int:
         """Completions a step trains in one process (``batch`` and ``global`` pool the whole step; under torchrun
@@ -146,20 +169,27 @@ class Pruning:
     # Selection
     # ---------------------------------------------------------------------------------------------------------
 
+    def pools_ranks(self, info: DistInfo | None = None) -> bool:
+        """Whether the pool spans every rank (``scope="global"`` on more than one process: one selection over the
+        gathered step, alike on every rank, each keeping its own survivors); else each rank prunes its own."""
+        return self.scope == "global" and info is not None and info.distributed
+
     def questions_per_rank(self, info: DistInfo | None = None) -> int:
         """Questions one generation call of a step gives each rank: its share of :attr:`questions_drawn`."""
         return self.questions_drawn // (info.world_size if info is not None else 1)
+
+    def completions_per_rank(self, info: DistInfo | None = None) -> int:
+        """Completions a step generates on each rank: its share of :attr:`completions_per_step` (a group may
+        straddle ranks)."""
+        return self.completions_per_step // (info.world_size if info is not None else 1)
 
     def kept_budget(self, info: DistInfo | None = None) -> int:
         """Completions a step keeps without dynamic sampling: this rank's for ``group`` and ``batch``, all ranks'
         together for ``global`` under torchrun. Dynamic sampling (:mod:`cppo.step.dynamic`) keeps exactly this many
         of its pool, whatever the pool's size, so that the counts stay those of the plain rule."""
-        info = info if info is not None else DistInfo()
-        if self.scope == "group":
-            return self.keep * self.questions_per_rank(info)
-        if self.scope == "global" and info.distributed:
+        if self.pools_ranks(info):
             return self.kept_count(self.completions_per_step)
-        return self.kept_count(self.questions_per_rank(info) * self.group_size)
+        return self.kept_of_local(self.questions_per_rank(info) * self.group_size)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """fp32 ``[N]``: the advantages of ``rewards [N]`` over each full group (the selection's own)."""
@@ -176,7 +206,7 @@ class Pruning:
         info = info if info is not None else DistInfo()
         if num_kept is not None and self.scope == "group":
             raise ValueError("num_kept applies to the pooled scopes (batch, global), not to selection_scope group")
-        if self.scope == "global" and info.distributed:
+        if self.pools_ranks(info):
             advantages = group_advantages(rewards, self.group_size, scale=self.scale, eps=self.eps)  # [N]
             return Selection(advantages, self.prune(advantages, seed=seed, info=info, num_kept=num_kept))
         count = self._local_count(rewards.numel())
@@ -194,28 +224,40 @@ class Pruning:
         ascending local indices of ``advantages [N]``. ``"global"`` under torchrun gathers |A| over the ranks.
         ``num_kept``: as in :meth:`select`."""
         info = info if info is not None else DistInfo()
-        generator = self._generator(seed, info)
-        if self.scope != "global" or not info.distributed:
+        if not self.pools_ranks(info):
             count = self._local_count(len(advantages))
             if num_kept is not None and "num_kept" in count:
                 count["num_kept"] = min(int(num_kept), len(advantages))
-            return select_completions(advantages, self.group_size, generator=generator, **count)
-        return self._prune_global(advantages, generator=generator, info=info, num_kept=num_kept)
+            return select_completions(advantages, self.group_size, generator=self._generator(seed, info), **count)
+        return self._prune_global(advantages, seed=seed, info=info, num_kept=num_kept)
+
+    def prune_pooled(
+        self, gathered: torch.Tensor, sizes: list[int], rank: int, *, seed: int = 0, num_kept: int | None = None
+    ) -> torch.Tensor:
+        """``scope="global"`` with the ranks' advantages already gathered (``gathered [sum(sizes)]``, rank after
+        rank, ``sizes`` each rank's count): the whole pool pruned as one process prunes ``batch`` (the same draws on
+        every rank), then ``rank``'s survivors as ascending local indices. ``num_kept``: as in :meth:`select`."""
+        count = self.kept_count(len(gathered)) if num_kept is None else min(int(num_kept), len(gathered))
+        generator = self._generator(seed, DistInfo())  # the global draws: the same seed on every rank
+        kept = select_completions(
+            gathered, self.group_size, num_kept=count, scope="batch", metric=self.metric, generator=generator
+        )
+        start = sum(sizes[:rank])
+        return kept[(kept >= start) & (kept < start + sizes[rank])] - start
 
     def _local_count(self, num_completions: int) -> dict:
         """The kernels' count arguments for a pool held by one process (``global`` in one process is ``batch``)."""
         if self.scope == "group":
             return {"keep": self.keep, "scope": "group", "metric": self.metric}
-        return {"num_kept": self.kept_count(num_completions), "scope": "batch", "metric": self.metric}
+        return {"num_kept": self.kept_of_local(num_completions), "scope": "batch", "metric": self.metric}
 
     def _generator(self, seed: int, info: DistInfo) -> torch.Generator | None:
         if self.metric != "random":
             return None
-        local = self.scope != "global" or not info.distributed
-        return torch.Generator().manual_seed(seed + (info.rank if local else 0))
+        return torch.Generator().manual_seed(seed + (0 if self.pools_ranks(info) else info.rank))
 
     def _prune_global(
-        self, advantages: torch.Tensor, *, generator, info: DistInfo, num_kept: int | None = None
+        self, advantages: torch.Tensor, *, seed: int, info: DistInfo, num_kept: int | None = None
     ) -> torch.Tensor:
         if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
             raise ValueError("advantages must be a 1-D tensor [num_groups * group_size]")
@@ -227,11 +269,13 @@ class Pruning:
                 f"advantages on rank {bad[0]} have {sizes[bad[0]]} elements, not divisible by "
                 f"group_size={self.group_size}"
             )
-        count = self.kept_count(len(gathered)) if num_kept is None else min(int(num_kept), len(gathered))
-        kept = select_completions(
-            gathered, self.group_size, num_kept=count, scope="batch", metric=self.metric,
-            generator=generator,
-        )  # fmt: skip
-        start = sum(sizes[: info.rank])
-        mine = kept[(kept >= start) & (kept < start + sizes[info.rank])]
-        return (mine - start).to(advantages.device)
+        return self.prune_pooled(gathered, sizes, info.rank, seed=seed, num_kept=num_kept).to(advantages.device)
+
+
+#: The attribute of a config holding its :class:`Pruning` (:meth:`Pruning.held_by`).
+_HELD = "_cppo_pruning"
+
+
+def _same(held: object, value: object) -> bool:
+    """Whether a setting still has the value the held policy was built from (the type too: ``1`` is not ``True``)."""
+    return type(held) is type(value) and held == value

@@ -8,8 +8,9 @@
     CPPOTrainer(model="Qwen/Qwen2.5-1.5B-Instruct", reward_funcs=rewards, args=args, train_dataset=ds).train()
 
 Modules: ``config`` (:class:`CPPOConfig`), ``trainer`` (:class:`CPPOTrainer`, the step order), ``rows`` (the kept
-rows of TRL's batch), ``loss`` (the policy loss through ``cppo_kernels.fused_cppo_loss``), ``sampling`` (vLLM's
-importance-sampling correction on the kept rows), ``packing`` (the passes on rows holding each prompt once).
+rows of TRL's batch), ``loss`` (TRL's loss settings read through one table, ``loss_settings``, and the policy loss
+through ``cppo_kernels.fused_cppo_loss``), ``sampling`` (vLLM's importance-sampling correction on the kept rows),
+``packing`` (the passes on rows holding each prompt once).
 """
 
 try:

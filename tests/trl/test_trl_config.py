@@ -24,7 +24,7 @@ def test_defaults_are_grpo(tmp_path):
         False,
         "batch",
     )
-    assert args.pruning() == Pruning(group_size=4, allocation=False, questions_per_step=2)
+    assert args.pruning == Pruning(group_size=4, allocation=False, questions_per_step=2)
 
 
 @pytest.mark.parametrize(
@@ -50,14 +50,14 @@ def test_a_bad_setting_is_one_error_naming_it(tmp_path, options, message):
 
 
 def test_max_variance_prunes_per_question(tmp_path):
-    assert config(tmp_path, pruning_metric="max-variance", selection_scope="group").pruning().metric == "max-variance"
+    assert config(tmp_path, pruning_metric="max-variance", selection_scope="group").pruning.metric == "max-variance"
 
 
 def test_allocation_draws_one_over_one_minus_p_more_prompts(tmp_path):
     # 8 completions of 4 per generation = 2 prompts; P = 0.75 with allocation draws 8 prompts (32 completions)
-    pruning = config(tmp_path, pruning_rate=0.75, allocation=True).pruning()
+    pruning = config(tmp_path, pruning_rate=0.75, allocation=True).pruning
     assert (pruning.questions_drawn, pruning.completions_per_step, pruning.kept_count(32)) == (8, 32, 8)
-    assert config(tmp_path, pruning_rate=0.75).pruning().questions_drawn == 2
+    assert config(tmp_path, pruning_rate=0.75).pruning.questions_drawn == 2
 
 
 def test_the_cli_parser_knows_the_cppo_settings(tmp_path):

@@ -37,7 +37,7 @@ def test_the_default_settings_are_the_papers(example, tmp_path, monkeypatch):
     assert (args.num_generations, args.per_device_train_batch_size, args.num_iterations) == (16, 16, 2)
     assert (args.beta, args.epsilon, args.loss_type, args.use_bias_correction_kl) == (0.04, 0.2, "dapo", False)
     assert (args.learning_rate, args.max_completion_length, args.seed) == (1e-6, 1024, 42)
-    assert args.pruning().questions_drawn == 8  # one question per step in GRPO; 1 / (1 - 0.875) with allocation
+    assert args.pruning.questions_drawn == 8  # one question per step in GRPO; 1 / (1 - 0.875) with allocation
 
 
 def test_a_tiny_run(example, tmp_path, capsys):
