@@ -140,7 +140,7 @@ class GradInForward(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=hidden.device)
         per_token, ratio, upstream = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)  # [T]
         kl = None if batch.ref is None else torch.empty(T, **f32)  # [T]
-        phi = torch.zeros(batch.num_seqs, **f32) if cfg.surrogate == "vespo" else None  # [S]
+        phi = torch.zeros(batch.num_seqs, **f32) if cfg.sequence_weighted else None  # [S]
         weights = token_weights(batch, cfg)  # [T]
         chunks = None
         if cfg.sequence_rule is not None:  # chunks of whole sequences: (start, stop) -> (first, end sequence)

@@ -66,6 +66,8 @@ LOSS_AGG_UNITS = {
 LOSS_AGGS = tuple(LOSS_AGG_UNITS)
 #: ``surrogate``: the per-token policy term (TRL 1.16's ``loss_type`` names where they differ from the clip).
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
+#: The surrogates that weigh each sequence by one detached number of its tokens (LossConfig.sequence_weighted).
+SEQUENCE_WEIGHTED = ("vespo",)
 
 
 #: TRL 1.16's ``loss_type`` -> ``(surrogate, loss_agg)`` of :class:`LossConfig` (``dr_grpo`` also needs
@@ -213,11 +215,17 @@ class LossConfig:
         Gradient-in-forward runs them in chunks of whole sequences."""
         if self.importance_sampling == "sequence":
             return "importance_sampling='sequence'"
-        if self.surrogate == "vespo":
-            return "surrogate='vespo'"
+        if self.sequence_weighted:
+            return f"surrogate={self.surrogate!r}"
         if self.off_policy_mask_threshold is not None:
             return "off_policy_mask_threshold (set)"
         return None
+
+    @property
+    def sequence_weighted(self) -> bool:
+        """Whether the surrogate weighs each sequence by one detached number computed from all its tokens (VESPO's
+        gamma weight, :func:`cppo_kernels._policy.vespo_weights`), which the kernels then hold per sequence."""
+        return self.surrogate in SEQUENCE_WEIGHTED
 
     @property
     def call_rule(self) -> str | None:
