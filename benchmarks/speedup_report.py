@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -322,31 +323,50 @@ def format_accuracy_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: :func:`format_table`'s columns: the essential ones, 120 characters wide (every field of a row is in the JSON).
+TABLE_HEAD = (
+    "P", "keep", "steps", "train s", "total s", "speedup train", "ideal", "speedup total", "Amdahl", "gen share",
+    "paper", "accuracy",
+)  # fmt: skip
+#: What the columns mean, printed under the table (each note wrapped at 120 characters).
+TABLE_NOTES = (
+    "keep: completions kept per question, of G. train s: old/ref log-probs + policy forward/backward + optimizer, the "
+    "phases pruning shrinks; total s: the steps' whole wall clock (generation, reward and selection too).",
+    "speedup train / total: P = 0's train / total seconds over this row's. ideal: 1/(1 - P), the training speedup if "
+    "each kept completion cost what one did at P = 0; a measured one above it: the kept completions held fewer tokens "
+    "(tokens_trained) or packed into fewer or shorter micro-batches than (1 - P) of P = 0's, or timing noise, which "
+    "weighs more on a high rate's few steps.",
+    "Amdahl (train only): the whole-run speedup had only the training phases shrunk, by (1 - P), the rest costing what "
+    "it did at P = 0; speedup total above it: the rest got cheaper too (allocation's bigger generation batches).",
+    "gen share: generation's share of the row's total seconds; pruning leaves generation alone, so a large share "
+    "limits speedup total.",
+    "paper: the CPPO paper's whole-run GSM8K speedup at this P. accuracy: the share of correct rollouts, mean over the "
+    "steps.",
+    "The JSON holds every field: each phase's seconds, the tokens, the CPU-time speedup (a check on a shared machine).",
+)
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (seconds summed over the run; speedups against P = 0)."""
-    head = [
-        "P", "keep", "questions", "steps", "gen s", "reward s", "select s", "old/ref logp s", "policy fwd+bwd s",
-        "optim s", "other s", "total s", "train s", "tokens trained", "speedup train", "ideal", "% of ideal",
-        "speedup total", "Amdahl (train only)", "gen share", "paper (GSM8K)",
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    """The rows as a Markdown table of :data:`TABLE_HEAD` (seconds summed over the run; speedups against P = 0),
+    then :data:`TABLE_NOTES` as a list."""
+    lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + "|".join("---:" for _ in TABLE_HEAD) + "|"]
     for r in rows:
-        percent = {k: None if r[k] is None else 100 * r[k] for k in ("fraction_of_ideal", "generation_share")}
+        percent = {k: None if r[k] is None else 100 * r[k] for k in ("generation_share", "accuracy")}
         cells = [
             _rate_cell(r),
-            *(str(r[k]) for k in ("keep", "questions", "steps")),
-            *(f"{r['phase_seconds'][k]:.2f}" for k in PHASES),
-            *(f"{r[k]:.2f}" for k in ("total_seconds", "train_seconds")),
-            str(r["tokens_trained"]),
+            f"{r['keep']}/{r['group_size']}",
+            str(r["steps"]),
+            *(f"{r[k]:.2f}" for k in ("train_seconds", "total_seconds")),
             _fmt(r["speedup_train"], ".2f", "x"),
             f"{r['ideal_speedup_train']:.2f}x",
-            _fmt(percent["fraction_of_ideal"], ".0f", "%"),
             *(_fmt(r[k], ".2f", "x") for k in ("speedup_total", "amdahl_speedup_total")),
             _fmt(percent["generation_share"], ".0f", "%"),
             _fmt(r["paper_speedup_gsm8k"], ".2f", "x"),
+            _fmt(percent["accuracy"], ".1f", "%"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = [textwrap.fill(note, 120, initial_indent="- ", subsequent_indent="  ") for note in TABLE_NOTES]
+    return "\n".join([*lines, "", *notes])
 
 
 def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:

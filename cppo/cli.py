@@ -11,31 +11,54 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import glob
 import json
 import logging
 import os
+import pathlib
 import re
 import shlex
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import yaml
 
-from .config import TrainConfig, setting_help
-from .run import Interrupted
-from .step import NonFiniteUpdates
+if TYPE_CHECKING:  # the package's modules import torch: the commands import them, --help and bad flags do not
+    from .config import TrainConfig
 
 
 def settings_epilog() -> str:
-    """Every setting of ``--set`` with its default and one-line meaning (``cppo train --help``)."""
-    defaults = TrainConfig().to_dict()
+    """Every setting of ``--set`` with its default and one-line meaning (``cppo train --help``): read from the source
+    (:func:`_settings_from_source`, without torch), or where that fails, from :class:`TrainConfig` itself."""
+    try:
+        settings = _settings_from_source()
+    except Exception:  # a default that the source alone cannot give
+        from .config import TrainConfig, setting_help
+
+        settings = {name: (default, setting_help()[name]) for name, default in TrainConfig().to_dict().items()}
     lines = ["settings (--set name=value: a YAML value, a list as a,b, null for none; a preset may set others):"]
-    for name, meaning in setting_help().items():
-        default = defaults[name]
+    for name, (default, meaning) in settings.items():
         lines.append(f"  {name} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}")
         lines.append(f"      {meaning}")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _settings_from_source() -> dict[str, tuple[object, str]]:
+    """``name -> (default, meaning)`` of ``TrainConfig``'s ``setting(...)`` fields, evaluated from the source of
+    cppo/config/settings.py with the literal constants of cppo/config/choices.py: no torch (cppo.config imports it)."""
+    folder = pathlib.Path(__file__).resolve().parent / "config"
+    names = {"setting": lambda default, help, *, factory=None: (factory() if factory else default, help)}
+    for node in ast.parse((folder / "choices.py").read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError, TypeError):  # not a literal: a setting naming it needs the fallback
+                names[node.targets[0].id] = ast.literal_eval(node.value)
+    tree = ast.parse((folder / "settings.py").read_text(encoding="utf-8"))
+    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    calls = [n for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.value, ast.Call)]
+    return {n.target.id: eval(ast.unparse(n.value), names) for n in calls if ast.unparse(n.value.func) == "setting"}
 
 
 def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:
@@ -64,6 +87,17 @@ def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="check config, output_dir, data and resume; load no model, write nothing"
     )
+    _add_eval(sub, flags_only=flags_only)
+    merge = sub.add_parser(
+        "merge", help="merge a LoRA checkpoint's adapter into its base: a plain model that from_pretrained loads"
+    )
+    merge.add_argument("--checkpoint", required=True, help="a LoRA checkpoint folder (or its model/ adapter folder)")
+    merge.add_argument("--output", required=True, help="the folder to write (must not exist, or be empty)")
+    merge.add_argument("--dtype", default="float32", help="dtype of the merged weights (float32, bfloat16, float16)")
+    return parser
+
+
+def _add_eval(sub, *, flags_only: bool) -> None:  # flags_only: see _parser
     official = {"dataset": "arith", "max_prompt_length": 512, "max_completion_length": 1024}
     official = dict.fromkeys(official) if flags_only else official  # None: the flag was not given
     ev = sub.add_parser(
@@ -107,14 +141,6 @@ def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:
         help="also write the result as JSON to this file, with a record per problem (id, correct, format, length)",
     )  # fmt: skip
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
-    merge = sub.add_parser(
-        "merge",
-        help="merge a LoRA checkpoint's adapter into its base: a plain model that from_pretrained loads",
-    )
-    merge.add_argument("--checkpoint", required=True, help="a LoRA checkpoint folder (or its model/ adapter folder)")
-    merge.add_argument("--output", required=True, help="the folder to write (must not exist, or be empty)")
-    merge.add_argument("--dtype", default="float32", help="dtype of the merged weights (float32, bfloat16, float16)")
-    return parser
 
 
 def _train(args) -> int:
@@ -204,28 +230,19 @@ def _dry_run(args, config: TrainConfig) -> int:
     get_rewards(config.rewards)
     if not (args.resume or args.overwrite):
         refuse_existing_run(config.output_dir)
-    resume_from = None
-    if args.resume:
-        resume_from = _resume_candidates(config, args, info=DistInfo())[0]
+    resume_from = _resume_candidates(config, args, info=DistInfo())[0] if args.resume else None
     problems = count_local_problems(
         config.dataset, dataset_path=config.dataset_path, max_questions=config.max_questions
     )
     steps = config.steps_for(problems) if problems else config.num_steps
     pruning = config.pruning  # the trainer's own counts (cppo.step.selection)
     plan = {
-        "dry_run": "ok",
-        "output_dir": config.output_dir,
-        "model": config.model,
-        "dataset": config.dataset,
+        "dry_run": "ok", "output_dir": config.output_dir, "model": config.model, "dataset": config.dataset,
         "train_problems": problems,  # None: a hub dataset, not downloaded here
-        "num_steps": steps,
-        "group_size": config.group_size,
-        "keep": pruning.keep,
-        "questions_per_step": pruning.questions_drawn,
-        "kept_per_step": pruning.kept_per_step,
-        "device": config.device,
-        "resume_from": resume_from,
-    }
+        "num_steps": steps, "group_size": config.group_size, "keep": pruning.keep,
+        "questions_per_step": pruning.questions_drawn, "kept_per_step": pruning.kept_per_step,
+        "device": config.device, "resume_from": resume_from,
+    }  # fmt: skip
     print(json.dumps(plan))
     return 0
 
@@ -237,7 +254,7 @@ def _check_eval_args(args) -> None:
     from cppo_kernels.config import check_float, check_int
 
     from .config import check_model_and_data
-    from .engines import check_engine_installed
+    from .engines import check_engine_installed, engine_supports
     from .fileio import check_writable
     from .run import model_folder
     from .step import is_adapter_folder
@@ -268,13 +285,14 @@ def _check_eval_args(args) -> None:
     except ValueError as e:
         raise ValueError(_as_flags(str(e))) from None
     _check_not_a_run_folder(args.model)
-    if args.rollout_backend == "vllm" and is_adapter_folder(model_folder(args.model)):
-        raise ValueError(f"--model {args.model!r} is a LoRA adapter, which vllm cannot load: cppo merge it first")
     try:
         check_engine_installed(args.rollout_backend)
     except ValueError as e:
         message = str(e).replace("rollout_backend=", "--rollout-backend ")
         raise ValueError(re.sub(r"\brollout_backend\b", "--rollout-backend", message)) from None
+    if engine_supports(args.rollout_backend, "reads_model_folder") and is_adapter_folder(model_folder(args.model)):
+        raise ValueError(f"--model {args.model!r} is a LoRA adapter, which --rollout-backend {args.rollout_backend} "
+                         "cannot load (it reads full weights from the folder): cppo merge it first")  # fmt: skip
 
 
 #: ``cppo eval``'s flags for the settings its checks name.
@@ -345,24 +363,15 @@ def _eval(args) -> int:
             f"--model {args.model!r}: {weights} cannot be read ({e}): a truncated or corrupt file"
         ) from None
     settings = EngineSettings(
-        model_name=model_folder(args.model),
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature or 1.0,
-        top_p=args.top_p,
-    )
+        model_name=model_folder(args.model), max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length, temperature=args.temperature or 1.0, top_p=args.top_p,
+    )  # fmt: skip
     rollout = make_engine(args.rollout_backend, model, tokenizer, settings)
     torch.manual_seed(args.seed)  # sampled evaluation draws from torch's global RNG
     result = evaluate_model(
-        rollout,
-        tokenizer,
-        problems,
-        system_prompt=args.system_prompt,
-        batch_size=args.batch_size,
-        num_samples=args.num_samples,
-        greedy=args.temperature == 0,
-        progress=not args.no_progress,
-    )
+        rollout, tokenizer, problems, system_prompt=args.system_prompt, batch_size=args.batch_size,
+        num_samples=args.num_samples, greedy=args.temperature == 0, progress=not args.no_progress,
+    )  # fmt: skip
     result = {"model": args.model, "dataset": args.dataset, **result}
     print(json.dumps({k: v for k, v in result.items() if k != "per_problem"}))  # the records go to --output only
     if args.output:
@@ -436,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``cppo train``, ``cppo eval`` or ``cppo merge``; returns the exit code (2: a user error; 1: a run that
     diverged)."""
     args = _parser().parse_args(argv)
+    from .run import Interrupted  # the package's modules import torch: --help and bad flags have not waited for it
+    from .step import NonFiniteUpdates
+
     if args.command == "eval":  # which flags the command line gave (a checkpoint's training config fills the others)
         flags = vars(_parser(flags_only=True).parse_args(argv))
         args.given = {name for name in TRAINED if flags.get(name) is not None}

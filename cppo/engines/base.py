@@ -95,6 +95,10 @@ class RolloutEngine(ABC):
     #: (:meth:`for_evaluation`); an engine that does not declare it is evaluated by ``hf`` on the policy.
     supports_greedy: ClassVar[bool] = False
 
+    #: Loads its own copy of the model from ``EngineSettings.model_name`` (a folder of full weights: a LoRA adapter
+    #: folder must be merged first, ``cppo merge``) instead of generating from the policy object it is given.
+    reads_model_folder: ClassVar[bool] = False
+
     #: The packages it imports when built (``{module: what to install}``), checked before any model loads
     #: (:func:`check_engine_installed`).
     requires: ClassVar[dict[str, str]] = {}

