@@ -17,26 +17,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from seeds_stats import _fmt, _pct, _signs, mean_interval, paired, per_method_means, ratio, shared, signs
 from speedup_report import _pyplot, _save, label_axes, wilson_interval
 
-#: Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond 30 the normal's 1.96 is within 4%.
-T95 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
-    2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
 #: The issue's target: CPPO in at most this share of GRPO's wall time.
 TARGET_TIME_RATIO = 0.5
 #: Issue 30's target: CPPO with dynamic sampling + GRESO in at most this share of plain CPPO's whole-run time.
 TARGET_DYNAMIC_TIME_RATIO = 0.7
 #: What a method with both of issue 30's features adds to its name.
 DYNAMIC = " + filter_groups + greso"
-
-
-def t95(df: int) -> float:
-    """The two-sided 95% Student-t quantile for ``df`` >= 1 degrees of freedom (1.96 past the table)."""
-    if df < 1:
-        raise ValueError(f"a t interval needs >= 2 seeds (df >= 1), got df = {df}")
-    return T95[df - 1] if df <= len(T95) else 1.96
 
 
 def method(row: dict[str, Any]) -> str:
@@ -58,16 +47,6 @@ def method(row: dict[str, Any]) -> str:
     return name
 
 
-def mean_interval(values: Sequence[float]) -> dict[str, Any]:
-    """Mean, sample standard deviation and the 95% t interval of the mean (None with one value)."""
-    n, mean = len(values), statistics.fmean(values)
-    if n < 2:
-        return {"n": n, "mean": mean, "sd": None, "ci95": None}
-    sd = statistics.stdev(values)
-    half = t95(n - 1) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half]}
-
-
 def by_seed(rows: Sequence[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
     """``{seed: {method: row}}`` (seeds ascending); ValueError when a seed repeats a method."""
     table: dict[int, dict[str, dict[str, Any]]] = {}
@@ -77,32 +56,6 @@ def by_seed(rows: Sequence[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any
             raise ValueError(f"seed {r['seed']} has two {method(r)} rows")
         runs[method(r)] = r
     return dict(sorted(table.items()))
-
-
-def shared(table: dict[int, dict[str, dict[str, Any]]], *methods: str) -> list[int]:
-    """The seeds that hold every one of ``methods``."""
-    return [seed for seed, runs in table.items() if all(m in runs for m in methods)]
-
-
-def signs(values: Sequence[float]) -> dict[str, int]:
-    """How many of ``values`` are above, below and exactly at zero."""
-    return {"positive": sum(v > 0 for v in values), "negative": sum(v < 0 for v in values),
-            "zero": sum(v == 0 for v in values)}  # fmt: skip
-
-
-def paired(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, key: str) -> dict[str, Any]:
-    """Per shared seed ``a[key] - b[key]``, their :func:`mean_interval` and :func:`signs`."""
-    diffs = {seed: table[seed][a][key] - table[seed][b][key] for seed in shared(table, a, b)}
-    values = list(diffs.values())
-    return {"a": a, "b": b, "per_seed": diffs, **mean_interval(values), "signs": signs(values)}
-
-
-def ratio(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, key: str) -> dict[str, Any]:
-    """Per shared seed ``a[key] / b[key]``, their mean with its t interval, and the ratio of the summed seconds."""
-    seeds = shared(table, a, b)
-    ratios = {seed: table[seed][a][key] / table[seed][b][key] for seed in seeds}
-    pooled = sum(table[s][a][key] for s in seeds) / sum(table[s][b][key] for s in seeds)
-    return {"a": a, "b": b, "per_seed": ratios, "of_sums": pooled, **mean_interval(list(ratios.values()))}
 
 
 #: ``--time``: which seconds the time ratios to GRPO use (CPU seconds by default: on a shared machine a unit's wall
@@ -233,16 +186,6 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
     }
 
 
-def per_method_means(table: dict[int, dict[str, dict[str, Any]]], m: str, keys: Sequence[str]) -> dict[str, Any]:
-    """``{"seeds", key: mean_interval over the seeds that ran m}`` for each key every one of its rows holds."""
-    seeds = shared(table, m)
-    return {"seeds": seeds} | {
-        k: mean_interval([table[s][m][k] for s in seeds])
-        for k in keys
-        if all(table[s][m].get(k) is not None for s in seeds)
-    }
-
-
 def dynamic_pairs(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Issue 30's comparison for every method ``M + filter_groups + greso`` whose plain ``M`` ran on a shared seed:
     per method the completions generated, whole-run seconds and trained rows with A = 0 (means over its seeds); the
@@ -303,18 +246,6 @@ def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {diff['n']} | {100 * diff['mean']:+.1f} {_pct(diff['ci95'])} | {t['mean']:.3f} {ci} "
                      f"| {d['target']} |")  # fmt: skip
     return lines
-
-
-def _fmt(interval: dict[str, Any] | None) -> str:
-    return "-" if interval is None else f"{interval['mean']:.0f}"
-
-
-def _pct(interval: Sequence[float] | None) -> str:
-    return "-" if interval is None else f"[{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
-
-
-def _signs(d: dict[str, Any]) -> str:
-    return "{positive}+ / {negative}- / {zero}=".format(**d["signs"])
 
 
 def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]]) -> str:

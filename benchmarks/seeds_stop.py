@@ -22,7 +22,7 @@ import pathlib
 import re
 from typing import Any
 
-from seeds_report import _pct, _signs, mean_interval, paired, per_method_means, ratio, shared
+from seeds_stats import _pct, _signs, mean_interval, paired, per_method_means, ratio, shared
 from speedup_report import _pyplot, _save, label_axes, wilson_interval
 
 from cppo import TrainConfig

@@ -13,6 +13,7 @@ import sys
 import accuracy_seeds
 import pytest
 import seeds_report
+import seeds_stats
 
 from cppo import fileio
 
@@ -86,9 +87,9 @@ def test_target_misses_are_reported():
 
 
 def test_t_quantiles():
-    assert seeds_report.t95(1) == 12.706 and seeds_report.t95(2) == 4.303 and seeds_report.t95(100) == 1.96
+    assert seeds_stats.t95(1) == 12.706 and seeds_stats.t95(2) == 4.303 and seeds_stats.t95(100) == 1.96
     with pytest.raises(ValueError, match="2 seeds"):
-        seeds_report.t95(0)
+        seeds_stats.t95(0)
 
 
 def test_methods_missing_on_a_seed_pair_over_the_seeds_they_share():
