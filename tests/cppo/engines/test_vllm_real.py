@@ -106,9 +106,10 @@ def test_sampling_draws_from_torchs_seed_and_survives_a_chunked_prefill(engine):
 def test_stopped_requests_end_at_the_checkpoint_and_the_survivors_continue_as_uninterrupted(engine, monkeypatch):
     """Issue 38 in the vllm engine: greedy, every odd completion stopped at its 4th token: the stopped ones are their
     first 4 tokens, the survivors equal the uninterrupted greedy completions (log-probs included), only the
-    survivors are continued, and the stopper's hidden states are the policy's (one forward over the partials)."""
+    survivors are continued, and the stopper's hidden states are the policy's (those of one forward over each row's
+    prompt and partial completion; zeros for the rows that ended before the checkpoint)."""
     from cppo.engines import Stopper
-    from cppo.engines.stopping import checkpoint_hidden
+    from cppo.engines.stopping import _full_forward_hidden
 
     prompts, at = PROMPTS * 2, 4
     plain = engine(prompts, 1, greedy=True)
@@ -129,8 +130,9 @@ def test_stopped_requests_end_at_the_checkpoint_and_the_survivors_continue_as_un
             assert got.completion_ids[i] == plain.completion_ids[i]
             assert got.sampling_logprobs[i] == pytest.approx(plain.sampling_logprobs[i], abs=1e-4)
     assert [c[0] for c in calls] == [len(prompts), len(survivors)]  # the checkpoint, then the survivors alone
-    hidden = checkpoint_hidden(engine.model, partial.prompt_ids, partial.completion_ids)
-    torch.testing.assert_close(partial.hidden, hidden)
+    hidden = _full_forward_hidden(engine.model, partial.prompt_ids, partial.completion_ids)  # every row whole
+    torch.testing.assert_close(partial.hidden[open_rows], hidden[open_rows], atol=1e-5, rtol=1e-4)
+    assert not partial.hidden[[i for i in range(len(prompts)) if i not in open_rows]].any()  # ended rows: zeros
 
 
 def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
