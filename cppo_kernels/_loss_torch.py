@@ -11,7 +11,7 @@ rows already validated by :mod:`cppo_kernels.loss`; fp32 logits and accumulation
 per call, except CUDA bf16 ones, which feed bf16 cuBLAS GEMMs with fp32 outputs); never a ``[T, V]``
 allocation.
 
-- Forward: a fixed chunk of :func:`chunk_tokens` tokens (256 on the CPU) at a time against the whole vocabulary:
+- Forward: a fixed chunk of :func:`chunk_tokens` tokens (192 on the CPU) at a time against the whole vocabulary:
   1 matmul into a ``[chunk, V]`` buffer and an in-place ``log_softmax`` (row-local, so about one pass over
   memory). Every logit matmul runs on a block of fixed height, zero-padded: BLAS may pick different kernels for
   different row counts, and fixed shapes are what make a token's log-prob independent of the tokens it is batched
@@ -44,9 +44,11 @@ from ._loss_inputs import LogitFactors, logit_factors
 __all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens", "sequence_chunks"]
 
 # Block sizes: constants (never derived from T), so results do not depend on batch composition.
-#: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 156 MB at V = 151,936). 256 measured
-#: as fast as 512 and 128 at T = 2048, H = 896 on 2 cores (the three matmuls at 1.8 plain-matmul equivalents).
-FWD_TOKENS = 256
+#: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 117 MB at V = 151,936, under a tenth
+#: of the naive loss's [T, V] logits and log-softmax at T = 1,024: issue 39). 192 costs ~3.5% more CPU time than
+#: 256 for fwd + bwd at T = 1,024, H = 896 (8.4 against 8.1 s, one thread, interleaved); 256 had measured as fast as
+#: 512 and 128 at T = 2048 on 2 cores.
+FWD_TOKENS = 192
 #: GEMM height granularity of the forward's partial chunks on the CPU: a short call (one kept completion, ~40
 #: tokens) pays a 64-row logits GEMM, not a 256-row one (0.05 s against 0.2 s at V = 49,152, H = 576). Only where
 #: the BLAS gives each row the same bits at every multiple of it up to the chunk (probed once per weight shape,
@@ -72,7 +74,7 @@ def chunk_tokens(device: torch.device) -> int:
 _BLOCK_PROBES: dict[tuple, bool] = {}
 #: The head rows :func:`block_rows` probes: a GEMM's rows come out the same over the first 8,192 columns as over all
 #: of them (measured on this machine's BLAS: 6 head shapes from 4,096 x 128 to 151,936 x 1,536, with and without
-#: bias and cap, 1 and 2 threads), and the probe then holds ~8 MB where the whole head's [256, V] took 155 MB.
+#: bias and cap, 1 and 2 threads), and the probe then holds ~8 MB where the whole head's [chunk, V] took 117-155 MB.
 PROBE_VOCAB = 8192
 
 
@@ -207,7 +209,7 @@ class _Grads:
         """The chunk's tokens ``start:stop``: ``z [C, V]`` holds their log-softmax (rows past ``n = stop - start``:
         padding), ``h [C, H]`` their hidden states (zero past n), ``tgt [n, 1]``, ``logp [n]``. Consumes ``z``. The
         gradient GEMMs take the ``n`` real rows only: the fixed chunk keeps the log-probs batch-invariant, and a short
-        batch (one kept completion: 40 tokens of a 256-token chunk) would otherwise pay two full-chunk GEMMs."""
+        batch (one kept completion: 40 tokens of a 192-token chunk) would otherwise pay two full-chunk GEMMs."""
         n = stop - start
         scale = self.scale[:n]  # [n]
         scale.copy_(self.upstream(start, stop, logp) * -self.f.grad_scale)

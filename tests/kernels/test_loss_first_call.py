@@ -53,17 +53,26 @@ targets, adv = torch.randint(0, V, (T,), generator=g), torch.randn(4, generator=
 cu = torch.tensor([0, 250, 500, 750, 1000])
 if sys.argv[1] == "probed":  # the verdict already known: the first call runs no probe
     from cppo_kernels import _loss_torch
-    _loss_torch._BLOCK_PROBES[((V, H), torch.float32, True, True, 256, 64, 1)] = True
+    _loss_torch._BLOCK_PROBES[((V, H), torch.float32, True, True, _loss_torch.FWD_TOKENS, 64, 1)] = True
+def naive():  # the loss as written without a kernel: the [T, V] logits and their log-softmax
+    logp = torch.log_softmax(hidden @ weight.t(), -1).gather(1, targets[:, None]).squeeze(1)
+    return -(logp * adv.repeat_interleave(cu.diff())).mean(), None
+
+def fused():
+    return fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, mode="two-pass")
+
 peaks = []
 for _ in range(2):
     gc.collect()
     open("/proc/self/clear_refs", "w").write("5")
     base = status("VmRSS")
     with torch.no_grad():
-        loss, _ = fused_cppo_loss(hidden, weight, targets, adv, cu_seqlens=cu, mode="two-pass")
-    peaks.append(status("VmHWM") - base)
+        loss, _ = (naive if sys.argv[1] == "naive" else fused)()
+    peak = status("VmHWM")
     del loss
-print(peaks[0], peaks[1])
+    gc.collect()
+    peaks += [peak - base, max(status("VmRSS") - base, 0)]  # the peak, and what stays resident after the call
+print(*peaks)
 """
 
 
@@ -77,8 +86,29 @@ def test_the_probe_adds_nothing_to_the_first_calls_peak_memory():
         done = subprocess.run([sys.executable, "-c", MEASURE, kind], capture_output=True, text=True, timeout=600,
                               env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
         assert done.returncode == 0, done.stderr[-2000:]
-        peaks[kind] = tuple(map(int, done.stdout.split()[-2:]))  # (first call, later call)
+        peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))[::2]  # (first call, later call)
     (first, later), (first_without, _) = peaks["probing"], peaks["probed"]
     mib = {k: (a / 2**20, b / 2**20) for k, (a, b) in peaks.items()}
-    assert later > 100 * 2**20, mib  # the forward's [256, V] fp32 logits block (148 MiB)
+    assert later > 100 * 2**20, mib  # the forward's [192, V] fp32 logits block (111 MiB)
     assert first - first_without <= 0.05 * later, mib
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_first_call_is_within_10_percent_of_a_later_one_and_a_tenth_of_the_naive_loss():
+    """Issue 39's bounds at T = 1,000 (a partial chunk: the probe runs), H = 896, V = 151,936, each in a fresh
+    process: the first call's working memory (its peak above what the process holds once the call has returned)
+    within 10% of a later call's, and a later call's at most 10% of the naive loss's (its [T, V] logits and
+    log-softmax: ~1.2 GB). What the first call leaves resident (libtorch's code pages it touches first, the
+    allocator's retained heap, the probe's verdict: 17-25 MiB measured, 0 after any later call) is paid once per
+    process, and bounded here too."""
+    peaks = {}
+    for kind in ("probing", "naive"):
+        done = subprocess.run([sys.executable, "-c", MEASURE, kind], capture_output=True, text=True, timeout=600,
+                              env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))  # first (peak, resident), later (peak, resident)
+    (first, kept, later, kept_later), (_, _, naive, _) = peaks["probing"], peaks["naive"]
+    mib = {k: [round(x / 2**20, 1) for x in v] for k, v in peaks.items()}
+    assert naive > 1000 * 2**20, mib  # two [1000, V] fp32 tensors: 1,160 MiB
+    assert first - kept <= 1.10 * (later - kept_later) and later <= 0.10 * naive, mib
+    assert kept <= 32 * 2**20, mib
