@@ -14,7 +14,7 @@ Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given
 - ``...-sapo``: each fused method again with TRL's ``sapo`` loss type (:data:`KIT_LOSS_TYPE`), beside dapo;
 - with ``--loss-types``, instead: each of :data:`LOSS_TYPES` on both fused paths (VESPO's per-sequence weight needs
   the whole sequence: on the gradient-in-forward path only where a sequence fits its chunk, ``--seq-len`` at most
-  256 on the CPU), and each one's time and working memory over dapo's on the same path (``vs_dapo``);
+  192 on the CPU), and each one's time and working memory over dapo's on the same path (``vs_dapo``);
 - ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
   time is also reported as a multiple of it ("matmul-equivalents"), in wall time and in process CPU time
   (``time.process_time``, all threads; far less sensitive than wall time to other processes sharing the cores; on
@@ -169,7 +169,7 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
         f"fused-two-pass-{'triton' if cuda else 'torch'}": ("triton" if cuda else "torch", "two-pass", False),
     }
     # VESPO's weight needs its whole sequence: gradient-in-forward runs it in chunks of whole sequences, on the CPU
-    # when a sequence fits one chunk (--seq-len at most 256), else only two-pass
+    # when a sequence fits one chunk (--seq-len at most the chunk: 192 on the CPU), else only two-pass
     whole = not cuda and SEQ_LEN <= chunk_tokens(device)
     methods = {}
     for name, (backend, mode, in_forward) in paths.items():
