@@ -99,19 +99,6 @@ def test_the_pool_over_processes_is_prunings():
     assert torch.cat([m + 8 * rank for rank, m in enumerate(picks)]).tolist() == alone.tolist()
 
 
-@pytest.fixture
-def constructions(monkeypatch) -> list[Pruning]:
-    """Every Pruning built while the test runs."""
-    built, validate = [], Pruning.__post_init__
-
-    def counted(self):
-        validate(self)
-        built.append(self)
-
-    monkeypatch.setattr(Pruning, "__post_init__", counted)
-    return built
-
-
 def test_the_config_builds_its_pruning_once(tmp_path, constructions):
     args = make_config(CPPOConfig, tmp_path, pruning_rate=0.5, allocation=True)
     assert len(constructions) == 1

@@ -14,19 +14,6 @@ from cppo.step import Pruning
 SMALL = dict(max_prompt_length=8, max_completion_length=8)
 
 
-@pytest.fixture
-def constructions(monkeypatch) -> list[Pruning]:
-    """Every Pruning built while the test runs."""
-    built, validate = [], Pruning.__post_init__
-
-    def counted(self):
-        validate(self)
-        built.append(self)
-
-    monkeypatch.setattr(Pruning, "__post_init__", counted)
-    return built
-
-
 def test_the_config_builds_it_once_and_every_reader_shares_it(constructions):
     config = TrainConfig(pruning_rate=0.75, questions_per_step=2, **SMALL)
     assert len(constructions) == 1
