@@ -1,7 +1,8 @@
 """Generation: the ``vllm`` engine against the ``hf`` engine (prefill-once on) on the same policy, alternated.
 With ``--stop RATE AT``, each engine also runs the same call stopping ``int(G * RATE)`` of each group's unfinished
 completions at the checkpoint ``AT`` (tokens, or a fraction of the length): pruning while generating's cost, the
-rows to stop drawn at random (what they cost does not depend on how they were chosen), as ``ENGINE+stop``.
+rows to stop drawn at random (what they cost does not depend on how they were chosen), as ``ENGINE+stop``; the
+engine computes the checkpoint's hidden states as for the learned head unless ``--stop-without-hidden``.
 
 Each round runs, for every thread count and completion length, one call of each engine (``--questions`` prompts x
 ``--group-size`` completions, sampled at temperature 1), the engines' order swapped every round so that the load
@@ -53,6 +54,11 @@ def parse(argv=None) -> argparse.Namespace:
         metavar=("RATE", "AT"),
         default=None,
         help="also run each engine stopping RATE of each group at AT (tokens >= 1, or a fraction)",
+    )
+    p.add_argument(
+        "--stop-without-hidden",
+        action="store_true",
+        help="--stop's calls read no hidden states (the random and length scorers); default: as the learned head",
     )
     p.add_argument("--max-prompt-length", type=count(1), default=512)
     p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
@@ -156,7 +162,8 @@ def random_stopper(args, new_tokens: int, *, seed: int) -> Stopper:
         scores = torch.rand(len(partial.finished), generator=torch.Generator().manual_seed(seed))
         return choose_stops(scores, partial.finished, group_size=args.group_size, stop=stop)
 
-    return Stopper(at=checkpoint_tokens(int(at) if at >= 1 else at, new_tokens), choose=choose)
+    at = checkpoint_tokens(int(at) if at >= 1 else at, new_tokens)
+    return Stopper(at=at, choose=choose, needs_hidden=not args.stop_without_hidden)
 
 
 def summarise(samples: list[dict], args) -> list[dict]:

@@ -45,10 +45,13 @@ class PartialRollout:
 @dataclass
 class Stopper:
     """When and whom to stop: ``at``, the checkpoint in new tokens (>= 1); ``choose(partial)``, a boolean per row
-    (True: stop it). Rows that already ended are never stopped (whatever ``choose`` says of them)."""
+    (True: stop it). Rows that already ended are never stopped (whatever ``choose`` says of them). ``needs_hidden``:
+    whether ``choose`` reads :attr:`PartialRollout.hidden`; when not, an engine that would compute them with an
+    extra policy forward (``vllm``, the fallback for recurrent caches) passes None instead."""
 
     at: int
     choose: Callable[[PartialRollout], list[bool]]
+    needs_hidden: bool = True
 
 
 def checkpoint_tokens(at: float | int, max_completion_length: int) -> int:
@@ -309,7 +312,8 @@ def _stops_after_the_fact(
     partial_ids = [cut_after_eos(row, eos, stopper.at) for row in new]
     finished = [len(c) < stopper.at or c[-1] in eos for c in partial_ids]
     prompts = _unpadded(input_ids, attention_mask)
-    hidden = checkpoint_hidden(model, prompts, partial_ids, rows=[i for i, f in enumerate(finished) if not f])
+    open_rows = [i for i, f in enumerate(finished) if not f]
+    hidden = checkpoint_hidden(model, prompts, partial_ids, rows=open_rows) if stopper.needs_hidden else None
     stopped = check_choice(stopper.choose(PartialRollout(prompts, partial_ids, finished, hidden, stopper.at)), finished)
     result = torch.full((len(new), width + generation_config.max_new_tokens), pad_id, dtype=sequences.dtype,
                         device=sequences.device)  # fmt: skip

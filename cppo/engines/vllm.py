@@ -174,7 +174,7 @@ class VLLMEngine(RolloutEngine):
         finished = [any(t in self.eos_ids for t in c) for c in partial_ids]
         open_rows = [i for i, f in enumerate(finished) if not f]  # the ended rows are never stopped: no state
         hidden = checkpoint_hidden(self.model, prompts, partial_ids, compute_dtype=self.settings.compute_dtype,
-                                   rows=open_rows)  # fmt: skip
+                                   rows=open_rows) if stopper.needs_hidden else None  # fmt: skip
         partial = PartialRollout(prompts, partial_ids, finished, hidden, stopper.at)
         stopped = check_choice(stopper.choose(partial), finished)
         keep = [i for i, (f, st) in enumerate(zip(finished, stopped)) if not f and not st]

@@ -240,7 +240,7 @@ class RolloutStopping:
                 return [False] * len(partial.finished)
             return choose_stops(predicted, partial.finished, group_size=self.group_size, stop=self.stop)
 
-        return Stopper(at=self.at, choose=choose)
+        return Stopper(at=self.at, choose=choose, needs_hidden=self.head is not None)  # the baselines read none
 
     def _recorded(self, num_rows: int):
         """``(finished [N], predicted [N], hidden [N, H] or None)`` of this step's calls, or None when they do not

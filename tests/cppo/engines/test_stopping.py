@@ -172,3 +172,35 @@ def test_a_cache_that_cannot_keep_rows_decodes_all_and_stops_after_the_fact(fami
     for i, (got, want) in enumerate(zip(odd.completion_ids, plain.completion_ids)):
         assert got == (want[:AT] if odd.stopped[i] else want)
     assert any(odd.stopped) and seen[0].hidden.shape == (len(prompts) * G, model.config.hidden_size)
+
+
+def test_a_stopper_that_reads_no_hidden_states_costs_no_forward_for_them(monkeypatch):
+    """``needs_hidden=False`` (the random and length scorers): the recurrent fallback, which would compute them with
+    an extra policy forward, passes None and runs no such forward; the same rows stop."""
+    from tiny_families import tiny_family
+
+    from cppo.engines import EngineSettings, HFEngine, stopping
+    from cppo.step import tiny_tokenizer
+
+    tok = tiny_tokenizer(128)
+    model = tiny_family("mamba", tok)
+    eng = HFEngine(model, tok, EngineSettings(model_name="x", max_prompt_length=64, max_completion_length=LENGTH))
+    odd = lambda p: [i % 2 == 1 for i in range(len(p.finished))]  # noqa: E731
+    torch.manual_seed(3)
+    want = eng(PROMPTS[:2], G, stopper=Stopper(at=AT, choose=odd))
+    monkeypatch.setattr(stopping, "checkpoint_hidden", lambda *a, **k: pytest.fail("a forward for hidden states"))
+    seen = []
+    torch.manual_seed(3)
+    got = eng(PROMPTS[:2], G, stopper=Stopper(at=AT, choose=lambda p: seen.append(p) or odd(p), needs_hidden=False))
+    assert got.completion_ids == want.completion_ids and got.stopped == want.stopped and seen[0].hidden is None
+
+
+@pytest.mark.parametrize(("scorer", "reads"), [("learned", True), ("random", False), ("length", False)])
+def test_only_the_learned_head_asks_for_hidden_states(scorer, reads):
+    from types import SimpleNamespace
+
+    from cppo.step import RolloutStopping
+
+    config = SimpleNamespace(rollout_stop_rate=0.5, rollout_stop_scorer=scorer, rollout_stop_warmup=0,
+                             rollout_stop_at=2, max_completion_length=8, group_size=4)  # fmt: skip
+    assert RolloutStopping(config, hidden_size=8, tokenizer=None).stopper(step=0, seed=0).needs_hidden is reads

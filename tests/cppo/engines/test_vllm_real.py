@@ -133,6 +133,14 @@ def test_stopped_requests_end_at_the_checkpoint_and_the_survivors_continue_as_un
     hidden = _full_forward_hidden(engine.model, partial.prompt_ids, partial.completion_ids)  # every row whole
     torch.testing.assert_close(partial.hidden[open_rows], hidden[open_rows], atol=1e-5, rtol=1e-4)
     assert not partial.hidden[[i for i in range(len(prompts)) if i not in open_rows]].any()  # ended rows: zeros
+    # a stopper that reads no hidden states (the random and length scorers): no forward for them, the same stops
+    from cppo.engines import vllm as vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "checkpoint_hidden", lambda *a, **k: pytest.fail("a forward for hidden states"))
+    blind = Stopper(at=at, choose=lambda p: seen.append(p) or [i % 2 == 1 for i in range(len(p.finished))],
+                    needs_hidden=False)  # fmt: skip
+    again = engine(prompts, 1, greedy=True, stopper=blind)
+    assert again.completion_ids == got.completion_ids and seen[-1].hidden is None
 
 
 def test_sampling_logprobs_equal_fused_logprobs_on_the_same_tokens(engine):
