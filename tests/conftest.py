@@ -39,8 +39,6 @@ SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
-from pruning_counter import constructions  # noqa: E402, F401  (a fixture: every Pruning a test builds)
-
 
 def pytest_collection_modifyitems(config, items):
     """The real-vLLM tests (marker ``vllm``) run in a pytest process of their own (``pytest -m vllm``, as ``make

@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+from pruning_counter import constructions  # noqa: F401  (a fixture: every Pruning a test builds)
 
 collect_ignore_glob = [] if importlib.util.find_spec("trl") and importlib.util.find_spec("peft") else ["test_*.py"]
 
