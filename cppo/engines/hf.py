@@ -10,7 +10,7 @@ import torch
 
 from ..distributed import autocast
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
-from .prefill import generate_prefilled_once, prefill_once_applies
+from .prefill import generate_prefilled_once, prefill_once_applies, prefill_positions
 from .stopping import generate_with_stops
 
 
@@ -73,10 +73,7 @@ class HFEngine(RolloutEngine):
             for i, row in enumerate(out[:, width:].tolist())
         ]
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        if shared:  # the distinct prompts' first L - 1 positions once, then every row's last (see .prefill)
-            prefill = len({tuple(p) for p in encoded}) * (max(width, 2) - 1) + len(prompt_ids)
-        else:
-            prefill = len(prompt_ids) * width
+        prefill = prefill_positions(prompt_ids, shared=shared)
         return Rollout(prompt_ids, completions, texts, prefill_tokens=prefill, stopped=stopped)
 
     def _generation_config(self, *, greedy: bool):

@@ -59,6 +59,16 @@ def cache_shares_rows(model) -> bool:
     return _VERDICTS[base]
 
 
+def prefill_positions(prompt_ids: list[list[int]], *, shared: bool) -> int:
+    """The prompt positions a call's prefill forwards for ``prompt_ids`` (one per row, left-padded to the longest,
+    ``L``): with ``shared`` (:func:`generate_prefilled_once`) the distinct prompts' first ``L - 1`` positions once
+    (a one-token prompt gets one masked column in front), then every row's last; else every row's ``L``."""
+    width = max((len(p) for p in prompt_ids), default=0)
+    if shared:
+        return len({tuple(p) for p in prompt_ids}) * (max(width, 2) - 1) + len(prompt_ids)
+    return len(prompt_ids) * width
+
+
 def generate_prefilled_once(
     model, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, generate=None, **generate_kwargs
 ):
