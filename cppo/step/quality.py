@@ -135,18 +135,21 @@ def choose_stops(
     values = predicted.double().clone()
     done = torch.tensor(finished, dtype=torch.bool)
     values[done] = float("nan") if known is None else known.double()[done]
-    out = [False] * n
-    for g in range(n // group_size):
-        rows = range(g * group_size, (g + 1) * group_size)
-        v = values[g * group_size : (g + 1) * group_size]
-        seen = v[~v.isnan()]
-        mean = float(seen.mean()) if len(seen) else 0.0
-        std = float(seen.std()) if len(seen) > 1 else 0.0
-        open_rows = [i for i in rows if not finished[i]]
-        score = {i: abs(float(values[i]) - mean) / (std + eps) for i in open_rows}
-        for i in sorted(open_rows, key=lambda i: (score[i], -i))[: min(stop, len(open_rows))]:
-            out[i] = True
-    return out
+    grouped = values.reshape(-1, group_size)  # [Q, G]
+    seen = ~grouped.isnan()
+    count = seen.sum(1, keepdim=True)  # [Q, 1]
+    mean = torch.where(seen, grouped, 0.0).sum(1, keepdim=True) / count.clamp(min=1)
+    var = torch.where(seen, (grouped - mean) ** 2, 0.0).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, var.sqrt(), 0.0)
+    score = (grouped - mean).abs() / (std + eps)  # [Q, G]
+    score = torch.where(done.reshape(-1, group_size), float("inf"), score)  # an ended row is never stopped
+    # smallest score first, ties to the later row: a stable sort of each group read backwards
+    order = torch.sort(score.flip(1), dim=1, stable=True).indices[:, :stop]  # [Q, stop], into the flipped group
+    picked = score.flip(1).gather(1, order).isfinite()
+    rows = (group_size - 1 - order) + torch.arange(0, n, group_size)[:, None]  # [Q, stop]
+    out = torch.zeros(n, dtype=torch.bool)
+    out[rows[picked]] = True
+    return out.tolist()
 
 
 def survivor_advantages(
@@ -185,16 +188,15 @@ def survivor_selection(
     stopped = mask.tolist()
     adv = survivor_advantages(rewards, mask, group_size=pruning.group_size, scale=pruning.scale, eps=pruning.eps)
     score = torch.where(mask, torch.full_like(adv, -1.0, dtype=torch.float64), adv.double().abs())  # [N]
-    n, order = len(stopped), None
+    n = len(stopped)
+    # the largest |A| first, ties to the lower index: a stable sort of -|A|
     if pruning.scope == "group":
         g = pruning.group_size
-        kept = []
-        for q in range(n // g):
-            rows = sorted(range(q * g, (q + 1) * g), key=lambda i: (-float(score[i]), i))[: pruning.keep]
-            kept += rows
+        order = torch.sort(-score.reshape(-1, g), dim=1, stable=True).indices[:, : pruning.keep]  # [Q, keep]
+        kept = (order + torch.arange(0, n, g)[:, None]).reshape(-1).tolist()
     else:
-        order = sorted(range(n), key=lambda i: (-float(score[i]), i))
-        kept = order[: pruning.kept_count(n) if num_kept is None else num_kept]
+        count = pruning.kept_count(n) if num_kept is None else num_kept
+        kept = torch.sort(-score, stable=True).indices[:count].tolist()
     if any(stopped[i] for i in kept):
         raise ValueError(
             "rollout_stop_rate stopped more completions than CPPO's selection can leave out (it keeps "
@@ -277,7 +279,7 @@ class RolloutStopping:
         alive = torch.tensor([not x for x in stopped])
         ran = torch.stack([rewards.float().cpu(), torch.tensor(correct, dtype=torch.float32)], 1)[alive]  # [n, 2]
         every, _ = all_gather_varlen(ran, info=info)
-        if len(every) < len(stopped) * info.world_size or any(stopped):
+        if len(every) < len(stopped) * info.world_size:  # a rank stopped rows
             out.update(reward_mean=float(every[:, 0].mean()), accuracy=float(every[:, 1].mean()),
                        reward_std=float(every[:, 0].std()) if len(every) > 1 else 0.0)  # fmt: skip
         recorded = self._recorded(len(stopped))

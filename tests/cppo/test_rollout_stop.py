@@ -234,3 +234,27 @@ def test_dynamic_sampling_fills_its_budget_from_survivors_only():
     a, b = fill_step(pruning, lambda n: next(plain), max_calls=2), fill_step(pruning, lambda n: next(none), max_calls=2)
     assert a.pool == b.pool and torch.equal(a.selection.kept, b.selection.kept)
     assert torch.equal(a.selection.advantages, b.selection.advantages)
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_the_survivor_selection_keeps_the_largest_survivors_ties_to_the_lower_index(seed, scope):
+    """Against the rule written row by row: per group (or pooled) the largest |A| over the survivors first, ties to
+    the lower index, never a stopped row."""
+    g = torch.Generator().manual_seed(seed)
+    G = [4, 8][seed % 2]
+    n = G * (1 + seed % 4)
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    stopped = [bool(x) for x in (torch.rand(n, generator=g) < 0.4).tolist()]
+    for q in range(n // G):  # at most G * P of a group stopped, as the settings allow
+        for i in [i for i in range(q * G, (q + 1) * G) if stopped[i]][G // 2 :]:
+            stopped[i] = False
+    pruning = Pruning(group_size=G, pruning_rate=0.5, scope=scope)
+    adv, kept = survivor_selection(rewards, stopped, pruning)
+    score = [-1.0 if s else abs(float(a)) for s, a in zip(stopped, adv.double())]
+    if scope == "group":
+        want = [i for q in range(n // G)
+                for i in sorted(range(q * G, (q + 1) * G), key=lambda i: (-score[i], i))[: pruning.keep]]  # fmt: skip
+    else:
+        want = sorted(range(n), key=lambda i: (-score[i], i))[: pruning.kept_count(n)]
+    assert kept.tolist() == sorted(want)

@@ -72,3 +72,36 @@ def test_the_stop_count_and_bad_input():
         choose_stops(torch.zeros(6), [False] * 6, group_size=4, stop=1)
     with pytest.raises(ValueError, match="finite"):
         choose_stops(torch.tensor([0.1, float("nan")]), [False] * 2, group_size=2, stop=1)
+
+
+def _choose_stops_by_hand(predicted, finished, *, group_size, stop, known=None, eps=1e-4):
+    """The rule as the first version wrote it, one row at a time (the oracle of the vectorised one)."""
+    n = len(finished)
+    values = predicted.double().clone()
+    done = torch.tensor(finished, dtype=torch.bool)
+    values[done] = float("nan") if known is None else known.double()[done]
+    out = [False] * n
+    for g in range(n // group_size):
+        rows = range(g * group_size, (g + 1) * group_size)
+        v = values[g * group_size : (g + 1) * group_size]
+        seen = v[~v.isnan()]
+        mean = float(seen.mean()) if len(seen) else 0.0
+        std = float(seen.std()) if len(seen) > 1 else 0.0
+        open_rows = [i for i in rows if not finished[i]]
+        score = {i: abs(float(values[i]) - mean) / (std + eps) for i in open_rows}
+        for i in sorted(open_rows, key=lambda i: (score[i], -i))[: min(stop, len(open_rows))]:
+            out[i] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_vectorised_rule_stops_what_the_row_by_row_one_did(seed):
+    g = torch.Generator().manual_seed(seed)
+    group_size = [2, 4, 8][seed % 3]
+    n = group_size * (1 + seed % 5)
+    predicted = torch.randint(0, 4, (n,), generator=g).double() / 4  # few values: ties everywhere
+    finished = (torch.rand(n, generator=g) < 0.3).tolist()
+    known = None if seed % 2 else torch.randint(0, 2, (n,), generator=g).double()
+    for stop in range(group_size + 1):
+        got = choose_stops(predicted, finished, group_size=group_size, stop=stop, known=known)
+        assert got == _choose_stops_by_hand(predicted, finished, group_size=group_size, stop=stop, known=known)
