@@ -14,7 +14,10 @@ from .models import (
     packed_hidden, prefix_attention_mask, prefix_sharing_blocker, tiny_tokenizer, use_prefix_sharing,
 )  # fmt: skip
 from .head import LogitTransform, check_logit_transform, config_logit_transform, logit_transform
-from .importance import IS_MODES, bound_ratio, check_mode, correct_batches, importance_weights, mismatch_metrics
+from .importance import (
+    IS_MODES, MISMATCH_METRICS, bound_ratio, check_mode, correct_batches, importance_weights, mismatch_metrics,
+    mismatch_values,
+)  # fmt: skip
 from .optim import NonFiniteUpdates, SkipCounter, apply_settings, make_optimizer, make_scheduler, optimizer_step
 from .packing import (
     PackedBatch, Sample, SharedPrefix, allocate, loss_weight, pack, pack_all, pack_shared, phase_tokens, prompt_groups,
@@ -30,6 +33,8 @@ __all__ = [
     "correct_batches",
     "importance_weights",
     "mismatch_metrics",
+    "mismatch_values",
+    "MISMATCH_METRICS",
     "balance_samples", "balance_sequences", "lpt_assign", "split_units", "FilledStep", "fill_step",
     "zero_variance_groups", "apply_lora", "base_recipe",
     "check_target_modules", "is_adapter_folder", "is_lora", "load_adapter_model", "load_adapter_weights", "merge",

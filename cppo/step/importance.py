@@ -10,7 +10,10 @@ import torch
 
 from cppo_kernels.config import check_choice
 
-__all__ = ["IS_MODES", "bound_ratio", "check_mode", "correct_batches", "importance_weights", "mismatch_metrics"]
+__all__ = [
+    "IS_MODES", "MISMATCH_METRICS", "bound_ratio", "check_mode", "correct_batches", "importance_weights",
+    "mismatch_metrics", "mismatch_values",
+]  # fmt: skip
 
 #: ``vllm_importance_sampling_mode``: TRL's four corrections.
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -54,19 +57,31 @@ def importance_weights(
     return bound_ratio(torch.exp(diff), mode=mode, clip_min=clip_min, clip_max=clip_max)
 
 
+#: TRL's ``sampling/*`` metrics of the engine-policy mismatch, and how TRL reduces each over the processes.
+MISMATCH_METRICS = {
+    "sampling/sampling_logp_difference/mean": "mean", "sampling/sampling_logp_difference/max": "max",
+    "sampling/importance_sampling_ratio/min": "min", "sampling/importance_sampling_ratio/mean": "mean",
+    "sampling/importance_sampling_ratio/max": "max",
+}  # fmt: skip
+
+
+def mismatch_values(delta: torch.Tensor, ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:data:`MISMATCH_METRICS` as 0-d tensors: the mean and max of ``delta`` (the counted tokens' |training -
+    sampling log-prob|, NaN ones already left out) and the min, mean and max of ``ratio`` (flat); 0 when empty."""
+    fns = {"mean": torch.mean, "max": torch.max, "min": torch.min}
+    return {
+        name: fns[name.rsplit("/", 1)[1]](x) if x.numel() else x.new_zeros(())
+        for name in MISMATCH_METRICS
+        for x in [delta if "logp_difference" in name else ratio]
+    }
+
+
 def mismatch_metrics(old: torch.Tensor, sampling: torch.Tensor, ratio: torch.Tensor) -> dict[str, float]:
     """TRL's names: the mean and max |training - sampling log-prob| over the tokens (NaN ones left out) and the IS
-    ratio's min, mean and max."""
+    ratio's min, mean and max (:func:`mismatch_values`)."""
     delta = (old.float() - sampling.float()).abs()
-    delta = delta[~torch.isnan(delta)]
-    out = {
-        "sampling/sampling_logp_difference/mean": float(delta.mean()) if delta.numel() else 0.0,
-        "sampling/sampling_logp_difference/max": float(delta.max()) if delta.numel() else 0.0,
-    }
-    flat = ratio.flatten()
-    for name, fn in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
-        out[f"sampling/importance_sampling_ratio/{name}"] = float(fn(flat)) if flat.numel() else 0.0
-    return out
+    values = mismatch_values(delta[~torch.isnan(delta)], ratio.flatten())
+    return {name: float(v) for name, v in values.items()}
 
 
 def correct_batches(

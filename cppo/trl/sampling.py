@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import Tensor
 
-from ..step import IS_MODES, bound_ratio, check_mode
+from ..step import IS_MODES, MISMATCH_METRICS, bound_ratio, check_mode, mismatch_values
 
 __all__ = ["MODES", "importance_ratio", "sampling_stats", "eager_colocated_vllm", "reload_colocated_weights"]
 
@@ -43,19 +43,9 @@ def sampling_stats(
     how TRL reduces it over the processes: "mean" | "max" | "min")``."""
     mask = mask.bool()
     delta = torch.abs(old - sampling)
-    delta = delta[mask & ~torch.isnan(delta)]
     flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask]
-
-    def stat(x: Tensor, fn) -> Tensor:
-        return fn(x) if x.numel() else torch.tensor(0.0, device=old.device)
-
-    return {
-        "sampling/sampling_logp_difference/mean": (stat(delta, torch.mean), "mean"),
-        "sampling/sampling_logp_difference/max": (stat(delta, torch.max), "max"),
-        "sampling/importance_sampling_ratio/min": (stat(flat, torch.min), "min"),
-        "sampling/importance_sampling_ratio/mean": (stat(flat, torch.mean), "mean"),
-        "sampling/importance_sampling_ratio/max": (stat(flat, torch.max), "max"),
-    }
+    values = mismatch_values(delta[mask & ~torch.isnan(delta)], flat)
+    return {name: (v, MISMATCH_METRICS[name]) for name, v in values.items()}
 
 
 @contextlib.contextmanager
