@@ -245,11 +245,14 @@ class RolloutStopping:
         return Stopper(at=self.at, choose=choose, needs_hidden=self.head is not None)  # the baselines read none
 
     def _recorded(self, num_rows: int):
-        """``(finished [N], predicted [N], hidden [N, H] or None)`` of this step's calls, or None when they do not
-        cover exactly the step's ``num_rows`` rows (a call that never reached its checkpoint)."""
+        """``(finished [N], predicted [N], hidden [N, H] or None)`` of this step's calls (None when no call asked
+        its stopper); a RuntimeError when they do not cover exactly the step's ``num_rows`` rows."""
         calls, self.calls = self.calls, []
-        if not calls or sum(len(p.finished) for p, _ in calls) != num_rows:
+        if not calls:
             return None
+        recorded = sum(len(p.finished) for p, _ in calls)
+        if recorded != num_rows:  # every call asks its stopper once: anything else is an engine's bug
+            raise RuntimeError(f"rollout_stop: the step's stoppers saw {recorded} rows, its rollout has {num_rows}")
         finished = sum((list(p.finished) for p, _ in calls), [])
         predicted = torch.cat([x.float().cpu() for _, x in calls])
         hidden = [p.hidden for p, _ in calls]
