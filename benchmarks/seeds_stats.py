@@ -9,18 +9,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-#: Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond 30 the normal's 1.96 is within 4%.
-T95 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
-    2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
 
 def t95(df: int) -> float:
-    """The two-sided 95% Student-t quantile for ``df`` >= 1 degrees of freedom (1.96 past the table)."""
+    """The two-sided 95% Student-t quantile for ``df`` >= 1 degrees of freedom (:func:`scipy.stats.t.ppf`, the
+    distribution :func:`seeds_report.paired_test` tests with, so that every interval of a report uses one t)."""
+    from scipy import stats
+
     if df < 1:
         raise ValueError(f"a t interval needs >= 2 seeds (df >= 1), got df = {df}")
-    return T95[df - 1] if df <= len(T95) else 1.96
+    return float(stats.t.ppf(0.975, df))
 
 
 def mean_interval(values: Sequence[float]) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_the_combined_report_gives_the_pairs_counts_difference_and_time_ratio(tm
     plain, dyn = "CPPO P=0.75 3 epochs", "CPPO P=0.75 3 epochs + filter_groups + greso"
     d = data["summary"]["dynamic"][f"{dyn} vs {plain}"]
     diffs = [b[0] - a[0] for a, b in PAIRS.values()]  # +0.02, -0.02, 0
-    half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
+    half = 4.302653 * statistics.stdev(diffs) / math.sqrt(3)
     assert d["accuracy_difference"]["per_seed"] == pytest.approx(dict(zip(PAIRS, diffs)))
     assert d["accuracy_difference"]["ci95"] == pytest.approx([sum(diffs) / 3 - half, sum(diffs) / 3 + half])
     ratios = [b[1] / a[1] for a, b in PAIRS.values()]

@@ -188,7 +188,7 @@ def test_the_sweep_combines_with_the_former_seeds_over_the_seeds_each_pair_share
     assert s["seeds"] == [42, 43, 44, 45, 46, 47] and s["cppo"] == "CPPO P=0.75"
     d = s["accuracy_differences"]
     pooled_grpo = [c - g for g, c, _ in FORMER.values()] + [v[1] - v[0] for v in SWEEP.values()]
-    half = 2.571 * statistics.stdev(pooled_grpo) / math.sqrt(6)  # t(0.975, df=5)
+    half = 2.570582 * statistics.stdev(pooled_grpo) / math.sqrt(6)  # t(0.975, df=5)
     assert d["CPPO P=0.75 - GRPO"]["n"] == 6 and d["CPPO P=0.75 - GRPO"]["mean"] == pytest.approx(sum(pooled_grpo) / 6)
     assert d["CPPO P=0.75 - GRPO"]["ci95"] == pytest.approx([sum(pooled_grpo) / 6 - half, sum(pooled_grpo) / 6 + half])
     # hand count: -16, -1, 0 (former), -2, +2, 0 (sweep)
@@ -196,7 +196,7 @@ def test_the_sweep_combines_with_the_former_seeds_over_the_seeds_each_pair_share
     group = [v[1] - v[2] for v in SWEEP.values()]  # the sweep's three seeds only
     assert d["CPPO P=0.75 - CPPO group P=0.75"]["per_seed"] == pytest.approx(dict(zip(SWEEP, group)))
     assert d["CPPO P=0.75 - CPPO group P=0.75"]["ci95"][1] == pytest.approx(
-        sum(group) / 3 + 4.303 * statistics.stdev(group) / math.sqrt(3)
+        sum(group) / 3 + 4.302653 * statistics.stdev(group) / math.sqrt(3)
     )
     assert d["CPPO P=0.75 - max-variance P=0.75"]["n"] == 6
     control = d["CPPO P=0.75 no allocation - GRPO"]

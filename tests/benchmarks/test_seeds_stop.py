@@ -76,7 +76,7 @@ def test_the_head_auc_skips_undefined_steps_and_the_warm_up():
 
 
 def _ci(values):
-    mean, half = statistics.fmean(values), 4.303 * statistics.stdev(values) / math.sqrt(3)
+    mean, half = statistics.fmean(values), 4.302653 * statistics.stdev(values) / math.sqrt(3)
     return [mean - half, mean + half]
 
 
