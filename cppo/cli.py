@@ -30,12 +30,15 @@ if TYPE_CHECKING:  # the package's modules import torch: the commands import the
     from .config import TrainConfig
 
 
+#: What the source raises where it alone cannot give the defaults (no file, a non-literal name); anything else shows.
+SOURCE_UNREADABLE = (OSError, SyntaxError, NameError, AttributeError, TypeError, StopIteration)
+
+
 def settings_epilog() -> str:
-    """Every setting of ``--set`` with its default and one-line meaning (``cppo train --help``): read from the source
-    (:func:`_settings_from_source`, without torch), or where that fails, from :class:`TrainConfig` itself."""
+    """Every ``--set`` setting, its default and meaning (``train --help``): from the source, else from TrainConfig."""
     try:
         settings = _settings_from_source()
-    except Exception:  # a default that the source alone cannot give
+    except SOURCE_UNREADABLE:
         from .config import TrainConfig, setting_help
 
         settings = {name: (default, setting_help()[name]) for name, default in TrainConfig().to_dict().items()}

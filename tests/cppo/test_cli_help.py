@@ -51,8 +51,24 @@ def test_the_settings_read_from_the_source_are_the_config_s_own():
     assert list(_settings_from_source()) == list(setting_help())  # in declaration order
 
 
-def test_the_epilog_falls_back_to_the_config_itself(monkeypatch):
-    """A default the source alone cannot give (a name that is no literal constant): the help is still right."""
+def _fails(error: BaseException):
+    def read():
+        raise error
+
+    return read
+
+
+@pytest.mark.parametrize("error", [NameError("name 'SOME_TUPLE' is not defined"), OSError("no settings.py")])
+def test_the_epilog_falls_back_to_the_config_itself(monkeypatch, error):
+    """A default the source alone cannot give (a name that is no literal constant), or no source to read: the help
+    is still right, from TrainConfig."""
     want = cli.settings_epilog()
-    monkeypatch.setattr(cli, "_settings_from_source", lambda: 1 / 0)
+    monkeypatch.setattr(cli, "_settings_from_source", _fails(error))
     assert cli.settings_epilog() == want
+
+
+def test_the_epilog_does_not_hide_a_bug(monkeypatch):
+    """Only what a source that cannot give the defaults raises falls back; another error is not swallowed."""
+    monkeypatch.setattr(cli, "_settings_from_source", _fails(ZeroDivisionError("a bug")))
+    with pytest.raises(ZeroDivisionError):
+        cli.settings_epilog()
