@@ -12,6 +12,10 @@ warm-up (the first ``rollout_stop_warmup`` steps stop nothing and only train the
 being untrained at the first), ``auc_last_quarter`` the mean over the last quarter of the steps (at least one; the
 head learns online, so its late AUC is the one that tells), ``auc_all`` over every step; None-valued steps are
 skipped, and a seed without any defined step has none.
+
+``kept_zero_share``: the share of the completions CPPO kept for the training passes whose advantage is 0 (their
+group's survivors all scored alike: they carry no gradient), ``kept_zero_advantage / completions_kept``; stopping
+leaves fewer survivors per group, so more groups whose survivors all agree.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ KEYS = (
     "total_seconds",
     "completions",
     "rollout_stopped",
+    "kept_zero_share",
     "auc",
     "auc_last_quarter",
     "auc_all",
@@ -67,9 +72,12 @@ def auc_means(row: dict[str, Any]) -> dict[str, float | None]:
 
 
 def derived(row: dict[str, Any]) -> dict[str, Any]:
-    """The row with ``generation_cpu_seconds`` (``phase_cpu_seconds["generation"]``) and :func:`auc_means`."""
+    """The row with ``generation_cpu_seconds`` (``phase_cpu_seconds["generation"]``), ``kept_zero_share`` (module
+    doc; None without the counts) and :func:`auc_means`."""
     generation = (row.get("phase_cpu_seconds") or {}).get("generation")
-    return {**row, "generation_cpu_seconds": generation, **auc_means(row)}
+    kept, zero = row.get("completions_kept"), row.get("kept_zero_advantage")
+    share = zero / kept if kept and zero is not None else None
+    return {**row, "generation_cpu_seconds": generation, "kept_zero_share": share, **auc_means(row)}
 
 
 def _having(table: dict[int, dict[str, dict[str, Any]]], key: str, *methods: str) -> dict:
@@ -240,15 +248,16 @@ def format_stop(stop: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "| method | seeds | accuracy, % | completion tokens generated | generation CPU s | whole-run CPU s | "
-        "completions stopped | head AUC after warm-up | AUC, last quarter of steps |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "completions stopped | kept with zero advantage, % | head AUC after warm-up | AUC, last quarter of steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for group in stop.values():
         for m, pm in group["methods"].items():
             cells = [_num(pm.get("accuracy_after"), 100, ".1f"),
                      *(_num(pm.get(k)) for k in ("tokens_generate_completion", "generation_cpu_seconds", "cpu_seconds",
                                                  "rollout_stopped")),
-                     _num(pm.get("auc"), fmt=".3f"), _num(pm.get("auc_last_quarter"), fmt=".3f")]  # fmt: skip
+                     _num(pm.get("kept_zero_share"), 100, ".1f"), _num(pm.get("auc"), fmt=".3f"),
+                     _num(pm.get("auc_last_quarter"), fmt=".3f")]  # fmt: skip
             lines.append(f"| {m} | {len(pm['seeds'])} | " + " | ".join(cells) + " |")
     lines += [
         "",

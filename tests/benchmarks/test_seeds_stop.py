@@ -54,6 +54,7 @@ def stop_row(seed, arm, numbers, *, auc=None):
         seed, arm, acc, 2 * cpu, cpu_seconds=cpu, tokens_generate_completion=tokens, tokens_generate_prompt=300,
         phase_cpu_seconds={"generation": generation, "policy_fwd_bwd": cpu - generation}, completions=192,
         rollout_stopped=90 if stopping else None, rollout_stop_auc=(auc or AUC)[scorer] if stopping else None,
+        completions_kept=48, kept_zero_advantage=30 if stopping else 12,
     )  # fmt: skip
 
 
@@ -91,6 +92,8 @@ def test_the_summary_gives_the_means_differences_ratios_and_targets_met():
     assert learned["generation_cpu_seconds"]["mean"] == pytest.approx(157 / 3)
     assert learned["cpu_seconds"]["ci95"] == pytest.approx(_ci([130.0, 140.0, 135.0]))
     assert learned["rollout_stopped"]["mean"] == 90
+    assert learned["kept_zero_share"]["mean"] == pytest.approx(30 / 48)
+    assert group["methods"][PLAIN]["kept_zero_share"]["mean"] == pytest.approx(12 / 48)
     assert (learned["auc"]["mean"], learned["auc_last_quarter"]["mean"]) == pytest.approx((0.78, 0.75))
     assert learned["auc"]["ci95"] is not None  # three equal seeds: an interval of width 0
     assert "rollout_stopped" not in group["methods"][PLAIN] and "auc" not in group["methods"]["GRPO"]
@@ -177,8 +180,9 @@ def test_combine_prints_the_two_tables_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     print(out)  # the report, for a reader of -s
     assert f"| {LEARNED} | 3 | 40.0 [26.2, 53.8] | 523 [461, 586] | 52 [46, 59] | 135 [123, 147] | 90 [90, 90] | " \
-           "0.780 [0.780, 0.780] | 0.750 [0.750, 0.750] |" in out  # fmt: skip
-    assert f"| {PLAIN} | 3 | 40.0 [27.6, 52.4] | 1050 [926, 1174] | 105 [93, 117] | 205 [193, 217] | - | - | - |" in out
+           "62.5 [62.5, 62.5] | 0.780 [0.780, 0.780] | 0.750 [0.750, 0.750] |" in out  # fmt: skip
+    assert f"| {PLAIN} | 3 | 40.0 [27.6, 52.4] | 1050 [926, 1174] | 105 [93, 117] | 205 [193, 217] | - | " \
+           "25.0 [25.0, 25.0] | - | - |" in out  # fmt: skip
     assert (
         f"| {LEARNED} vs {PLAIN} | 3 | +0.0 [-2.5, +2.5], 1+ / 1- / 1= | 0.498 [0.492, 0.505] | 0.498 [0.492, 0.505] "
         "| 0.658 [0.638, 0.679] | - | tokens <= 0.6x: yes; CPU <= 0.7x: yes; interval holds 0: yes |" in out
