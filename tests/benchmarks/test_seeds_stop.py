@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 
 import accuracy_arm
@@ -15,7 +16,7 @@ import accuracy_seeds
 import pytest
 import seeds_report
 import seeds_stop
-from sweep_cases import META, PRESET, unit_row
+from sweep_cases import META, PRESET, REPO, unit_row
 
 from cppo import fileio
 
@@ -214,3 +215,27 @@ def test_stop_rows_beside_a_pooled_cppo_keep_the_usual_summary_and_add_the_pairs
     assert summary["cppo"] == "CPPO P=0.75" and f"{PLAIN} + stop 0.625" in summary["stop"]
     text = seeds_report.format_summary(summary, seeds_report.by_seed(rows))
     assert "head AUC after warm-up" in text and "target (CPPO P=0.75)" in text
+
+
+def test_the_committed_benchmark_combines_as_the_docs_say(tmp_path):
+    """Issue 38's committed sweep (benchmarks/results/accuracy-stop), combined again from its units on a copy: the
+    same paired differences as the committed JSON, and the numbers docs/results.md quotes from it."""
+    committed = REPO / "benchmarks" / "results" / "accuracy-stop"
+    shutil.copytree(committed / "units", tmp_path / "units")
+    shutil.copy(committed / "sweep.json", tmp_path / "sweep.json")
+    seeds, protocol = [str(s) for s in range(42, 48)], ["--questions", "32", "--eval", "300", "--eval-points", "1"]
+    data = accuracy_seeds.main(["--seeds", *seeds, "--arms", *ARMS, "--name", "accuracy-stop", "--out", str(tmp_path),
+                                "--combine", "--", *protocol])  # fmt: skip
+    saved = json.loads((committed / "accuracy-stop-seeds.json").read_text())
+    assert data["meta"]["sweep"]["missing"] == [] and len(data["rows"]) == len(saved["rows"]) == 24
+    found = json.loads(json.dumps(data["summary"]["accuracy_differences"]))
+    assert found == saved["summary"]["accuracy_differences"]
+    group = data["summary"]["stop"][f"{PLAIN} + stop 0.625"]
+    pair = group["pairs"][f"{LEARNED} vs {PLAIN}"]
+    docs = (REPO / "docs" / "results.md").read_text(encoding="utf-8")
+    d = pair["accuracy_difference"]
+    assert f"{100 * d['mean']:+.1f} [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]" in docs  # -8.9 [...]
+    assert f"{pair['tokens_ratio']['mean']:.3f}x" in docs and f"{pair['cpu_ratio']['mean']:.3f}x" in docs
+    auc = group["learned_vs_random"]["auc_difference"]
+    assert f"{auc['mean']:+.3f} [{auc['ci95'][0]:+.3f}, {auc['ci95'][1]:+.3f}]" in docs
+    assert group["target"] == saved["summary"]["stop"][f"{PLAIN} + stop 0.625"]["target"]
