@@ -249,20 +249,27 @@ def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
 
 
 def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]]) -> str:
-    """A Markdown table of accuracy and time per method and seed (``-``: not run on that seed), the paired
-    differences with their seeds, intervals and signs, and the time ratios to GRPO."""
+    """The pre-registered analyses first (when the rows hold them), then a Markdown table of accuracy and time per
+    method and seed (``-``: not run on that seed; the process's CPU seconds where every row records them, else the
+    wall seconds, which a shared machine's load inflates), the paired differences with their seeds, intervals and
+    signs, and the time ratios to GRPO."""
     seeds, methods = summary["seeds"], summary["methods"]
-    head = "| method | " + " | ".join(f"seed {s}: accuracy, s" for s in seeds) + " | seeds | mean accuracy | mean s |"
-    lines = [head, "|" + " --- |" * (len(seeds) + 4)]
+    lines = [*format_preregistered(summary["preregistered"])[1:], ""] if summary.get("preregistered") else []
+    cpu = all("cpu_seconds" in summary["per_method"][m] for m in methods)  # every row of every method holds it
+    key, unit = ("cpu_seconds", "CPU s") if cpu else ("total_seconds", "wall s")
+    head = (
+        "| method | "
+        + " | ".join(f"seed {s}: accuracy, {unit}" for s in seeds)
+        + f" | seeds | mean accuracy | mean {unit} |"
+    )
+    lines += [head, "|" + " --- |" * (len(seeds) + 4)]
     for m in methods:
-        cells = [
-            f"{100 * table[s][m]['accuracy_after']:.1f}%, {table[s][m]['total_seconds']:.0f}" if m in table[s] else "-"
-            for s in seeds
-        ]
+        cells = [f"{100 * table[s][m]['accuracy_after']:.1f}%, {table[s][m][key]:.0f}" if m in table[s] else "-"
+                 for s in seeds]  # fmt: skip
         pm = summary["per_method"][m]
         lines.append(
             f"| {m} | " + " | ".join(cells) + f" | {len(pm['seeds'])} | {100 * pm['accuracy_after']['mean']:.1f}% | "
-            f"{pm['total_seconds']['mean']:.0f} |"
+            f"{pm[key]['mean']:.0f} |"
         )
     lines += [
         "",
@@ -291,8 +298,6 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
             f"| {m} | {total['n']} | {mean_ci(t.get('cpu'))} | {mean_ci(total)} | {total['of_sums']:.3f} | "
             f"{train['mean']:.3f} |"
         )
-    if summary.get("preregistered"):
-        lines += format_preregistered(summary["preregistered"])
     lines += format_dynamic(summary["dynamic"]) if summary.get("dynamic") else []
     if summary.get("stop"):
         from seeds_stop import format_stop

@@ -74,7 +74,10 @@ def test_cpu_time_ratios_need_cpu_seconds_in_every_row():
     rows = [{k: v for k, v in r.items() if k != "cpu_seconds"} if r["pruning_rate"] == 0 else r for r in _rows()]
     with pytest.raises(ValueError, match=r"--time cpu: rows of \['GRPO'\] have no cpu_seconds"):
         seeds_report.summarise(rows)
-    assert seeds_report.summarise(rows, time="wall")["time_ratio_total"]["n"] == 3
+    wall = seeds_report.summarise(rows, time="wall")
+    assert wall["time_ratio_total"]["n"] == 3
+    text = seeds_report.format_summary(wall, seeds_report.by_seed(rows))  # the per-seed table in wall seconds too
+    assert "seed 42: accuracy, wall s" in text and "CPU s" not in text.split("\n\n", 1)[0]
     with pytest.raises(ValueError, match="--time must be one of"):
         seeds_report.summarise(_rows(), time="gpu")
 
@@ -223,6 +226,9 @@ def test_the_preregistered_analyses_match_a_hand_computation():
     wide_rows = _prereg_rows([3.0, 3.5, 2.5, 3.0, 3.2, 2.8], [5.0, -6.0, 4.0, -3.0, 6.0, -5.0])
     text = seeds_report.format_summary(wide, seeds_report.by_seed(wide_rows))
     assert "| primary: CPPO group P=0.75 - CPPO P=0.75 | 6 |" in text and "not inside +-3" in text
+    # reported before anything else; the per-seed seconds are the process's CPU seconds (wall - 40 here)
+    assert text.startswith("pre-registered (") and text.index("| primary:") < text.index("| method |")
+    assert "seed 51: accuracy, CPU s" in text and "| GRPO | 35.0%, 960 |" in text  # 0.40 - 5 points, 1000 - 40 s
 
 
 def test_no_preregistered_analysis_without_the_three_arms():
