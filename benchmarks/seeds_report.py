@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from seeds_stats import _fmt, _pct, _signs, mean_interval, paired, per_method_means, ratio, shared, signs
+from seeds_stats import _fmt, _pct, _signs, mean_interval, paired, per_method_means, ratio, shared, signs, t_quantile
 from speedup_report import _pyplot, _save, label_axes, wilson_interval
 
 #: The issue's target: CPPO in at most this share of GRPO's wall time.
@@ -81,7 +81,7 @@ def paired_test(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, *, 
     d = [u - v for u, v in zip(x, y)]
     n, mean, sd = len(d), statistics.fmean(d), statistics.stdev(d)
     test = stats.ttest_rel(x, y)
-    half = {q: float(stats.t.ppf(1 - q / 2, n - 1)) * sd / math.sqrt(n) for q in (alpha, 2 * alpha)}
+    half = {q: t_quantile(n - 1, 1 - q) * sd / math.sqrt(n) for q in (alpha, 2 * alpha)}
     return {
         "a": a, "b": b, "seeds": seeds, "per_seed_points": dict(zip(seeds, d)), "n": n, "mean_points": mean,
         "sd_points": sd, "t": float(test.statistic), "df": n - 1, "p": float(test.pvalue), "signs": signs(d),
@@ -254,7 +254,7 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
     wall seconds, which a shared machine's load inflates), the paired differences with their seeds, intervals and
     signs, and the time ratios to GRPO."""
     seeds, methods = summary["seeds"], summary["methods"]
-    lines = [*format_preregistered(summary["preregistered"])[1:], ""] if summary.get("preregistered") else []
+    lines = [*format_preregistered(summary["preregistered"]), ""] if summary.get("preregistered") else []
     cpu = all("cpu_seconds" in summary["per_method"][m] for m in methods)  # every row of every method holds it
     key, unit = ("cpu_seconds", "CPU s") if cpu else ("total_seconds", "wall s")
     head = (
@@ -313,7 +313,6 @@ def format_preregistered(pre: dict[str, Any]) -> list[str]:
     a = round(100 * (1 - pre["alpha"]))
     b = round(100 * (1 - 2 * pre["alpha"]))
     lines = [
-        "",
         f"pre-registered ({pre['plan']}), seeds {pre['seeds'][0]}-{pre['seeds'][-1]} ({len(pre['seeds'])}):",
         "",
         f"| comparison (points) | seeds | mean | {a}% interval | {b}% interval | t (df) | p | seeds +/-/= | verdict |",

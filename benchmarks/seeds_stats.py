@@ -10,14 +10,19 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def t95(df: int) -> float:
-    """The two-sided 95% Student-t quantile for ``df`` >= 1 degrees of freedom (:func:`scipy.stats.t.ppf`, the
-    distribution :func:`seeds_report.paired_test` tests with, so that every interval of a report uses one t)."""
+def t_quantile(df: int, confidence: float = 0.95) -> float:
+    """The two-sided ``confidence`` quantile of Student's t with ``df`` >= 1 degrees of freedom
+    (:func:`scipy.stats.t.ppf`): every interval of a seeds report is built with it."""
     from scipy import stats
 
     if df < 1:
         raise ValueError(f"a t interval needs >= 2 seeds (df >= 1), got df = {df}")
-    return float(stats.t.ppf(0.975, df))
+    return float(stats.t.ppf(1 - (1 - confidence) / 2, df))
+
+
+def t95(df: int) -> float:
+    """:func:`t_quantile` at 95%."""
+    return t_quantile(df, 0.95)
 
 
 def mean_interval(values: Sequence[float]) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def test_t_quantiles():
     # the printed tables' values (two-sided 95%): 12.706 at df 1, 4.303 at 2, 2.093 at 19, 1.984 at 100
     for df, q in ((1, 12.706), (2, 4.303), (19, 2.093), (100, 1.984)):
         assert seeds_stats.t95(df) == pytest.approx(q, abs=5e-4)
+    assert seeds_stats.t_quantile(5, 0.90) == pytest.approx(2.015, abs=5e-4)  # the equivalence test's 90%
     with pytest.raises(ValueError, match="2 seeds"):
         seeds_stats.t95(0)
 
