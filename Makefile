@@ -27,6 +27,7 @@ setup: $(STAMP)
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: setup lint
 	$(PY) -m pytest -q -n 2 --durations=15 -m "not vllm" tests

@@ -275,8 +275,10 @@ def test_a_seed_and_method_in_both_is_refused(tmp_path):
         ({"meta43": {"model": "other.gguf"}}, "seed43.json: model is 'other.gguf', but 'm.gguf' in .*seed42.json"),
         ({"row44": {"eval_problems": 100}}, "seed44.json: rows' eval_problems is 100, but 300"),
         ({"meta44": {"questions": 32}}, "seed44.json: questions \\(per seed\\) is 32, but 64"),
-        ({"row44": {"seed": 99, "train_question_ids": question_ids(99)}},
-         "seed44.json: its rows or meta are of seed\\(s\\) "),
+        (
+            {"row44": {"seed": 99, "train_question_ids": question_ids(99)}},
+            "seed44.json: its rows or meta are of seed\\(s\\) ",
+        ),
         ({"meta44": {"seed": 99}}, "seed44.json: .*seed\\(s\\) \\[44, 99\\], but the file is named for seed 44"),
     ],
 )

@@ -114,8 +114,11 @@ def test_a_non_tiny_model_drops_the_presets_model_config(speedup):
         (["--set", "bogus=1"], "unknown setting 'bogus'"),
         (["--set", "group_size"], "must look like key=value"),
         # settings each run's plan sets: the plan replaced them silently
-        (["--set", "num_steps=3"], r"^--set num_steps=3: speedup.py sets num_steps for every run itself: choose it "
-         "with --questions$"),
+        (
+            ["--set", "num_steps=3"],
+            r"^--set num_steps=3: speedup.py sets num_steps for every run itself: choose it "
+            "with --questions$",
+        ),
         (["--set", "mu=1", "pruning_rate=0.5"], "--set pruning_rate=0.5: .* choose it with --pruning-rates$"),
         (["--set", "max_questions=8"], "--set max_questions=8: .* with --questions$"),
         (["--set", "output_dir=x"], "--set output_dir=x: .* with --out$"),

@@ -75,8 +75,17 @@ def test_backward_probabilities_stay_at_most_one(module, softcap):
     grads = module.logprobs_bwd(hidden, weight, targets, None, lse - 200.0, grad_logp, **head)
     assert all(torch.isfinite(x).all() for x in grads if x is not None)
     if module is _loss_torch:  # the entropy path's backward too
-        grads = module.logprobs_bwd(hidden, weight, targets, None, lse - 200.0, grad_logp, **head,
-                                    grad_entropy=torch.ones_like(grad_logp), entropy=torch.ones_like(grad_logp))
+        grads = module.logprobs_bwd(
+            hidden,
+            weight,
+            targets,
+            None,
+            lse - 200.0,
+            grad_logp,
+            **head,
+            grad_entropy=torch.ones_like(grad_logp),
+            entropy=torch.ones_like(grad_logp),
+        )
         assert all(torch.isfinite(x).all() for x in grads if x is not None)
 
 

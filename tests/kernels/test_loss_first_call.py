@@ -83,8 +83,13 @@ def test_the_probe_adds_nothing_to_the_first_calls_peak_memory():
     of the head it held a [256, V] and a [192, V] block at once: 304 MB on top of the forward's 149 MB)."""
     peaks = {}
     for kind in ("probing", "probed"):
-        done = subprocess.run([sys.executable, "-c", MEASURE, kind], capture_output=True, text=True, timeout=600,
-                              env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        done = subprocess.run(
+            [sys.executable, "-c", MEASURE, kind],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))[::2]  # (first call, later call)
     (first, later), (first_without, _) = peaks["probing"], peaks["probed"]
@@ -103,8 +108,13 @@ def test_the_first_call_is_within_10_percent_of_a_later_one_and_a_tenth_of_the_n
     process, and bounded here too."""
     peaks = {}
     for kind in ("probing", "naive"):
-        done = subprocess.run([sys.executable, "-c", MEASURE, kind], capture_output=True, text=True, timeout=600,
-                              env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        done = subprocess.run(
+            [sys.executable, "-c", MEASURE, kind],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))  # first (peak, resident), later (peak, resident)
     (first, kept, later, kept_later), (_, _, naive, _) = peaks["probing"], peaks["naive"]

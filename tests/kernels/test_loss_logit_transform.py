@@ -24,7 +24,6 @@ from cppo_kernels import (
 pytestmark = pytest.mark.usefixtures("small_chunks")
 
 
-
 def _head(dtype, *, seed: int, lengths: list[int], H: int, V: int, bias: bool, weight_scale: float = 3.0):
     hidden, weight, b, targets, adv, g = problem(seed, lengths, H, V, dtype, logit_scale=weight_scale, bias=bias)
     return hidden, weight, b, targets, adv, g
@@ -311,6 +310,18 @@ def test_the_transform_travels_through_the_custom_ops():
     cfg = LossConfig()
     op_options = encode(**vars(cfg), mode="two-pass", needs="110", metrics=_metric_key(cfg),
                         **{"head.logit_scale": 0.5, "head.logit_softcap": 3.0})  # fmt: skip
-    args = (params[0].detach().requires_grad_(), params[1].detach().requires_grad_(), targets, adv, cu, None, old,
-            None, bias, None, None, *op_options)  # fmt: skip (no importance weights, no sampling log-probs)
+    args = (
+        params[0].detach().requires_grad_(),
+        params[1].detach().requires_grad_(),
+        targets,
+        adv,
+        cu,
+        None,
+        old,
+        None,
+        bias,
+        None,
+        None,
+        *op_options,
+    )  # fmt: skip (no importance weights, no sampling log-probs)
     torch.library.opcheck(torch.ops.cppo_kernels.fused_cppo_loss.default, args)

@@ -16,7 +16,6 @@ from cppo_kernels import LossConfig, cppo_loss_from_logits, fused_cppo_loss, ref
 pytestmark = pytest.mark.usefixtures("small_chunks")
 
 
-
 #: The surrogate-specific options drawn with each surrogate (bounds included: tiny and large tau, k = 0, lambda = 0).
 SURROGATE_CASES = st.sampled_from(
     [
@@ -267,7 +266,9 @@ def test_vespo_weight_of_an_all_masked_row_is_its_own(loss_path):
     assert_close("vespo_phi_mean", metrics["vespo_phi_mean"], want["vespo_phi_mean"], 1e-5, 1e-7)
     trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
     phi = trl_grpo.GRPOTrainer.get_gamma_weights(
-        advantages=adv.double().unsqueeze(1), log_ratio_per_token=logp64 - old.double(), mask=mask.double(),
+        advantages=adv.double().unsqueeze(1),
+        log_ratio_per_token=logp64 - old.double(),
+        mask=mask.double(),
         importance_sampling_ratio=seq_weights.double().unsqueeze(1),
     )  # fmt: skip  (TRL's defaults: k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2, as LossConfig's)
     assert float(phi[1]) != pytest.approx(1.0, abs=1e-3)  # not vacuous: the masked row's weight is not phi(1)

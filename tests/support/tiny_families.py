@@ -22,6 +22,7 @@ TINY = dict(
 )  # fmt: skip
 ALWAYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
+
 def tiny_family(model_type: str, tok):
     """A tiny fp32 model of the family in eval mode with 4 layers, each kind of layer its config lays out by
     default among them (Falcon-H1 hybrid ones, Gemma 2 sliding ones; LFM2 convolution layers at 0 and 2); or a

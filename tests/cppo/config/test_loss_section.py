@@ -23,7 +23,11 @@ def test_set_loss_name_value_reaches_the_loss_config():
                                    "loss.dual_clip=3", "loss.entropy_coef=0.01", "epsilon_high=0.28"])  # fmt: skip
     lc = cfg.loss_config
     assert (lc.top_entropy_quantile, lc.importance_sampling, lc.dual_clip, lc.entropy_coef, lc.epsilon_high) == (
-        0.8, "sequence", 3, 0.01, 0.28
+        0.8,
+        "sequence",
+        3,
+        0.01,
+        0.28,
     )
     assert cfg.loss == {"top_entropy_quantile": 0.8, "importance_sampling": "sequence", "dual_clip": 3,
                         "entropy_coef": 0.01}  # fmt: skip
@@ -39,8 +43,11 @@ def test_a_yaml_loss_section(tmp_path):
 @pytest.mark.parametrize(
     ("item", "match"),
     [
-        ("loss.surrogat=cispo", r"--set loss.surrogat=cispo: loss.surrogat: not an option of the loss \(did you mean "
-                                r"'surrogate'\?\)"),
+        (
+            "loss.surrogat=cispo",
+            r"--set loss.surrogat=cispo: loss.surrogat: not an option of the loss \(did you mean "
+            r"'surrogate'\?\)",
+        ),
         ("loss.beta=0.1", "loss.beta: beta is a setting of its own; set beta=0.1"),
         ("loss.loss_type=ppo", r"loss.loss_type must be one of \['bnpo', 'cispo'"),
         ("loss.surrogate=nope", r"--set loss.surrogate=nope: loss.surrogate must be one of"),

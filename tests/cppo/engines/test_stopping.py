@@ -115,9 +115,7 @@ def test_an_engine_that_cannot_stop_refuses_a_stopper():
         fixed(["a"], 2, stopper=Stopper(at=2, choose=lambda p: [False] * 2))
 
 
-@pytest.mark.parametrize(
-    ("at", "tokens"), [(4, 4), (0.25, 8), (0.01, 1), (31, 31)]
-)
+@pytest.mark.parametrize(("at", "tokens"), [(4, 4), (0.25, 8), (0.01, 1), (31, 31)])
 def test_the_checkpoint_in_tokens_or_as_a_fraction(at, tokens):
     assert checkpoint_tokens(at, 32) == tokens
 

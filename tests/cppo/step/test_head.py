@@ -114,7 +114,9 @@ def _cppo_trainer_path(model, t: LogitTransform) -> None:
     state = types.SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None)  # one process, nothing sharded
     accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext, state=state)
     trainer = types.SimpleNamespace(
-        accelerator=accelerator, model=model, args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+        accelerator=accelerator,
+        model=model,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
         aux_loss_enabled=False,
     )
     install_hidden_forward(model)
