@@ -76,6 +76,19 @@ print(*peaks)
 """
 
 
+def _measure(kind: str) -> tuple[int, ...]:
+    """MEASURE's four numbers (first call's peak and resident bytes, a later call's) from a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, kind],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tuple(map(int, done.stdout.split()[-4:]))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_the_probe_adds_nothing_to_the_first_calls_peak_memory():
     """Two fresh processes, the first call's peak above its start with the probe and without it (its verdict set
@@ -83,15 +96,7 @@ def test_the_probe_adds_nothing_to_the_first_calls_peak_memory():
     of the head it held a [256, V] and a [192, V] block at once: 304 MB on top of the forward's 149 MB)."""
     peaks = {}
     for kind in ("probing", "probed"):
-        done = subprocess.run(
-            [sys.executable, "-c", MEASURE, kind],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))[::2]  # (first call, later call)
+        peaks[kind] = _measure(kind)[::2]  # (first call, later call)
     (first, later), (first_without, _) = peaks["probing"], peaks["probed"]
     mib = {k: (a / 2**20, b / 2**20) for k, (a, b) in peaks.items()}
     assert later > 100 * 2**20, mib  # the forward's [192, V] fp32 logits block (111 MiB)
@@ -108,15 +113,7 @@ def test_the_first_call_is_within_10_percent_of_a_later_one_and_a_tenth_of_the_n
     process, and bounded here too."""
     peaks = {}
     for kind in ("probing", "naive"):
-        done = subprocess.run(
-            [sys.executable, "-c", MEASURE, kind],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={"CPPO_KERNELS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        peaks[kind] = tuple(map(int, done.stdout.split()[-4:]))  # first (peak, resident), later (peak, resident)
+        peaks[kind] = _measure(kind)  # first (peak, resident), later (peak, resident)
     (first, kept, later, kept_later), (_, _, naive, _) = peaks["probing"], peaks["naive"]
     mib = {k: [round(x / 2**20, 1) for x in v] for k, v in peaks.items()}
     assert naive > 1000 * 2**20, mib  # two [1000, V] fp32 tensors: 1,160 MiB
