@@ -250,12 +250,12 @@ def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
 
 def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str, Any]]]) -> str:
     """The pre-registered analyses first (when the rows hold them), then a Markdown table of accuracy and time per
-    method and seed (``-``: not run on that seed; the process's CPU seconds where every row records them, else the
-    wall seconds, which a shared machine's load inflates), the paired differences with their seeds, intervals and
-    signs, and the time ratios to GRPO."""
+    method and seed (``-``: not run on that seed; in the summary's time basis, :func:`summarise`'s ``time``: the
+    process's CPU seconds, else the wall seconds, which a shared machine's load inflates), the paired differences
+    with their seeds, intervals and signs, and the time ratios to GRPO."""
     seeds, methods = summary["seeds"], summary["methods"]
     lines = [*format_preregistered(summary["preregistered"]), ""] if summary.get("preregistered") else []
-    cpu = all("cpu_seconds" in summary["per_method"][m] for m in methods)  # every row of every method holds it
+    cpu = "cpu_seconds" in summary["per_method"][methods[0]]  # summarise keeps them exactly when time == "cpu"
     key, unit = ("cpu_seconds", "CPU s") if cpu else ("total_seconds", "wall s")
     head = (
         "| method | "

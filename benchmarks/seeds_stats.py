@@ -17,6 +17,8 @@ def t_quantile(df: int, confidence: float = 0.95) -> float:
 
     if df < 1:
         raise ValueError(f"a t interval needs >= 2 seeds (df >= 1), got df = {df}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"a t interval's confidence must lie in (0, 1), got {confidence}")
     return float(stats.t.ppf(1 - (1 - confidence) / 2, df))
 
 

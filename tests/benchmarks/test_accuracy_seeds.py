@@ -96,6 +96,9 @@ def test_t_quantiles():
     assert seeds_stats.t_quantile(5, 0.90) == pytest.approx(2.015, abs=5e-4)  # the equivalence test's 90%
     with pytest.raises(ValueError, match="2 seeds"):
         seeds_stats.t95(0)
+    for bad in (0, 1, 95, -0.5):  # a percentage or a bound: an error naming it, not NaN
+        with pytest.raises(ValueError, match=f"confidence must lie in \\(0, 1\\), got {bad}"):
+            seeds_stats.t_quantile(5, bad)
 
 
 def test_methods_missing_on_a_seed_pair_over_the_seeds_they_share():

@@ -91,12 +91,61 @@ def test_the_committed_run_combines_again_as_committed_and_as_the_docs_say(tmp_p
     docs = (REPO / "docs" / "results.md").read_text(encoding="utf-8")
     for line in seeds_report.format_preregistered(saved["summary"]["preregistered"])[2:]:
         assert line in docs
-    # and the README states the primary interval and the secondary's 90% interval as the report gives them
+    # and the README states the primary interval and the secondary's 90% interval, each with the verdict it had
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     p, s = saved["summary"]["preregistered"]["primary"], saved["summary"]["preregistered"]["secondary"]
+    found = "found no difference" if not p["significant"] else "found a difference"
+    ci = p["ci95_points"]
+    interval = f"({p['mean_points']:+.1f} points, 95% interval [{ci[0]:+.1f}, {ci[1]:+.1f}])"
+    assert f"{found} between per-question and pooled pruning {interval}" in readme
+    shown = "did not show" if not s["equivalent"] else "showed"
+    ci = s["ci90_points"]
+    interval = f"({s['mean_points']:+.1f}, 90% interval [{ci[0]:+.1f}, {ci[1]:+.1f}])"
+    assert f"{shown} per-question pruning within 3 points of GRPO {interval}" in readme
+
+
+def test_the_exploratory_figures_the_docs_quote_are_what_the_committed_files_give():
+    """docs/results.md's exploratory paragraph and time table (not pre-registered): pooled - GRPO, the tests without
+    seed 59 and Wilcoxon's, the per-problem counts of problems one arm solved and the other did not, and each arm's
+    mean training CPU seconds and tokens forwarded."""
+    from scipy import stats
+
+    acc = _accuracies()
+    docs = (REPO / "docs" / "results.md").read_text(encoding="utf-8")
+    section = docs[docs.index("##### The result (reported 2026-12-05") : docs.index("**What this changes.**")]
+    text = " ".join(section.split())  # the paragraph's line breaks
+    d = [acc["cppo-pooled", s] - acc["grpo", s] for s in SEEDS]
+    lo, hi = stats.t.interval(0.95, len(d) - 1, loc=statistics.fmean(d), scale=stats.sem(d))
+    down = sum(x < 0 for x in d)
+    interval = f"{statistics.fmean(d):+.1f} points, 95% interval [{lo:+.1f}, {hi:+.1f}]"
+    assert f"Pooled CPPO - GRPO: {interval}, lower on {down} of 20 seeds" in text
+    found = []
+    for b in ("cppo-pooled", "grpo"):
+        d = [acc["cppo-group", s] - acc[b, s] for s in SEEDS]
+        kept = [acc["cppo-group", s] - acc[b, s] for s in SEEDS if s != 59]
+        found.append((statistics.fmean(kept), stats.ttest_1samp(kept, 0).pvalue, stats.wilcoxon(d).pvalue))
+    (m1, p1, w1), (m2, p2, w2) = found
+    without = f"the primary comparison is {m1:+.1f} points (t test p = {p1:.2f}) and the secondary {m2:+.1f}"
+    assert f"without it {without} (p = {p2:.3f})" in text
+    assert f"gives p = {w1:.2f} and p = {w2:.3f}" in text
+    solved: dict[tuple, dict[str, bool]] = {}
+    for line in (SWEEP / "sweep41-seeds-per-problem.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["arm"] != "untrained":
+            solved.setdefault((r["seed"], r["id"], r["sample"]), {})[r["arm"]] = bool(r["correct"])
+    assert len(solved) == 20 * 300
+
+    def only(a, b):
+        return sum(v[a] and not v[b] for v in solved.values())
+
     assert (
-        f"({p['mean_points']:+.1f} points, 95% interval [{p['ci95_points'][0]:+.1f}, {p['ci95_points'][1]:+.1f}])"
-        in readme
-    )
-    assert f"({s['mean_points']:+.1f}, 90% interval [{s['ci90_points'][0]:+.1f}, {s['ci90_points'][1]:+.1f}])" in readme
-    assert ("no difference" in readme) == (not p["significant"]) and ("not within" in readme) == (not s["equivalent"])
+        f"per-question {only('cppo-group', 'cppo-pooled')} against pooled {only('cppo-pooled', 'cppo-group')}; "
+        f"per-question {only('cppo-group', 'grpo')} against GRPO {only('grpo', 'cppo-group')}; "
+        f"pooled {only('cppo-pooled', 'grpo')} against GRPO {only('grpo', 'cppo-pooled')}"
+    ) in text
+    rows = {line.split(" | ")[0][2:]: line for line in section.splitlines() if line.startswith("| ")}
+    names = {"grpo": "GRPO", "cppo-pooled": "CPPO pooled P = 0.75", "cppo-group": "CPPO per question P = 0.75"}
+    for arm, name in names.items():
+        cpu = statistics.fmean(_unit(s, arm)["cpu_seconds"] for s in SEEDS)
+        tokens = statistics.fmean(_unit(s, arm)["tokens_forward"] for s in SEEDS)
+        assert rows[name].endswith(f"| {cpu:.0f} | {tokens:,.0f} |"), rows[name]
