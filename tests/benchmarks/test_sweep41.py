@@ -149,3 +149,11 @@ def test_the_exploratory_figures_the_docs_quote_are_what_the_committed_files_giv
         cpu = statistics.fmean(_unit(s, arm)["cpu_seconds"] for s in SEEDS)
         tokens = statistics.fmean(_unit(s, arm)["tokens_forward"] for s in SEEDS)
         assert rows[name].endswith(f"| {cpu:.0f} | {tokens:,.0f} |"), rows[name]
+    summary = json.loads((SWEEP / "sweep41-seeds.json").read_text())["summary"]
+    for method, name in (("CPPO P=0.75", names["cppo-pooled"]), ("CPPO group P=0.75", names["cppo-group"])):
+        cpu, wall = summary["time_ratios"][method]["cpu"], summary["time_ratios"][method]["total"]
+        on_cpu = f"**{cpu['mean']:.3f}** [{cpu['ci95'][0]:.3f}, {cpu['ci95'][1]:.3f}]"
+        on_wall = f"{wall['mean']:.3f} [{wall['ci95'][0]:.3f}, {wall['ci95'][1]:.3f}]"
+        assert f"| {on_cpu} | {on_wall} |" in rows[name], rows[name]
+    means = {m: f"{100 * summary['per_method'][m]['accuracy_after']['mean']:.1f}%" for m in summary["methods"]}
+    assert f"GRPO {means['GRPO']}, pooled {means['CPPO P=0.75']}, per-question {means['CPPO group P=0.75']}" in text
