@@ -60,6 +60,9 @@ ARMS: dict[str, tuple[str, ...]] = {
     # the step-budget control: CPPO pooled without allocation, 64 steps of one question (GRPO's steps, warm-up and
     # summed learning rate), keeping 2 of each question's 8 completions
     "control": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=false"),
+    # issue 52: CPPO pooled (the cppo-pooled arm) for 2 epochs of the seed's questions: 32 steps, about GRPO's compute
+    "cppo-pooled-2epochs": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch",
+                            "allocation=true", "num_epochs=2"),
     # issue 30: CPPO pooled for 3 epochs of the seed's questions, the run bounded by the data's epochs (num_steps
     # null: it ends when the question sampler has passed them), plain and with dynamic sampling + GRESO
     "cppo-epochs": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=true",

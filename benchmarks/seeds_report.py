@@ -65,6 +65,15 @@ TIME_BASES = {"cpu": "cpu_seconds", "wall": "total_seconds"}
 #: at ``alpha``; the secondary, an equivalence test (the ``1 - 2 * alpha`` interval inside +-``margin`` points).
 PREREGISTERED = {"primary": ("CPPO group P=0.75", "CPPO P=0.75"), "secondary": ("CPPO group P=0.75", "GRPO"),
                  "alpha": 0.05, "margin_points": 3.0}  # fmt: skip
+#: The pre-registered comparison at GRPO's compute (issue 52, ``docs/results.md``, committed before its units ran):
+#: primary ``a - b`` with the verdict rules of :func:`compute_verdict`; secondary, what the second epoch buys (a
+#: two-sided paired t test); and the arm's process CPU seconds over GRPO's, per seed, whose mean counts as equal
+#: compute inside ``equal_compute``. When a combination holds this plan's three methods it is reported, not issue 41's.
+PREREGISTERED_COMPUTE = {
+    "plan": "docs/results.md, Pre-registered: CPPO at GRPO's compute (issue 52)",
+    "primary": ("CPPO P=0.75 2 epochs", "GRPO"), "secondary": ("CPPO P=0.75 2 epochs", "CPPO P=0.75"),
+    "alpha": 0.05, "margin_points": 3.0, "time_key": "cpu_seconds", "equal_compute": (0.9, 1.2),
+}  # fmt: skip
 
 
 def paired_test(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, *, alpha: float) -> dict[str, Any]:
@@ -90,10 +99,54 @@ def paired_test(table: dict[int, dict[str, dict[str, Any]]], a: str, b: str, *, 
     }  # fmt: skip
 
 
+def compute_verdict(d: dict[str, Any], *, alpha: float, margin: float) -> str:
+    """Issue 52's verdict rules, fixed before its data: ``better`` when the ``1 - alpha`` interval lies above 0,
+    ``worse`` when it lies below; else ``equivalent`` when the ``1 - 2 alpha`` interval lies inside +-margin; else
+    ``inconclusive, leaning above`` / ``below`` (by the mean's sign; ``level`` at a mean of exactly 0)."""
+    lo, hi = d[f"ci{round(100 * (1 - alpha))}_points"]
+    lo2, hi2 = d[f"ci{round(100 * (1 - 2 * alpha))}_points"]
+    if lo > 0:
+        return "better"
+    if hi < 0:
+        return "worse"
+    if -margin < lo2 and hi2 < margin:
+        return "equivalent"
+    mean = d["mean_points"]
+    return "inconclusive, " + ("leaning above" if mean > 0 else "leaning below" if mean < 0 else "level")
+
+
+def preregistered_compute(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
+    """Exactly the analyses of :data:`PREREGISTERED_COMPUTE` over the seeds that hold its three methods (None when
+    fewer than two seeds do): the primary paired test with its verdict (:func:`compute_verdict`); the secondary
+    paired test (``significant``: p below alpha); the CPU-seconds ratio to GRPO per seed, its mean with the 95% t
+    interval, and ``equal_compute``: the mean inside the plan's range."""
+    plan = PREREGISTERED_COMPUTE
+    methods = {*plan["primary"], *plan["secondary"]}
+    seeds = shared(table, *methods)
+    if len(seeds) < 2:
+        return None
+    sub = {s: table[s] for s in seeds}
+    alpha, margin = plan["alpha"], plan["margin_points"]
+    primary = paired_test(sub, *plan["primary"], alpha=alpha)
+    secondary = paired_test(sub, *plan["secondary"], alpha=alpha)
+    time = ratio(sub, *plan["primary"], plan["time_key"])
+    low, high = plan["equal_compute"]
+    return {
+        "plan": plan["plan"], "kind": "compute", "seeds": seeds, "alpha": alpha, "margin_points": margin,
+        "primary": {**primary, "verdict": compute_verdict(primary, alpha=alpha, margin=margin)},
+        "secondary": {**secondary, "significant": secondary["p"] < alpha},
+        "compute": {**time, "key": plan["time_key"], "range": [low, high],
+                    "equal_compute": low <= time["mean"] <= high},
+    }  # fmt: skip
+
+
 def preregistered(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
-    """Exactly the analyses of :data:`PREREGISTERED`, over the seeds that hold all three methods (None when no two
-    seeds do): the primary test's ``p`` and whether it is below alpha; the secondary's interval and whether it lies
-    inside the margin (``equivalent``)."""
+    """The pre-registered analyses the rows hold: issue 52's (:func:`preregistered_compute`) when they hold its
+    methods, else exactly those of :data:`PREREGISTERED` over the seeds that hold all three methods (None when no
+    two seeds do): the primary test's ``p`` and whether it is below alpha; the secondary's interval and whether it
+    lies inside the margin (``equivalent``)."""
+    if (compute := preregistered_compute(table)) is not None:
+        return compute
     plan = PREREGISTERED
     methods = {*plan["primary"], *plan["secondary"]}
     if len(shared(table, *methods)) < 2:
@@ -321,13 +374,23 @@ def format_preregistered(pre: dict[str, Any]) -> list[str]:
     for name, d in (("primary", pre["primary"]), ("secondary", pre["secondary"])):
         ci_a, ci_b = d[f"ci{a}_points"], d[f"ci{b}_points"]
         verdict = (
-            f"p {'<' if d['significant'] else '>='} {pre['alpha']}" if name == "primary"
+            d["verdict"] if "verdict" in d
+            else f"p {'<' if d['significant'] else '>='} {pre['alpha']}" if "significant" in d
             else f"{b}% interval {'inside' if d['equivalent'] else 'not inside'} +-{pre['margin_points']:g}"
         )  # fmt: skip
         lines.append(
             f"| {name}: {d['a']} - {d['b']} | {d['n']} | {d['mean_points']:+.2f} | [{ci_a[0]:+.2f}, {ci_a[1]:+.2f}] "
             f"| [{ci_b[0]:+.2f}, {ci_b[1]:+.2f}] | {d['t']:.2f} ({d['df']}) | {d['p']:.3f} | {_signs(d)} | {verdict} |"
         )
+    if "compute" in pre:
+        c = pre["compute"]
+        ci = "-" if c["ci95"] is None else f"[{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
+        low, high = c["range"]
+        lines += [
+            "",
+            f"compute: {c['a']} / {c['b']} ({c['key']}), seeds {c['n']}: mean {c['mean']:.3f}, 95% {ci}, "
+            f"{'inside' if c['equal_compute'] else 'outside'} the equal-compute range [{low:g}, {high:g}]",
+        ]
     return lines
 
 

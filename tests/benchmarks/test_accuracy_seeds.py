@@ -235,6 +235,54 @@ def test_the_preregistered_analyses_match_a_hand_computation():
     assert "seed 51: accuracy, CPU s" in text and "| GRPO | 35.0%, 960 |" in text  # 0.40 - 5 points, 1000 - 40 s
 
 
+def _compute_rows(epochs_minus_grpo, epochs_minus_pooled, cpu_ratio=1.05):
+    """Rows of GRPO, CPPO pooled and CPPO pooled for 2 epochs on seeds 51.. with the given paired differences
+    (points); the 2-epoch arm's CPU seconds ``cpu_ratio`` x GRPO's (+ 1% per seed)."""
+    rows = []
+    for i, (dg, dp) in enumerate(zip(epochs_minus_grpo, epochs_minus_pooled)):
+        two = 0.45 + 0.01 * i
+        grpo = _row(51 + i, 0.0, "smallest", two - dg / 100, 1040.0)
+        epochs = _row(51 + i, 0.75, "smallest", two, 1000.0) | {"num_epochs": 2}
+        epochs["cpu_seconds"] = grpo["cpu_seconds"] * (cpu_ratio + 0.01 * i)
+        rows += [grpo, _row(51 + i, 0.75, "smallest", two - dp / 100, 600.0), epochs]
+    return rows
+
+
+def test_the_preregistered_compute_analysis_matches_a_hand_computation():
+    """Issue 52's plan: primary 2 epochs - GRPO with the verdict rules fixed in advance, secondary 2 epochs - pooled,
+    the CPU ratio to GRPO against the equal-compute range [0.9, 1.2]."""
+    dg = [1.0, -2.0, 0.5, 2.5, -1.0, 0.0, 1.5, -0.5]
+    dp = [3.0, 1.0, 4.0, 2.0, 5.0, 3.5, 2.5, 4.5]
+    summary = seeds_report.summarise(_compute_rows(dg, dp))
+    pre = summary["preregistered"]
+    assert pre["kind"] == "compute" and pre["seeds"] == list(range(51, 59))
+    p = pre["primary"]
+    assert (p["a"], p["b"], p["n"]) == ("CPPO P=0.75 2 epochs", "GRPO", 8)
+    mean, sd = statistics.fmean(dg), statistics.stdev(dg)
+    half95, half90 = 2.364624 * sd / math.sqrt(8), 1.894579 * sd / math.sqrt(8)  # t(0.975, 7), t(0.95, 7)
+    assert p["ci95_points"] == pytest.approx([mean - half95, mean + half95])
+    assert p["ci90_points"] == pytest.approx([mean - half90, mean + half90])
+    assert -3 < mean - half90 and mean + half90 < 3 and p["verdict"] == "equivalent"
+    s = pre["secondary"]
+    assert (s["a"], s["b"]) == ("CPPO P=0.75 2 epochs", "CPPO P=0.75") and s["significant"] is True
+    assert s["mean_points"] == pytest.approx(statistics.fmean(dp))
+    c = pre["compute"]
+    ratios = [1.05 + 0.01 * i for i in range(8)]
+    assert c["mean"] == pytest.approx(statistics.fmean(ratios)) and c["equal_compute"] is True
+    assert c["range"] == [0.9, 1.2] and c["key"] == "cpu_seconds"
+    text = seeds_report.format_summary(summary, seeds_report.by_seed(_compute_rows(dg, dp)))
+    assert text.startswith("pre-registered (docs/results.md, Pre-registered: CPPO at GRPO's compute (issue 52))")
+    assert "| primary: CPPO P=0.75 2 epochs - GRPO | 8 |" in text and "| equivalent |" in text
+    assert "inside the equal-compute range [0.9, 1.2]" in text
+    # the verdicts, in their order: a 95% interval above 0 is "better", below "worse"; a wide one leans
+    assert seeds_report.summarise(_compute_rows([3.0, 4.0, 5.0, 3.5], dp[:4]))["preregistered"]["primary"][
+        "verdict"] == "better"  # fmt: skip
+    assert seeds_report.summarise(_compute_rows([-3.0, -4.0, -5.0, -3.5], dp[:4]))["preregistered"]["primary"][
+        "verdict"] == "worse"  # fmt: skip
+    wide = seeds_report.summarise(_compute_rows([9.0, -6.0, 8.0, -5.0], dp[:4], cpu_ratio=1.3))["preregistered"]
+    assert wide["primary"]["verdict"] == "inconclusive, leaning above" and wide["compute"]["equal_compute"] is False
+
+
 def test_no_preregistered_analysis_without_the_three_arms():
     assert "preregistered" not in seeds_report.summarise(_rows())
 
