@@ -191,12 +191,18 @@ class WandbSink(MetricSink):
 
 
 _SINKS: dict[str, type[MetricSink]] = {}
+#: The built-in sinks' names (set below, once they are registered), which :func:`register_sink` may not replace.
+_BUILT_IN: frozenset[str] = frozenset()
 
 
 def register_sink(name: str, sink: type[MetricSink]) -> None:
-    """Makes ``report_to: [name]`` build ``sink(output_dir)`` (a name registered again is replaced)."""
+    """Makes ``report_to: [name]`` build ``sink(output_dir)``: a name your code registered again is replaced; a
+    built-in sink's name is refused (a resume rewinds ``metrics.jsonl`` and the plot reads it: ``jsonl`` is the
+    built-in's)."""
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"register_sink: name must be a non-empty string other than 'none', got {name!r}")
+    if name in _BUILT_IN:
+        raise ValueError(f"register_sink: {name!r} is a built-in sink: register yours under another name")
     if not (isinstance(sink, type) and issubclass(sink, MetricSink)):
         raise ValueError(f"register_sink: sink of {name!r} must be a MetricSink subclass, got {sink!r}")
     _SINKS[name] = sink
@@ -241,3 +247,4 @@ def _sink_class(name: str) -> type[MetricSink]:
 register_sink("jsonl", JsonlSink)
 register_sink("tensorboard", TensorBoardSink)
 register_sink("wandb", WandbSink)
+_BUILT_IN = frozenset(_SINKS)

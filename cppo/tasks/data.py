@@ -108,12 +108,12 @@ def question_id(problem: dict) -> str:
 
 
 def normalise_row(row: dict, *, source: str) -> dict:
-    """The problem a dataset row holds: the first registered kind that reads the row (its ``kind`` column, else a
-    GSM8K row (question, answer with ``#### N`` or a number), else a MATH row (problem, answer or solution; a
-    question with another answer)) normalises it (:class:`cppo.tasks.registry.TaskKind`); ``ValueError`` naming
-    ``source`` for a row no kind reads."""
+    """The problem a dataset row holds, normalised by its kind (:func:`cppo.tasks.registry.row_kind`): the one its
+    ``kind`` column names, else the one kind that reads it (a GSM8K row: question, answer with ``#### N`` or a number;
+    a MATH row: problem, answer or solution, or a question with another answer; a registered kind's recogniser);
+    ``ValueError`` naming ``source`` for a row no kind reads, or several."""
     _check_row(row, source=source)
-    kind = row_kind(row)
+    kind = row_kind(row, source)
     if kind is None:
         raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
     fields = dict(kind.normalise(row, source))

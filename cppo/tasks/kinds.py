@@ -1,14 +1,14 @@
 """The built-in problem kinds, one :func:`~cppo.tasks.registry.register_task_kind` each: ``gsm8k`` (GSM8K),
-``math`` (MATH and MATH-500) and ``arith`` (the seeded arithmetic task). Registration order matters to a row without
-a ``kind`` column: GSM8K reads a question whose answer holds ``####`` or is a number, MATH every other question and
-every ``problem`` row (:meth:`~cppo.tasks.registry.TaskKind.owns`)."""
+``math`` (MATH and MATH-500) and ``arith`` (the seeded arithmetic task). A row's ``kind`` column decides its kind;
+of a row without one, GSM8K reads a question whose answer holds ``####`` or is a number, MATH every other question
+and every ``problem`` row, arith none (the recognisers do not overlap: :func:`~cppo.tasks.registry.row_kind`)."""
 
 from __future__ import annotations
 
 from . import math_grading
 from .data import ARITH_TEST_SIZE, arith_count, arith_split
 from .prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
-from .registry import Dataset, plain_problem, register_task_kind
+from .registry import Dataset, plain_problem, register_task_kind, reserve_built_in_kinds
 from .rewards import arith_correct, gsm8k_eval_correct, gsm8k_score, last_boxed
 
 __all__ = ["gsm8k_gold", "math_grade"]
@@ -35,12 +35,11 @@ def _is_number(text: str) -> bool:
 
 
 def _is_gsm8k(row: dict) -> bool:
-    """A question row (no ``problem``) that says it is GSM8K, or says nothing and whose answer holds ``####`` or is
-    a number."""
+    """A question row (no ``problem``, no ``kind`` column) whose answer holds ``####`` or is a number."""
     if "problem" in row or "question" not in row or "answer" not in row:
         return False
     answer = str(row["answer"])
-    return row.get("kind") == "gsm8k" or (row.get("kind") is None and ("####" in answer or _is_number(answer)))
+    return "####" in answer or _is_number(answer)
 
 
 def _gsm8k_problem(row: dict, source: str) -> dict:
@@ -54,8 +53,8 @@ def _gsm8k_problem(row: dict, source: str) -> dict:
 
 
 def _is_math(row: dict) -> bool:
-    """A ``problem`` row, or a question row that says it is MATH or says nothing (GSM8K read it first)."""
-    return "problem" in row or row.get("kind") == "math" or (row.get("kind") is None and "question" in row)
+    """A ``problem`` row, or a question row GSM8K does not read (of a row without a ``kind`` column)."""
+    return "problem" in row or ("question" in row and not _is_gsm8k(row))
 
 
 def _math_problem(row: dict, source: str) -> dict:
@@ -116,3 +115,4 @@ register_task_kind(
     correct=arith_correct,  # the reward 1.0 / 0
     datasets={"arith": Dataset(generate=arith_split, count=arith_count, test_size=ARITH_TEST_SIZE, title="arithmetic")},
 )
+reserve_built_in_kinds()  # their names are taken: a user's kind is registered under its own

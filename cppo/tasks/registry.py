@@ -45,11 +45,12 @@ class Dataset:
 
 
 def plain_problem(row: dict, source: str) -> dict:
-    """The default normaliser: the row's ``question`` and its ``answer`` as text (``ValueError`` naming ``source``
-    without them)."""
-    if "question" not in row or "answer" not in row:
+    """The default normaliser: the row's ``question`` (else its ``problem``) and its ``answer`` as text
+    (``ValueError`` naming ``source`` without them)."""
+    question = row.get("question", row.get("problem"))
+    if question is None or "answer" not in row:
         raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
-    return {"question": row["question"], "answer": str(row["answer"])}
+    return {"question": question, "answer": str(row["answer"])}
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,10 @@ class TaskKind:
       ``solution``, ...), for a kind that grades in bulk (MATH: one request to the math-verify worker);
     - ``normalise(row, source) -> dict``: the problem a dataset row holds, ``question`` and ``answer`` (text) and
       any column of its own (default :func:`plain_problem`); ``kind`` is added;
-    - ``recognise(row) -> bool``: whether a row is of this kind (default: its ``kind`` column names it); asked in
-      registration order, so a row without ``kind`` is the first built-in kind's that reads it (GSM8K, else MATH);
+    - ``recognise(row) -> bool``: whether a row without a ``kind`` column is of this kind (default: never; such a
+      kind's rows name it in their ``kind`` column). A row's ``kind`` column decides whatever any recogniser says;
+      a row without one is the kind whose recogniser alone reads it (several: an error naming them, see
+      :func:`row_kind`), so no kind shadows another, built in or not;
     - ``datasets``: the names ``dataset`` takes for it (:class:`Dataset`)."""
 
     name: str
@@ -95,8 +98,11 @@ class TaskKind:
                 raise ValueError(f"task kind {self.name!r}: dataset {name!r} must be a Dataset")
 
     def owns(self, row: dict) -> bool:
-        """Whether ``row`` is of this kind (:attr:`recognise`, else its ``kind`` column names this one)."""
-        return self.recognise(row) if self.recognise is not None else row.get("kind") == self.name
+        """Whether ``row`` is of this kind: its ``kind`` column names this one, or it has none and
+        :attr:`recognise` reads it."""
+        if row.get("kind") is not None:
+            return row["kind"] == self.name
+        return self.recognise is not None and bool(self.recognise(row))
 
     def scores(self, check: str, completions: list[str], problems: list[dict]) -> list:
         """The ``check`` (:data:`CHECKS`) of each completion against its problem."""
@@ -113,12 +119,17 @@ class TaskKind:
 
 #: The registered kinds, by name, in registration order.
 TASK_KINDS: dict[str, TaskKind] = {}
+#: The built-in kinds' names (:mod:`cppo.tasks.kinds`), which a registration may not replace.
+_BUILT_IN: set[str] = set()
 
 
 def register_task_kind(name: str, **fields) -> TaskKind:
-    """Makes ``TaskKind(name, **fields)`` the kind ``name`` (a name registered again is replaced): its rows load,
-    its prompt builds and its completions score through the same functions as the built-in kinds'. ``ValueError``
-    for a dataset name another kind provides."""
+    """Makes ``TaskKind(name, **fields)`` the kind ``name``: its rows load, its prompt builds and its completions
+    score through the same functions as the built-in kinds'. A name your code registered again is replaced; a
+    built-in kind's name is refused (its rows, metrics and presets mean that kind: register yours under another
+    name). ``ValueError`` for either refusal and for a dataset name another kind provides."""
+    if name in _BUILT_IN:
+        raise ValueError(f"task kind {name!r} is built in: register yours under another name (and name it in rows)")
     kind = TaskKind(name, **fields)
     for other in TASK_KINDS.values():
         taken = set(kind.datasets) & set(other.datasets)
@@ -135,9 +146,33 @@ def task_kind(name: str) -> TaskKind:
     return TASK_KINDS[name]
 
 
-def row_kind(row: dict) -> TaskKind | None:
-    """The first registered kind that :meth:`~TaskKind.owns` ``row``, or None."""
-    return next((kind for kind in TASK_KINDS.values() if kind.owns(row)), None)
+def reserve_built_in_kinds() -> None:
+    """Marks every kind registered so far as built in (:mod:`cppo.tasks.kinds` calls it once, after its kinds)."""
+    _BUILT_IN.update(TASK_KINDS)
+
+
+def row_kind(row: dict, source: str = "row") -> TaskKind | None:
+    """The kind ``row`` names in its ``kind`` column, else the one kind whose recogniser reads it, or None.
+    ``ValueError`` naming ``source`` and the kinds when several read a row without a ``kind`` column (the order of
+    registration decides nothing), or when a recogniser fails on it."""
+    if row.get("kind") is not None:
+        return task_kind(row["kind"])
+    claims = []
+    for kind in TASK_KINDS.values():
+        try:
+            owns = kind.owns(row)
+        except Exception as exc:  # a user's recogniser, asked of every row without a kind column
+            raise ValueError(
+                f"{source}: task kind {kind.name!r} could not read the row (recognise: {type(exc).__name__} {exc})"
+            ) from None
+        if owns:
+            claims.append(kind)
+    if len(claims) > 1:
+        names = sorted(kind.name for kind in claims)
+        raise ValueError(
+            f"{source}: task kinds {names} each read this row; say which it is in a 'kind' column (one of {names})"
+        )
+    return claims[0] if claims else None
 
 
 def dataset_source(name: str) -> Dataset | None:

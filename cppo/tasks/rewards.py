@@ -204,10 +204,15 @@ REWARDS: dict[str, RewardFn] = {
     "tag_count": tag_count_reward,
     "digits": digits_reward,
 }
+#: The built-in rewards' names, which :func:`register_reward` may not replace.
+_BUILT_IN = frozenset(REWARDS)
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
-    """Makes ``fn`` available to ``TrainConfig.rewards`` under ``name``."""
+    """Makes ``fn`` available to ``TrainConfig.rewards`` under ``name``: a name your code registered again is
+    replaced; a built-in reward's name is refused (``ValueError``; the metrics and the presets mean the built-in)."""
+    if name in _BUILT_IN:
+        raise ValueError(f"reward {name!r} is built in: register yours under another name")
     if not callable(fn):
         raise ValueError(f"reward {name!r} must be callable, got {type(fn).__name__}")
     REWARDS[name] = fn

@@ -107,3 +107,16 @@ def test_pluggable_rewards_and_bad_names():
     register_reward("broken_test", lambda prompts, completions, **row: [1.0])
     with pytest.raises(ValueError, match="broken_test"):
         score_all(get_rewards(["broken_test"]), ["p", "p"], ["a", "b"])
+
+
+def test_a_built_in_reward_is_not_replaced_a_user_s_reward_is(monkeypatch):
+    """A built-in name is refused in one line (``accuracy`` replaced would leave the metrics' correctness graded by
+    the kind, not by it); a name the user registered is replaced by a later registration."""
+    for name in ("format", "accuracy", "accuracy01", "tag_count", "digits"):
+        with pytest.raises(ValueError, match=rf"^reward {name!r} is built in: register yours under another name$"):
+            register_reward(name, lambda prompts, completions, **row: [0.0] * len(completions))
+    assert REWARDS["format"] is format_reward
+    monkeypatch.setitem(REWARDS, "mine_test", None)  # restored after the test
+    register_reward("mine_test", lambda prompts, completions, **row: [1.0] * len(completions))
+    register_reward("mine_test", lambda prompts, completions, **row: [2.0] * len(completions))
+    assert get_rewards(["mine_test"])["mine_test"](["p"], ["c"]) == [2.0]

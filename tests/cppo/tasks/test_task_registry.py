@@ -189,6 +189,60 @@ def test_bad_registrations_and_unknown_kinds_are_one_line(registry):
 
 
 # --------------------------------------------------------------------------------------------
+# Which kind a row is: its kind column decides; a user's kind is never shadowed by a built-in one (issue 49)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_problem_row_of_a_registered_kind_is_that_kind(registry, tmp_path):
+    """``{"problem", "answer", "kind": "reverse"}`` was MATH's: MATH's prompt and grader (its recogniser claimed every
+    problem row and was asked before any registered kind)."""
+    register_task_kind("reverse", system_prompt=REVERSE_PROMPT, correct=reversed_text)
+    path = write_rows(tmp_path / "r.jsonl", [{"problem": w, "answer": w[::-1], "kind": "reverse"} for w in WORDS])
+    problems = load_problems(path)
+    assert problems[0] == {"question": "abc", "answer": "cba", "kind": "reverse"}
+    assert [p["kind"] for p in problems] == ["reverse"] * len(WORDS)
+    assert build_prompt(tiny_tokenizer(300), problems[0]).startswith(f"<|im_start|>system\n{REVERSE_PROMPT}<|im_end|>")
+    completions = [p["answer"] for p in problems]  # right by the reverse kind, wrong by MATH's math-verify
+    assert eval_correct(completions, **rows_of(problems)) == [True] * len(WORDS)
+
+
+def test_a_kind_that_recognises_rows_is_asked_beside_the_built_in_ones(registry):
+    """A row without a kind column: the one kind that reads it; several: an error naming them (never the first)."""
+    register_task_kind(
+        "reverse",
+        system_prompt=REVERSE_PROMPT,
+        correct=reversed_text,
+        recognise=lambda row: "text" in row or "word" in row,
+        normalise=lambda row, source: {"question": row.get("text") or row["word"], "answer": "x"},
+    )
+    ambiguous = r"each read this row; say which it is in a 'kind' column"
+    assert normalise_row({"text": "abc"}, source="x") == {"question": "abc", "answer": "x", "kind": "reverse"}
+    with pytest.raises(ValueError, match=r"^x: task kinds \['math', 'reverse'\] " + ambiguous):
+        normalise_row({"problem": "p", "answer": "5", "word": "w"}, source="x")
+    with pytest.raises(ValueError, match=r"^x: task kinds \['gsm8k', 'reverse'\] " + ambiguous):
+        normalise_row({"question": "q", "answer": "#### 5", "word": "w"}, source="x")
+    named = {"problem": "p", "answer": "5", "word": "w", "kind": "reverse"}
+    assert normalise_row(named, source="x")["kind"] == "reverse"
+    assert normalise_row({"problem": "p", "answer": "5"}, source="x")["kind"] == "math"  # math's alone, as before
+
+
+def test_a_recogniser_that_fails_is_one_line_naming_the_kind(registry):
+    register_task_kind("reverse", system_prompt=REVERSE_PROMPT, correct=reversed_text, recognise=lambda r: r["text"])
+    with pytest.raises(ValueError, match=r"^x: task kind 'reverse' could not read the row \(recognise: KeyError"):
+        normalise_row({"question": "q", "answer": "5"}, source="x")
+
+
+def test_a_built_in_kind_is_not_replaced_a_user_s_kind_is(registry):
+    for name in ("gsm8k", "math", "arith"):
+        with pytest.raises(ValueError, match=rf"^task kind {name!r} is built in: register yours under another name"):
+            register_task_kind(name, system_prompt=REVERSE_PROMPT, correct=reversed_text)
+    assert task_kind("math").system_prompt == MATH_SYSTEM_PROMPT
+    register_task_kind("reverse", system_prompt="first", correct=reversed_text)
+    register_task_kind("reverse", system_prompt=REVERSE_PROMPT, correct=reversed_text)  # yours: replaced
+    assert task_kind("reverse").system_prompt == REVERSE_PROMPT and KINDS.count("reverse") == 1
+
+
+# --------------------------------------------------------------------------------------------
 # The built-in kinds, through the registry, as before
 # --------------------------------------------------------------------------------------------
 
@@ -214,10 +268,11 @@ def test_the_built_in_kinds_are_registered():
             {"question": "q", "answer": "#### 7", "kind": "math", "solution": "$#### 7$"},
         ),
         ({"problem": "p", "answer": "5"}, {"question": "p", "answer": "5", "kind": "math", "solution": "$5$"}),
-        (  # a problem row is MATH's, whatever its kind says (as before the registry)
+        (  # a row's kind column decides, a problem row too (issue 49: it was MATH's whatever its kind said)
             {"problem": "p", "answer": "5", "kind": "gsm8k"},
-            {"question": "p", "answer": "5", "kind": "math", "solution": "$5$"},
+            {"question": "p", "answer": "5", "kind": "gsm8k"},
         ),
+        ({"problem": "p", "answer": "5", "kind": "arith"}, {"question": "p", "answer": "5", "kind": "arith"}),
         (
             {"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}"},
             {"question": "p", "answer": "\\frac{1}{2}", "kind": "math", "solution": "so \\boxed{\\frac{1}{2}}"},
