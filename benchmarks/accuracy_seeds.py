@@ -78,12 +78,21 @@ from typing import Any
 
 import accuracy_arm
 from bench_out import new_run_folder
-from seeds_files import MAY_DIFFER, RECORDED_KEYS, ROW_AGREE_KEYS, agreed_meta, check_agree, check_command, read_result
-from seeds_report import TIME_BASES, by_seed, format_summary, method, plot, summarise
+from seeds_files import (  # noqa: F401  (per_problem_lines: named here by the tests)
+    MAY_DIFFER,
+    RECORDED_KEYS,
+    ROW_AGREE_KEYS,
+    agreed_meta,
+    check_agree,
+    check_command,
+    per_problem_lines,
+    read_result,
+    write_combined,
+)
+from seeds_report import TIME_BASES, method, summarise
 from speedup_report import relative_fields
 from sweep_units import Unit, check_finished_units, check_sweep_folder, finished, fresh_folder, sweep_settings
 
-from cppo import fileio
 from cppo.run import RunLock, RunLocked
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -350,9 +359,14 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
     """The finished arms of the sweep in ``out`` and the ``--with`` files, checked to agree (:func:`check_agree`),
     every row named by its arm (:func:`accuracy_arm.arm_of`) and the sweep's rows measured against their seed's GRPO
     row (:func:`speedup_report.relative_fields`); ``{"meta", "rows", "summary"}``. ValueError naming the file that is
-    not a result or does not agree, or when nothing is there to combine."""
+    not a result (a unit's result.json that is not valid: :func:`seeds_files.read_result`) or does not agree, or when
+    nothing is there to combine."""
     units = [u for u in plan_units(args) if u.arm]
     done = [u for u in units if finished(u, out)]
+    for u in units:  # a result written whole (atomically) but not valid: said, not left out as if still running
+        if u not in done and u.result(out).is_file():
+            read_result(u.result(out), "a unit's result")  # names the file and the field
+            raise ValueError(f"{u.result(out)}: not one row of arm {u.arm} and seed {u.seed} (move its folder aside)")
     sources = [(u.result(out), *read_result(u.result(out), "a unit's result")) for u in done]
     sources += [(path, *read_result(path, "an accuracy_seeds.py result")) for path in args.with_files]
     if not sources:
@@ -388,43 +402,6 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
         ],
     }  # fmt: skip
     return {"meta": meta, "rows": rows, "summary": summary}
-
-
-def per_problem_lines(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows without their per-problem records, and the records as JSON lines: one per graded completion,
-    ``{"seed", "arm", "method", "step", **record}`` (the untrained model's evaluation, step 0, once per distinct
-    measurement: every arm of a sweep starts from the same one, written with ``"arm": "untrained"``)."""
-    lines, seen, bare = [], set(), []
-    for r in rows:
-        for point in r.get("eval_per_problem") or []:
-            if point["step"] == 0:  # the untrained model's
-                ident = json.dumps(point["records"])
-                if ident in seen:
-                    continue
-                seen.add(ident)
-            arm, name = ("untrained", None) if point["step"] == 0 else (r.get("arm"), method(r))
-            lines += [json.dumps({"seed": r["seed"], "arm": arm, "method": name, "step": point["step"], **rec})
-                      for rec in point["records"]]  # fmt: skip
-        bare.append({k: v for k, v in r.items() if k != "eval_per_problem"})
-    return bare, lines
-
-
-def write_combined(data: dict[str, Any], out: pathlib.Path, name: str) -> None:
-    """``OUT/NAME-seeds.json`` and ``.png``, the per-problem records beside them (``NAME-seeds-per-problem.jsonl``,
-    :func:`per_problem_lines`; the JSON's rows keep the counts), and the summary printed."""
-    path, png = out / f"{name}-seeds.json", out / f"{name}-seeds.png"
-    out.mkdir(parents=True, exist_ok=True)
-    data["rows"], lines = per_problem_lines(data["rows"])
-    if lines:
-        records = out / f"{name}-seeds-per-problem.jsonl"
-        fileio.atomic_write(records, "\n".join(lines) + "\n")
-        data["meta"]["per_problem"] = f"{records.name}: one JSON line per graded completion of every evaluation"
-        print(f"wrote {records} ({len(lines)} records)")
-    fileio.write_json(path, data)
-    table = by_seed(data["rows"])
-    plot(png, data["summary"], table, data["meta"])
-    print(format_summary(data["summary"], table))
-    print(f"\nwrote {path}, {png}", flush=True)
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,12 @@
-"""The result files the accuracy runs combine (``accuracy_seeds.py``): reading one, and what every file combined must
-agree on, refused in one line naming the file, the setting and both values.
+"""The result files the accuracy runs combine (``accuracy_seeds.py``): reading one, what every file combined must
+agree on (refused in one line naming the file, the setting and both values), and writing the combination.
+
+**What a file may hold.** Strict JSON: a NaN or an infinity anywhere (``json.dumps`` writes them; cppo's writer
+writes null) is refused naming the file and the field, and so is a field the reports read as a number
+(:data:`NUMBER_KEYS`) that holds something else. **What the combination writes.** ``NAME-seeds.json``, its plot,
+and the per-problem records of every row beside it (:func:`write_combined`); a row that carries none for some of
+its evaluations (a unit that finished without them, a ``--with`` file's rows) is listed in the meta's
+``per_problem_missing`` and in the report (:func:`per_problem_gaps`).
 
 **What may differ, what must agree, what is only recorded.** The settings that may differ between the files and rows
 combined are an explicit allow-list (:data:`MAY_DIFFER`): what an arm or the sweep sets per unit
@@ -22,19 +29,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import accuracy_arm
 import speedup_args
-from seeds_report import method
+from seeds_report import by_seed, format_summary, method, plot
 
 from cppo import TrainConfig, fileio
 from cppo.config import TINY_MODELS
 
 #: What the summary reads of every row.
 ROW_KEYS = ("pruning_rate", "selection_metric", "accuracy_after", "total_seconds", "train_seconds", "eval_problems")
+#: The row fields the reports read as numbers (where present and not None): each must be an int or a float.
+NUMBER_KEYS = ("pruning_rate", "accuracy_after", "accuracy_before", "total_seconds", "train_seconds", "cpu_seconds",
+               "eval_problems", "eval_problems_scored", "questions", "group_size", "steps", "completions",
+               "completions_kept", "kept_zero_advantage", "tokens_generate_completion", "tokens_generate_prompt",
+               "rollout_stopped", "greso_questions_skipped", "ideal_speedup_train")  # fmt: skip
 #: The settings that may differ between the files combined: what an arm or the sweep sets per unit, and ``preset``.
 MAY_DIFFER = (
     frozenset(accuracy_arm.OWN_SETTINGS)
@@ -73,10 +86,31 @@ def read_result(path: pathlib.Path, what: str) -> tuple[dict[str, Any], list[dic
             raise TypeError("meta must be an object and rows a list of objects")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not {what} ({type(e).__name__}: {e})") from None
+    bad = _not_finite({"meta": meta, "rows": rows}, "")
+    if bad is not None:
+        raise ValueError(f"{path}: {bad[0]} is {json.dumps(bad[1])}, not a finite number (strict JSON has none)")
     missing = sorted({k for r in rows for k in ROW_KEYS if r.get(k) is None})
     if missing or not rows:
         raise ValueError(f"{path}: its rows lack {missing or 'rows'} (not {what} with --eval)")
+    for i, r in enumerate(rows):
+        for key in NUMBER_KEYS:
+            value = r.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{path}: rows[{i}].{key} is {value!r}, not a number")
     return meta, rows
+
+
+def _not_finite(value: Any, where: str) -> tuple[str, float] | None:
+    """The first NaN or infinity in ``value`` (a parsed JSON document): ``(its path, e.g. rows[0].accuracy_after,
+    the value)``, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _not_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 def agreed_values(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -165,3 +199,71 @@ def check_command(path: pathlib.Path, meta: dict[str, Any], expected: Sequence[s
             f"{path}: it ran speedup.py with {wrong} {ran.get(wrong)!r}, but this command passes {wanted[wrong]!r} "
             "(the arguments after --; default: DEFAULT_SPEEDUP_ARGS)"
         )
+
+
+def per_problem_lines(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows without their per-problem records, and the records as JSON lines: one per graded completion,
+    ``{"seed", "arm", "method", "step", **record}`` (the untrained model's evaluation, step 0, once per distinct
+    measurement: every arm of a sweep starts from the same one, written with ``"arm": "untrained"``)."""
+    lines, seen, bare = [], set(), []
+    for r in rows:
+        for point in r.get("eval_per_problem") or []:
+            if point["step"] == 0:  # the untrained model's
+                ident = json.dumps(point["records"])
+                if ident in seen:
+                    continue
+                seen.add(ident)
+            arm, name = ("untrained", None) if point["step"] == 0 else (r.get("arm"), method(r))
+            lines += [json.dumps({"seed": r["seed"], "arm": arm, "method": name, "step": point["step"], **rec})
+                      for rec in point["records"]]  # fmt: skip
+        bare.append({k: v for k, v in r.items() if k != "eval_per_problem"})
+    return bare, lines
+
+
+def per_problem_gaps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with an evaluation that carries no per-problem records of its own: ``{"seed", "arm", "method",
+    "steps"}``, the steps of its ``accuracy_curve`` without records (None: a row without a curve and without
+    records, every evaluation of it)."""
+    gaps = []
+    for r in rows:
+        kept = {point["step"] for point in r.get("eval_per_problem") or []}
+        curve = r.get("accuracy_curve")
+        steps = None if not curve and not kept else [int(p[1]) for p in curve or [] if int(p[1]) not in kept]
+        if steps is None or steps:
+            gaps.append({"seed": r["seed"], "arm": r.get("arm"), "method": method(r), "steps": steps})
+    return gaps
+
+
+def _gap_words(gap: dict[str, Any]) -> str:
+    steps = "every evaluation" if gap["steps"] is None else "steps " + ", ".join(map(str, gap["steps"]))
+    return f"seed {gap['seed']} {gap['method']} ({steps})"
+
+
+def write_combined(data: dict[str, Any], out: pathlib.Path, name: str) -> None:
+    """``OUT/NAME-seeds.json`` and ``.png``, the per-problem records beside them (``NAME-seeds-per-problem.jsonl``,
+    :func:`per_problem_lines`; the JSON's rows keep the counts), and the summary printed. When some rows carry
+    records and others do not (:func:`per_problem_gaps`), the meta's ``per_problem_missing`` and the report list
+    those that do not."""
+    path, png = out / f"{name}-seeds.json", out / f"{name}-seeds.png"
+    out.mkdir(parents=True, exist_ok=True)
+    gaps = per_problem_gaps(data["rows"])
+    data["rows"], lines = per_problem_lines(data["rows"])
+    if lines:
+        records = out / f"{name}-seeds-per-problem.jsonl"
+        fileio.atomic_write(records, "\n".join(lines) + "\n")
+        data["meta"]["per_problem"] = f"{records.name}: one JSON line per graded completion of every evaluation"
+        if gaps:
+            data["meta"]["per_problem"] += (
+                f" but those of the {len(gaps)} rows in per_problem_missing (they carry no per-problem records; "
+                "steps: the evaluations without them)"
+            )
+            data["meta"]["per_problem_missing"] = gaps
+        print(f"wrote {records} ({len(lines)} records)")
+    fileio.write_json(path, data)
+    table = by_seed(data["rows"])
+    plot(png, data["summary"], table, data["meta"])
+    print(format_summary(data["summary"], table))
+    if lines and gaps:
+        print(f"\nper-problem records: none for {len(gaps)} rows (per_problem_missing): "
+              + "; ".join(map(_gap_words, gaps)))  # fmt: skip
+    print(f"\nwrote {path}, {png}", flush=True)
