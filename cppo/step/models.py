@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from .packing import SharedPrefix
+from .varlen_attention import fall_back_if_unsupported, register_varlen_attention, varlen_available
 
 DEFAULT_TINY = {
     "vocab_size": 2048,
@@ -62,13 +63,16 @@ def tiny_tokenizer(vocab_size: int):
 
 def attn_implementation(device: torch.device, *, prefix_sharing: bool = False) -> str:
     """The attention of the packed forward: on CUDA flex_attention with ``prefix_sharing`` (a block mask that skips
-    the masked tiles), else flash_attention_2 (varlen over packed position_ids) when flash-attn is installed; sdpa
-    otherwise (on CPU, with prefix sharing, a dense bool mask: the fastest path measured, docs/results.md "Prefix
-    sharing")."""
+    the masked tiles), else flash_attention_2 (varlen over packed position_ids) when flash-attn is installed, else
+    torch's own varlen FlashAttention where it runs (:mod:`cppo.step.varlen_attention`, registered here: torch >=
+    2.10, compute capability >= 8.0); sdpa otherwise (on CPU, with prefix sharing, a dense bool mask: the fastest
+    path measured, docs/results.md "Prefix sharing")."""
     if device.type == "cuda" and prefix_sharing:
         return "flex_attention"
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if varlen_available(device):
+        return register_varlen_attention()
     return "sdpa"
 
 
@@ -133,6 +137,7 @@ def load_model_and_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     lm_head(model)  # rejects a model without an LM head before any work
+    fall_back_if_unsupported(model)  # torch_varlen: to sdpa, with a warning, for a model it cannot run
     return model.to(device), tokenizer
 
 
@@ -169,7 +174,8 @@ def decoder(model) -> torch.nn.Module:
 
 
 #: The attention implementations that take the block-causal mask of prefix sharing (as a dense bool mask, an additive
-#: float mask and a flex_attention BlockMask); flash_attention_2 derives its own mask from position_ids and cannot.
+#: float mask and a flex_attention BlockMask); flash_attention_2 and torch_varlen derive their own masks from
+#: position_ids and cannot.
 PREFIX_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
@@ -237,9 +243,10 @@ def packed_hidden(
 
     Without ``prefix``, ``position_ids [1, L]`` restart at 0 for each sequence; with no attention mask and no cache,
     transformers (>= 4.53) derives a block-diagonal causal mask from them (sdpa/eager) or cu_seqlens
-    (flash_attention_2), so packed sequences do not attend to each other (tests/cppo/step/test_packing.py checks this
-    against separate forwards). With a ``prefix`` (prompt-shared rows) the mask of :func:`prefix_attention_mask` is
-    passed instead, and transformers uses it as given (tests/cppo/step/test_prefix_sharing.py).
+    (flash_attention_2, torch_varlen), so packed sequences do not attend to each other
+    (tests/cppo/step/test_packing.py and test_varlen_attention.py check this against separate forwards). With a
+    ``prefix`` (prompt-shared rows) the mask of :func:`prefix_attention_mask` is passed instead, and transformers uses
+    it as given (tests/cppo/step/test_prefix_sharing.py).
     """
     mask = None if prefix is None else prefix_attention_mask(model, prefix, device=input_ids.device)
     out = decoder(model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
