@@ -213,22 +213,28 @@ def stop_summary(table: dict[int, dict[str, dict[str, Any]]], methods: list[str]
     }  # fmt: skip
 
 
-def _num(d: dict[str, Any] | None, scale: float = 1.0, fmt: str = ".0f", unit: str = "") -> str:
-    """``mean [lo, hi]`` of a :func:`mean_interval` (``-`` without one; no interval with one seed)."""
+def _fewer(d: dict[str, Any], of: int | None) -> str:
+    """`` (n of N seeds)`` when the statistic covers fewer seeds than the ``of`` its table's seeds column shows (a
+    seed whose row lacks the value is skipped: said, not hidden)."""
+    return f" ({d['n']} of {of} seeds)" if of is not None and d["n"] < of else ""
+
+
+def _num(d: dict[str, Any] | None, scale: float = 1.0, fmt: str = ".0f", unit: str = "", of: int | None = None) -> str:
+    """``mean [lo, hi]`` of a :func:`mean_interval` (``-`` without one; no interval with one seed; :func:`_fewer`)."""
     if d is None:
         return "-"
     ci = "" if d["ci95"] is None else f" [{scale * d['ci95'][0]:{fmt}}, {scale * d['ci95'][1]:{fmt}}]"
-    return f"{scale * d['mean']:{fmt}}{unit}{ci}"
+    return f"{scale * d['mean']:{fmt}}{unit}{ci}{_fewer(d, of)}"
 
 
-def _diff(d: dict[str, Any] | None, points: bool = True) -> str:
-    """A paired difference: mean, 95% interval and signs (accuracy in points; AUC as is)."""
+def _diff(d: dict[str, Any] | None, points: bool = True, of: int | None = None) -> str:
+    """A paired difference: mean, 95% interval and signs (accuracy in points; AUC as is; :func:`_fewer`)."""
     if d is None:
         return "-"
     if points:
-        return f"{100 * d['mean']:+.1f} {_pct(d['ci95'])}, {_signs(d)}"
+        return f"{100 * d['mean']:+.1f} {_pct(d['ci95'])}, {_signs(d)}{_fewer(d, of)}"
     ci = "-" if d["ci95"] is None else f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
-    return f"{d['mean']:+.3f} {ci}, {_signs(d)}"
+    return f"{d['mean']:+.3f} {ci}, {_signs(d)}{_fewer(d, of)}"
 
 
 def _yes(value: bool | None) -> str:
@@ -253,12 +259,13 @@ def format_stop(stop: dict[str, Any]) -> list[str]:
     ]
     for group in stop.values():
         for m, pm in group["methods"].items():
-            cells = [_num(pm.get("accuracy_after"), 100, ".1f"),
-                     *(_num(pm.get(k)) for k in ("tokens_generate_completion", "generation_cpu_seconds", "cpu_seconds",
-                                                 "rollout_stopped")),
-                     _num(pm.get("kept_zero_share"), 100, ".1f"), _num(pm.get("auc"), fmt=".3f"),
-                     _num(pm.get("auc_last_quarter"), fmt=".3f")]  # fmt: skip
-            lines.append(f"| {m} | {len(pm['seeds'])} | " + " | ".join(cells) + " |")
+            n = len(pm["seeds"])
+            cells = [_num(pm.get("accuracy_after"), 100, ".1f", of=n),
+                     *(_num(pm.get(k), of=n) for k in ("tokens_generate_completion", "generation_cpu_seconds",
+                                                       "cpu_seconds", "rollout_stopped")),
+                     _num(pm.get("kept_zero_share"), 100, ".1f", of=n), _num(pm.get("auc"), fmt=".3f", of=n),
+                     _num(pm.get("auc_last_quarter"), fmt=".3f", of=n)]  # fmt: skip
+            lines.append(f"| {m} | {n} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| comparison (a vs b) | seeds | accuracy a - b, points (95%), seeds +/-/= | completion tokens a / b | "
@@ -276,10 +283,11 @@ def format_stop(stop: dict[str, Any]) -> list[str]:
                 for what, key in (("accuracy", "accuracy"), ("AUC", "auc")))))  # fmt: skip
         rows += [(name, c, "-") for name, c in group["against_grpo"].items()]
         for name, c, target in rows:
-            auc = "-" if "auc_difference" not in c else (
-                f"{_diff(c['auc_difference'], False)}; {_diff(c['auc_last_quarter_difference'], False)}")  # fmt: skip
-            ratios = [_num(c[k], fmt=".3f") for k in ("tokens_ratio", "generation_cpu_ratio", "cpu_ratio")]
-            lines.append(f"| {name} | {len(c['seeds'])} | {_diff(c['accuracy_difference'])} | " + " | ".join(ratios)
+            n = len(c["seeds"])
+            auc = "-" if "auc_difference" not in c else "; ".join(
+                _diff(c[k], False, n) for k in ("auc_difference", "auc_last_quarter_difference"))  # fmt: skip
+            ratios = [_num(c[k], fmt=".3f", of=n) for k in ("tokens_ratio", "generation_cpu_ratio", "cpu_ratio")]
+            lines.append(f"| {name} | {n} | {_diff(c['accuracy_difference'], of=n)} | " + " | ".join(ratios)
                          + f" | {auc} | {target} |")  # fmt: skip
     for name, group in stop.items():
         lines.append(f"\ntarget ({name}; warm-up steps {group['warmup_steps']} left out of the AUC): {group['target']}")

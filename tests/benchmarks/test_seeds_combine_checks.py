@@ -11,9 +11,12 @@ import math
 import subprocess
 import sys
 
+import accuracy_arm
 import accuracy_seeds
 import pytest
-from sweep_cases import SWEEP, argv_of, summary_inputs, sweep_args, write_unit
+import seeds_report
+import seeds_stop
+from sweep_cases import SWEEP, argv_of, summary_inputs, sweep_args, unit_row, write_unit
 
 
 def records(step, correct):
@@ -114,3 +117,32 @@ def test_a_nan_accuracy_is_one_line_and_a_failing_exit(tmp_path):
     assert done.returncode != 0 and "\n" not in line and "Traceback" not in line, done.stderr
     assert line.startswith("accuracy_seeds.py: error: ") and "seed46-cppo-group/result.json" in line, line
     assert "rows[0].accuracy_after is NaN" in line, line
+
+
+def stop_rows(lacking):
+    """Issue 38's four arms on three seeds; the learned stop arm's row of seed 44 lacks ``lacking``."""
+    rows = []
+    for seed in (42, 43, 44):
+        for arm in ("grpo-epochs", "cppo-group-epochs", "cppo-group-stop", "cppo-group-stop-random"):
+            stopping = accuracy_arm.arm_settings(arm).get("rollout_stop_rate")
+            row = unit_row(seed, arm, 0.4, 400.0, cpu_seconds=200.0 + seed, tokens_generate_completion=1000 + seed,
+                           tokens_generate_prompt=300, phase_cpu_seconds={"generation": 100.0}, completions=192,
+                           rollout_stopped=90 if stopping else None, completions_kept=48,
+                           kept_zero_advantage=12)  # fmt: skip
+            if arm == "cppo-group-stop" and seed == 44:
+                row[lacking] = None
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("lacking", ["tokens_generate_completion", "cpu_seconds"])
+def test_the_stop_tables_say_when_a_statistic_covers_fewer_seeds_than_their_seeds_column(lacking):
+    """seeds_stop's means and ratios skip a seed whose row lacks the value; its tables printed the method's or the
+    pair's seeds (3) beside a value over 2, the dropped seed unsaid."""
+    lines = seeds_stop.format_stop(seeds_stop.stop_pairs(seeds_report.by_seed(stop_rows(lacking))))
+    learned = "CPPO group P=0.75 3 epochs + stop 0.625 (learned)"
+    method = next(line for line in lines if line.startswith(f"| {learned} | 3 |"))
+    pair = next(line for line in lines if line.startswith(f"| {learned} vs CPPO group P=0.75 3 epochs | 3 |"))
+    assert method.count("(2 of 3 seeds)") == 1 and pair.count("(2 of 3 seeds)") == 1, (method, pair)
+    full = seeds_stop.format_stop(seeds_stop.stop_pairs(seeds_report.by_seed(stop_rows("rollout_stop_auc"))))
+    assert not any("of 3 seeds" in line for line in full)  # every value over every seed: the tables as before
