@@ -205,12 +205,12 @@ class Trainer(StepRollouts):
             clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
         ) if mismatch else ([None] * len(passes), {})  # fmt: skip
 
-        weights, shares = self._loss_weights(batches, num_passes=len(passes))
+        weights = step.step_weights(self.loss_config, batches, num_passes=len(passes), mu=cfg.mu, info=self.info)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, kl, clip_fraction, entropy
         skipped = 0
         for _ in range(cfg.mu):
             with timer("update"):
-                self._update(passes, old, ref, weights=weights, shares=shares, into=sums, importance=is_weights)
+                self._update(passes, old, ref, weights=weights, into=sums, importance=is_weights)
             with timer("optimizer"):
                 grad_norm, applied = self._optimizer_step()
             skipped += not applied
@@ -259,13 +259,15 @@ class Trainer(StepRollouts):
         return [batches[0]] * (passes - len(batches))
 
     @torch.no_grad()
-    def _logprobs(self, policy, batches: list[PackedBatch]) -> list[torch.Tensor]:
-        """Per-token log-probs ``[T]`` (fp32) of each micro-batch's completion tokens under ``policy``."""
+    def _logprobs(self, policy, batches: list[PackedBatch], *, entropy: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probs ``[T]`` (fp32) of each micro-batch's completion tokens under ``policy`` (``entropy``:
+        their distributions' entropies ``[T]`` instead)."""
         out = []
         for b in batches:
             hidden, weight, bias = self._hidden_and_head(policy, b)
             head = dict(bias=bias, temperature=self.loss_config.temperature, **self.logit_transform.kwargs())
-            out.append(fused_logprobs(hidden, weight, b.targets, **head))
+            values = fused_logprobs(hidden, weight, b.targets, compute_entropy=entropy, **head)
+            out.append(values[1] if entropy else values)
         return out
 
     def _hidden_and_head(self, policy, b: PackedBatch):
@@ -278,62 +280,47 @@ class Trainer(StepRollouts):
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
-    def _loss_weights(self, batches: list[PackedBatch], *, num_passes: int) -> tuple[list[float], list[float]]:
-        """Per pass, its share of the step's loss (0 for a filler, which only keeps the ranks in step), and per
-        micro-batch its share of the token-mean metrics of one update: the same in every one of the mu updates.
-
-        The shares are of the whole step's batch over all ranks (all-reduced counts), so that the ranks'
-        micro-batch losses sum to the global loss."""
-        cfg = self.config
-        counts = distributed.global_counts(
-            num_tokens=sum(b.num_tokens for b in batches), num_seqs=sum(b.num_seqs for b in batches), info=self.info
-        )
-        weights = [
-            step.loss_weight(
-                cfg.loss_agg,
-                num_tokens=b.num_tokens,
-                num_seqs=b.num_seqs,
-                total_tokens=counts.tokens,
-                total_seqs=counts.seqs,
-            )
-            for b in batches
-        ]
-        shares = [b.num_tokens / max(counts.tokens, 1) / cfg.mu for b in batches]
-        return weights + [0.0] * (num_passes - len(batches)), shares
-
     def _update(
         self,
         passes: list[PackedBatch],
         old: list,
         ref: list,
         *,
-        weights: list[float],
-        shares: list[float],
+        weights: step.StepWeights,
         into: torch.Tensor,
         importance: list | None = None,
     ) -> None:
-        """One policy update's forward and backward over every pass (gradients synchronised in the last one); adds
-        each micro-batch's loss, kl, clip fraction and entropy times its share into ``into [4]`` (on the device: one
-        host sync per step, after the updates)."""
+        """One policy update's forward and backward over every pass (gradients synchronised in the last one), each
+        loss scaled by its share of the step's loss (:func:`cppo.step.step_weights`; with ``top_entropy_quantile``
+        a no-grad pass first finds the step's entropy cut under the policy of this update); adds each micro-batch's
+        loss, kl, clip fraction and entropy times its share into ``into [4]`` (on the device: one host sync per step,
+        after the updates)."""
         scale = distributed.grad_scale(parallelism=self.config.parallelism, info=self.info)
         importance = importance or [None] * len(passes)
+        if self.loss_config.top_entropy_quantile < 1.0:  # the mask cuts at the step's quantile, under this policy
+            entropies = self._logprobs(self.policy, passes, entropy=True)[: len(weights.metrics)]  # fillers too: FSDP2
+            weights = weights.with_entropy_cut(entropies, info=self.info)
         for k, (b, old_b, ref_b, is_b) in enumerate(zip(passes, old, ref, importance)):
             with distributed.gradient_sync(self.policy, k == len(passes) - 1):
-                loss, stats = self._policy_loss(b, old_b, ref_b, is_b)
-                (loss * (weights[k] * scale)).backward()
-            if k < len(shares):  # not a filler
+                loss, stats = self._policy_loss(b, old_b, ref_b, is_b, weights=weights, k=k)
+                (loss * (weights.loss[k] * scale)).backward()
+            if k < len(weights.metrics):  # not a filler
+                share = weights.metrics[k]
                 clip = stats["clip_fraction_low"] + stats["clip_fraction_high"]
                 part = torch.stack([loss.detach(), stats["kl"], clip, stats["entropy"]]).double()
-                into += part * part.new_tensor([weights[k] / self.config.mu, shares[k], shares[k], shares[k]])
+                into += part * part.new_tensor([weights.loss[k] / self.config.mu, share, share, share])
 
-    def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None, importance=None):
-        """The fused loss of micro-batch ``b``; ``importance``: the mismatch correction's weights, ``[T]`` per token or
-        ``[S]`` per sequence (the loss reads which from the shape), or None."""
+    def _policy_loss(self, b: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None, importance=None, *,
+                     weights: step.StepWeights | None = None, k: int = 0):  # fmt: skip
+        """The fused loss of micro-batch ``b``, pass ``k`` of a step of ``weights`` (its loss options and entropy cut;
+        None: the run's options); ``importance``: the mismatch correction's weights, ``[T]`` per token or ``[S]`` per
+        sequence (the loss reads which from the shape), or None."""
         hidden, weight, bias = self._hidden_and_head(self.policy, b)
         extra = {} if importance is None else {"importance_weights": importance}
+        config, cut = (self.loss_config, None) if weights is None else (weights.config_of(k), weights.threshold_fn())
         return fused_cppo_loss(
             hidden, weight, b.targets, b.advantages, cu_seqlens=b.cu_seqlens, old_logprobs=old, ref_logprobs=ref,
-            bias=bias, config=self.loss_config, **self.logit_transform.kwargs(), **extra,
+            bias=bias, config=config, entropy_threshold_fn=cut, **self.logit_transform.kwargs(), **extra,
         )  # fmt: skip
 
     def _optimizer_step(self) -> tuple[float, bool]:

@@ -1,7 +1,8 @@
 """What one training step computes, in the order the data flows: selection (the pruning policy, the one caller of the
 selection kernels), dynamic (dynamic sampling: zero-variance groups dropped, more questions drawn), balance (the kept
-completions over the ranks), packing (micro-batches, each prompt once), models (loading and the packed forward), head
-(the model's own logit transform), lora (PEFT adapters), optim (AdamW, the schedule, one optimizer step)."""
+completions over the ranks), packing (micro-batches, each prompt once), weights (each micro-batch's share of the step's
+loss), models (loading and the packed forward), head (the model's own logit transform), lora (PEFT adapters), optim
+(AdamW, the schedule, one optimizer step)."""
 
 from .balance import balance_samples, balance_sequences, lpt_assign, split_units  # noqa: I001  (grouped, as __all__)
 from .dynamic import FilledStep, fill_step, zero_variance_groups
@@ -25,6 +26,7 @@ from .packing import (
 )  # fmt: skip
 from .quality import SCORERS, QualityHead, RolloutStopping, choose_stops, stops_per_group, survivor_selection
 from .selection import SCOPES, Pruning, Selection, kept_count
+from .weights import StepWeights, step_weights
 
 __all__ = [
     "IS_MODES",
@@ -45,5 +47,5 @@ __all__ = [
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
     "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "phase_tokens", "prompt_groups", "shared_tokens",
     "SCORERS", "QualityHead", "RolloutStopping", "choose_stops", "stops_per_group", "survivor_selection", "SCOPES",
-    "Pruning", "Selection", "kept_count",
+    "Pruning", "Selection", "kept_count", "StepWeights", "step_weights",
 ]  # fmt: skip
