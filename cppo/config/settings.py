@@ -360,13 +360,15 @@ def _check_lora(cfg: TrainConfig) -> None:
 
 
 def _check_rollout_stop(cfg: TrainConfig) -> None:
-    """The ``rollout_stop_*`` settings (issue 38); with ``rollout_stop_rate`` > 0, what it composes with today."""
+    """The ``rollout_stop_*`` settings (issue 38): each one's own value; with ``rollout_stop_rate`` > 0 (the feature
+    on) the checkpoint against ``max_completion_length`` and what the feature composes with today. Off, where its
+    checkpoint would fall refuses nothing (issue 49: ``max_completion_length=1`` with the default 0.25)."""
     check_float("rollout_stop_rate", cfg.rollout_stop_rate, low=0.0)
     check_choice("rollout_stop_scorer", cfg.rollout_stop_scorer, SCORERS)
     check_int("rollout_stop_warmup", cfg.rollout_stop_warmup, low=0)
-    checkpoint_tokens(cfg.rollout_stop_at, cfg.max_completion_length)
     if cfg.rollout_stop_rate == 0.0:
         return
+    checkpoint_tokens(cfg.rollout_stop_at, cfg.max_completion_length)
     if cfg.rollout_stop_rate > cfg.pruning_rate:
         raise ValueError(
             f"rollout_stop_rate={cfg.rollout_stop_rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection "

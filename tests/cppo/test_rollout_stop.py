@@ -41,6 +41,30 @@ def test_settings_it_cannot_run_with_are_one_line_naming_them(tmp_path, override
         stop_config(tmp_path, **overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(max_completion_length=1),  # the default checkpoint (0.25) would be its only token
+        dict(rollout_stop_at=16),  # past the tiny run's 8 tokens
+        dict(rollout_stop_at=8),  # at them
+    ],
+)
+def test_with_the_feature_off_its_checkpoint_refuses_nothing(tmp_path, overrides):
+    """Pruning while generating off (``rollout_stop_rate`` 0): where its checkpoint falls is no reason to refuse a
+    run (issue 49, defect 8); on, the same settings are refused naming rollout_stop_at."""
+    assert tiny_config(tmp_path, **overrides).rollout_stop_rate == 0.0
+    with pytest.raises(ValueError, match="rollout_stop_at=.* not before max_completion_length"):
+        stop_config(tmp_path, **overrides)
+
+
+def test_cppo_train_with_one_new_token_loads(tmp_path):
+    """``cppo train --set max_completion_length=1`` (issue 49's command) passes the config's checks."""
+    from cppo.config import load_config
+
+    config = load_config("tiny-cpu", ["max_completion_length=1", f"output_dir={tmp_path}"])
+    assert config.max_completion_length == 1 and config.rollout_stop_rate == 0.0
+
+
 def test_an_engine_that_cannot_stop_is_refused_naming_it(tmp_path):
     from cppo.engines import HFEngine, register_engine
     from cppo.engines.base import _ENGINES
