@@ -17,7 +17,7 @@ import random
 import torch
 
 from ..fileio import shown_path
-from .registry import DATASETS, KINDS, dataset_source, row_kind
+from .registry import DATASETS, KINDS, dataset_kind, dataset_source, row_kind
 
 ARITH_SPLIT_SEED = {"train": 0, "test": 1_000_003}
 #: The arithmetic task's test split: this many distinct problems, held out of every training split.
@@ -107,13 +107,14 @@ def question_id(problem: dict) -> str:
     return hashlib.sha1(problem["question"].encode("utf-8")).hexdigest()[:12]
 
 
-def normalise_row(row: dict, *, source: str) -> dict:
+def normalise_row(row: dict, *, source: str, kind: str | None = None) -> dict:
     """The problem a dataset row holds, normalised by its kind (:func:`cppo.tasks.registry.row_kind`): the one its
-    ``kind`` column names, else the one kind that reads it (a GSM8K row: question, answer with ``#### N`` or a number;
-    a MATH row: problem, answer or solution, or a question with another answer; a registered kind's recogniser);
-    ``ValueError`` naming ``source`` for a row no kind reads, or several."""
+    ``kind`` column names, else ``kind`` (the named dataset's: ``dataset: math`` reads MATH rows), else the one kind
+    that reads it (a GSM8K row: question, answer with ``#### N`` or a number; a MATH row: problem, answer or solution,
+    or a question with another answer; a registered kind's recogniser); ``ValueError`` naming ``source`` for a row no
+    kind reads, or several."""
     _check_row(row, source=source)
-    kind = row_kind(row, source)
+    kind = row_kind(row, source, default=kind)
     if kind is None:
         raise ValueError(f"{source}: rows need 'question' and 'answer' (GSM8K) or 'problem' and 'answer' (MATH)")
     fields = dict(kind.normalise(row, source))
@@ -136,8 +137,9 @@ def _check_row(row: dict, *, source: str) -> None:
         raise ValueError(f"{source}: 'kind' must be one of {KINDS}, got {row['kind']!r}")
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The problems of a JSON-lines file, one JSON object a line (blank lines skipped); ``ValueError`` naming the
+def read_jsonl(path: str, *, kind: str | None = None) -> list[dict]:
+    """The problems of a JSON-lines file, one JSON object a line (blank lines skipped; ``kind``: of the rows without a
+    ``kind`` column, the named dataset's, :func:`normalise_row`); ``ValueError`` naming the
     file and line of a line that is not UTF-8, not a JSON object (or nested past :data:`MAX_NESTING`), not a
     problem, or holding text the tokenizer cannot encode (a lone surrogate such as ``"\\ud800"``)."""
     if not os.path.isfile(path):
@@ -148,7 +150,7 @@ def read_jsonl(path: str) -> list[dict]:
             where = f"{path}, line {number}"
             row = _parse_line(raw, where=where)
             if row is not None:
-                problems.append(normalise_row(row, source=where))
+                problems.append(normalise_row(row, source=where, kind=kind))
     return problems
 
 
@@ -246,7 +248,7 @@ def load_problems(
         path = dataset_path
         if os.path.isdir(path):
             path = os.path.join(path, f"{split}.jsonl")
-        problems = read_jsonl(path)
+        problems = read_jsonl(path, kind=dataset_kind(dataset))
     else:
         problems = _load_hub(dataset, split, source.hub if source is not None else (dataset, None))
     if not problems:
@@ -283,6 +285,7 @@ def _eval_only(dataset: str, title: str) -> str:
 
 
 def _load_hub(dataset: str, split: str, hub: tuple[str, str | None]) -> list[dict]:
+    """The rows of ``hub`` (id, config) for ``split``, each normalised (a named dataset's as its kind's)."""
     try:
         import datasets
     except ImportError as e:
@@ -298,7 +301,7 @@ def _load_hub(dataset: str, split: str, hub: tuple[str, str | None]) -> list[dic
             f"dataset {dataset!r}: {name} cannot be loaded from the hub ({type(e).__name__}): pass dataset_path, a "
             ".jsonl file or a folder of train.jsonl / test.jsonl"
         ) from None
-    return [normalise_row(dict(r), source=name) for r in rows]
+    return [normalise_row(dict(r), source=name, kind=dataset_kind(dataset)) for r in rows]
 
 
 class QuestionSampler:

@@ -151,12 +151,12 @@ def reserve_built_in_kinds() -> None:
     _BUILT_IN.update(TASK_KINDS)
 
 
-def row_kind(row: dict, source: str = "row") -> TaskKind | None:
-    """The kind ``row`` names in its ``kind`` column, else the one kind whose recogniser reads it, or None.
-    ``ValueError`` naming ``source`` and the kinds when several read a row without a ``kind`` column (the order of
-    registration decides nothing), or when a recogniser fails on it."""
-    if row.get("kind") is not None:
-        return task_kind(row["kind"])
+def row_kind(row: dict, source: str = "row", *, default: str | None = None) -> TaskKind | None:
+    """The kind ``row`` names in its ``kind`` column, else ``default`` (the kind of the dataset it was loaded as),
+    else the one kind whose recogniser reads it, or None. ``ValueError`` naming ``source`` and the kinds when several
+    read a row nothing names the kind of (the order of registration decides nothing), or when a recogniser fails."""
+    if row.get("kind") is not None or default is not None:
+        return task_kind(row.get("kind") or default)
     claims = []
     for kind in TASK_KINDS.values():
         try:
@@ -173,6 +173,11 @@ def row_kind(row: dict, source: str = "row") -> TaskKind | None:
             f"{source}: task kinds {names} each read this row; say which it is in a 'kind' column (one of {names})"
         )
     return claims[0] if claims else None
+
+
+def dataset_kind(name: str) -> str | None:
+    """The kind that provides dataset ``name`` (``math500`` -> ``math``), or None (a .jsonl path, a hub name)."""
+    return next((k.name for k in TASK_KINDS.values() if name in k.datasets), None)
 
 
 def dataset_source(name: str) -> Dataset | None:

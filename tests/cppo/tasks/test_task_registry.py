@@ -226,6 +226,21 @@ def test_a_kind_that_recognises_rows_is_asked_beside_the_built_in_ones(registry)
     assert normalise_row({"problem": "p", "answer": "5"}, source="x")["kind"] == "math"  # math's alone, as before
 
 
+def test_a_named_dataset_s_rows_are_its_kind_whatever_a_recogniser_says(registry, tmp_path):
+    """``dataset: math`` (or ``gsm8k``) with ``dataset_path`` names the rows' kind: a user's recogniser that also
+    reads ``problem`` rows makes them ambiguous only where nothing names the kind (a bare .jsonl path)."""
+    register_task_kind(
+        "reverse", system_prompt=REVERSE_PROMPT, correct=reversed_text, recognise=lambda row: "problem" in row
+    )
+    path = write_rows(tmp_path / "train.jsonl", [{"problem": "p", "answer": "5"}, {"problem": "q", "answer": "x^2"}])
+    assert [p["kind"] for p in load_problems("math", dataset_path=path)] == ["math", "math"]
+    assert [p["kind"] for p in load_problems("gsm8k", dataset_path=str(tmp_path))] == ["gsm8k", "gsm8k"]
+    with pytest.raises(ValueError, match=r"line 1: task kinds \['math', 'reverse'\] each read this row"):
+        load_problems(path)
+    named = write_rows(tmp_path / "n.jsonl", [{"problem": "p", "answer": "5", "kind": "reverse"}])
+    assert load_problems("math", dataset_path=named)[0]["kind"] == "reverse"  # a row's kind column decides
+
+
 def test_a_recogniser_that_fails_is_one_line_naming_the_kind(registry):
     register_task_kind("reverse", system_prompt=REVERSE_PROMPT, correct=reversed_text, recognise=lambda r: r["text"])
     with pytest.raises(ValueError, match=r"^x: task kind 'reverse' could not read the row \(recognise: KeyError"):
