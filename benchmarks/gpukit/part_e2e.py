@@ -1,9 +1,11 @@
 """Part ``e2e``: the packed forward (sequences in one row, position_ids restarting) against separate forwards
-(flash-attention 2 when importable, sdpa otherwise), recorded; prefix-shared packing against a prompt copy per
-completion (errors, tokens, forward+backward time and memory each way; :mod:`gpukit.part_prefix`), its equality
-checked; then ``benchmarks/speedup.py`` tiny on the plan's device with HF rollouts, and vLLM ones when importable.
-The pass/fail checks of the packed forward and of prefix sharing on CUDA are tests,
-``tests/cppo/step/test_cuda_models.py``, run by the ``tests`` part."""
+(the attention the trainer picks: flash-attention 2 when importable, else torch_varlen where it runs, else sdpa),
+recorded; prefix-shared packing against a prompt copy per completion (errors, tokens, forward+backward time and
+memory each way; :mod:`gpukit.part_prefix`), its equality checked; torch's own varlen FlashAttention
+(``torch_varlen``) packed against separate sdpa forwards, its negative control, its time and memory against sdpa's
+padded forward (:mod:`gpukit.part_varlen`), checked; then ``benchmarks/speedup.py`` tiny on the plan's device with
+HF rollouts, and vLLM ones when importable. The pass/fail checks of the packed forward and of prefix sharing on
+CUDA are tests, ``tests/cppo/step/test_cuda_models.py``, run by the ``tests`` part."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from gpukit import part_varlen
 from gpukit.part_prefix import prefix_shared
 from gpukit.plan import BENCH, Plan
 from gpukit.report import read_json
@@ -96,7 +99,8 @@ def vllm_argv(plan: Plan, folder: pathlib.Path) -> list[str]:
 
 def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
     """The packed-forward errors and the prefix-sharing measurement per dtype (recorded as ``packed prefix-shared
-    <dtype>``, the key summary.md renders as a packed forward's errors), then speedup.py with HF rollouts (and vLLM
+    <dtype>``, the key summary.md renders as a packed forward's errors), torch's varlen FlashAttention against
+    separate forwards and sdpa (``varlen``, :mod:`gpukit.part_varlen`), then speedup.py with HF rollouts (and vLLM
     ones when importable)."""
     for dtype in plan.packed_dtypes:
         report.add(f"packed {dtype}", packed_errors(plan, dtype))
@@ -104,6 +108,7 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
         report.add(f"packed prefix-shared {dtype}", row)
         detail = f"{row['attn_implementation'][0]}: relative error {row['error']:.2g}, tolerance {row['tolerance']:g}"
         report.check(f"prefix-shared hidden states equal unshared ({dtype})", row["error"] <= row["tolerance"], detail)
+    part_varlen.record(plan, report)
     run_speedup([*plan.speedup_argv, "--rollout-backend", "hf"], out / "speedup-hf", report, until, "speedup hf")
     if not plan.dry and importlib.util.find_spec("vllm") is None:
         report.add("speedup vllm", "skipped: vllm is not importable")

@@ -113,6 +113,8 @@ def render_e2e(r: dict) -> list[str]:
             )
         elif isinstance(v, str):
             lines.append(f"- {key}: {v}")
+        elif key == "varlen":
+            lines += render_varlen(v)
         else:
             lines += [f"- {key}: exit status {v['exit_status']} in {v['seconds']} s", ""]
             lines += ["| P | keep | steps | total s | train s | speedup train | speedup total |", "|" + "---:|" * 7]
@@ -122,6 +124,27 @@ def render_e2e(r: dict) -> list[str]:
                 lines.append("| " + " | ".join("-" if c is None else f"{c:.3g}" for c in cells) + " |")
             lines.append("")
     return lines
+
+
+def render_varlen(v: dict) -> list[str]:
+    """The e2e part's varlen row: its errors, then forward+backward time and memory against sdpa."""
+    lines = [
+        f"- varlen packed forward ({v['attn_implementation']}: {v['kernel']}, {v['dtype']}, lengths {v['lengths']}): "
+        f"max relative error against separate sdpa forwards {v['error']:.2g} (tolerance {v['tolerance']:g}); "
+        f"negative control {v['control_error']:.2g}; calls run by sdpa instead: {len(v['fallbacks'])}",
+        "",
+        f"  forward+backward of {len(v['timing_lengths'])} sequences, {v['tokens_packed']:,} tokens "
+        f"({v['tokens_padded']:,} padded):",
+        "",
+        "| attention | layout | fwd+bwd ms | peak extra GB |",
+        "|---|---|---:|---:|",
+    ]
+    for key, label in (("varlen", f"{v['attn_implementation']} | packed"), ("sdpa_padded", "sdpa | padded"),
+                       ("sdpa_packed", "sdpa | packed (block mask)")):  # fmt: skip
+        peak = v[f"peak_extra_gb_{key}"]
+        lines.append(f"| {label} | {1e3 * v[f'fwd_bwd_s_{key}']:.2f} | {'-' if peak is None else f'{peak:.2f}'} |")
+    return lines + ["", f"  speedup against sdpa padded {v['speedup_vs_sdpa_padded']:.2f}x, packed "
+                        f"{v['speedup_vs_sdpa_packed']:.2f}x", ""]  # fmt: skip
 
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {

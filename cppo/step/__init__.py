@@ -26,6 +26,9 @@ from .packing import (
 )  # fmt: skip
 from .quality import SCORERS, QualityHead, RolloutStopping, choose_stops, stops_per_group, survivor_selection
 from .selection import SCOPES, Pruning, Selection, kept_count
+from .varlen_attention import (
+    REFERENCE_KERNEL, VARLEN_ATTENTION, VarlenKernel, register_varlen_attention, varlen_available,
+)  # fmt: skip
 from .weights import StepWeights, step_weights
 
 __all__ = [
@@ -47,5 +50,6 @@ __all__ = [
     "apply_settings", "make_optimizer", "make_scheduler", "optimizer_step", "PackedBatch", "Sample", "SharedPrefix",
     "allocate", "loss_weight", "pack", "pack_all", "pack_shared", "phase_tokens", "prompt_groups", "shared_tokens",
     "SCORERS", "QualityHead", "RolloutStopping", "choose_stops", "stops_per_group", "survivor_selection", "SCOPES",
-    "Pruning", "Selection", "kept_count", "StepWeights", "step_weights",
+    "Pruning", "Selection", "kept_count", "REFERENCE_KERNEL", "VARLEN_ATTENTION", "VarlenKernel",
+    "register_varlen_attention", "varlen_available", "StepWeights", "step_weights",
 ]  # fmt: skip

@@ -65,8 +65,9 @@ class VarlenKernel:
 
 def adapt_kernel(varlen_attn: Callable) -> VarlenKernel:
     """``varlen_attn`` behind torch 2.13's keywords (``scale``, ``window_size``, ``enable_gqa``), whatever the
-    installed version takes of them: torch 2.10's takes ``is_causal`` instead of ``window_size`` (no window then),
-    and a keyword it lacks is done around it (grouped KV heads repeated, the query pre-scaled)."""
+    installed version takes of them (read from its signature): torch 2.10's takes ``is_causal`` instead of
+    ``window_size`` (no window then), 2.11's has no ``enable_gqa``; a keyword it lacks is done around it (grouped KV
+    heads repeated, the query pre-scaled)."""
     params = inspect.signature(varlen_attn).parameters
 
     def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),

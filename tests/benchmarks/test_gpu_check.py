@@ -83,6 +83,10 @@ def _assert_dry_results(parts: dict[str, dict], out: pathlib.Path) -> None:
     assert len(rows) == 10 and all(r["matches_reference"] and "launches_per_call" in r for r in rows)
     e2e = parts["e2e"]["results"]
     assert e2e["packed float32"]["control_error"] > 10 * e2e["packed float32"]["error"]
+    varlen = e2e["varlen"]  # torch_varlen's code path with the reference kernel in place of varlen_attn's
+    assert (varlen["attn_implementation"], varlen["fallbacks"]) == ("torch_varlen_reference", [])
+    assert varlen["control_error"] > 10 * varlen["tolerance"] > 10 * varlen["error"]
+    assert all(varlen[f"fwd_bwd_s_{k}"] > 0 for k in ("varlen", "sdpa_padded", "sdpa_packed"))
     assert [r["pruning_rate"] for r in e2e["speedup hf"]["rows"]] == [0.0, 0.5]
     assert (out / "speedup-hf" / "speedup.json").is_file()
     assert (
@@ -374,6 +378,31 @@ def test_loss_summary_against_the_gemm_floor():
     assert (got["fastest"], got["fastest_library"]) == ("naive", "fused-triton")
     assert [m["library"] for m in got["methods"].values()] == [True, False, False]
     assert got["methods"]["naive"]["loss_error"] == pytest.approx(0.2)
+
+
+def test_the_varlen_row_is_checked_and_rendered_and_an_error_is_a_failed_check(tmp_path, monkeypatch):
+    from gpukit import part_varlen
+
+    ms = {"varlen": 1, "sdpa_padded": 3, "sdpa_packed": 2}
+    timings = {f"fwd_bwd_s_{k}": n / 1e3 for k, n in ms.items()} | {f"peak_extra_gb_{k}": n / 10 for k, n in ms.items()}
+    row = dict(attn_implementation="torch_varlen", kernel="varlen_attn", dtype="bfloat16", tolerance=2e-2,
+               lengths=[1, 2], error=3e-3, control_error=0.1, fallbacks=["torch_varlen: x: runs sdpa"],
+               timing_lengths=[5, 6], tokens_packed=11, tokens_padded=12, speedup_vs_sdpa_padded=3.0,
+               speedup_vs_sdpa_packed=2.0, **timings)  # fmt: skip
+    md = "\n".join(report.render_e2e({"varlen": row}))
+    assert "| torch_varlen | packed | 1.00 | 0.10 |" in md and "| sdpa | padded | 3.00 | 0.30 |" in md
+    assert "speedup against sdpa padded 3.00x" in md and "calls run by sdpa instead: 1" in md
+    got = runner.Report(tmp_path / "e2e.json", "e2e", plan.DRY_PLAN)
+    monkeypatch.setattr(part_varlen, "varlen_packed", lambda p: row)
+    part_varlen.record(plan.DRY_PLAN, got)
+    assert [c["ok"] for c in got.data["checks"]] == [True, False, False]  # within 2e-2; no leak; one fallback
+
+    def broken(p):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(part_varlen, "varlen_packed", broken)
+    part_varlen.record(plan.DRY_PLAN, got)
+    assert got.data["results"]["varlen"] == "error: RuntimeError: no kernel image" and not got.data["checks"][-1]["ok"]
 
 
 def test_no_wheel_folder_is_fine(tmp_path):

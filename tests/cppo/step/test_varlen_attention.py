@@ -305,6 +305,14 @@ def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=F
     return va.reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window)
 
 
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):  # fmt: skip
+    """The signature between (window_size and scale, no enable_gqa: torch 2.11's, the lent GPUs'), by the reference."""
+    assert key.shape[1] == query.shape[1], "no GQA in this signature: the adapter repeats the KV heads"
+    return va.reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                    window_size=window_size)  # fmt: skip
+
+
 def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
     """torch 2.13's varlen_attn signature, computed by the reference."""
@@ -321,10 +329,10 @@ def test_the_installed_torch_has_the_2_13_signature_or_none():
     assert kernel is not None and kernel.windows and kernel.flash
 
 
-@pytest.mark.parametrize("fn", [varlen_2_10, varlen_2_13])
+@pytest.mark.parametrize("fn", [varlen_2_10, varlen_2_11, varlen_2_13])
 def test_every_torch_signature_gives_the_same_attention(fn):
     kernel = va.adapt_kernel(fn)
-    assert kernel.windows == (fn is varlen_2_13)
+    assert kernel.windows == (fn is not varlen_2_10)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(13, 4, 8, generator=g)  # [T, Hq, D]
     k, v = (torch.randn(13, 2, 8, generator=g) for _ in range(2))  # [T, Hkv, D]
@@ -332,6 +340,10 @@ def test_every_torch_signature_gives_the_same_attention(fn):
     options = dict(scale=0.3, window_size=(-1, 0), enable_gqa=True)
     want = va.reference_varlen_attn(q, k, v, cu, cu, 6, 6, **options)
     torch.testing.assert_close(kernel.fn(q, k, v, cu, cu, 6, 6, **options), want, atol=1e-6, rtol=1e-6)
+    if kernel.windows:
+        window = {**options, "window_size": (2, 0)}
+        torch.testing.assert_close(kernel.fn(q, k, v, cu, cu, 6, 6, **window),
+                                   va.reference_varlen_attn(q, k, v, cu, cu, 6, 6, **window))  # fmt: skip
     if not kernel.windows:
         with pytest.raises(ValueError, match="takes no window_size"):
             kernel.fn(q, k, v, cu, cu, 6, 6, **{**options, "window_size": (2, 0)})
