@@ -29,7 +29,8 @@ import torch
 
 #: The attention implementation's name in transformers' registries (``config._attn_implementation``).
 VARLEN_ATTENTION = "torch_varlen"
-#: FlashAttention's limits in torch: half precision, head dims up to 256, compute capability 8.0 (Ampere) or newer.
+#: FlashAttention's limits in torch: half precision, head dims up to 256 (multiples of 8), compute capability 8.0
+#: (Ampere) or newer.
 HALF = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
@@ -40,7 +41,7 @@ class VarlenKernel:
     """A varlen attention kernel: ``fn(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], cu_seq_q, cu_seq_k
     (int32 [S + 1]), max_q, max_k, *, scale, window_size, enable_gqa) -> [T, Hq, D]`` (varlen_attn's signature in
     torch 2.13; ``window_size`` ``(left, right)``, -1 unbounded, ``(-1, 0)`` causal). ``windows``: it takes a left
-    window other than -1. ``flash``: FlashAttention's limits hold (CUDA, fp16/bf16, head dim <= 256)."""
+    window other than -1. ``flash``: FlashAttention's limits hold (CUDA, fp16/bf16, head dims <= 256 in 8s)."""
 
     fn: Callable
     windows: bool
@@ -56,8 +57,9 @@ class VarlenKernel:
             return None
         if query.dtype not in HALF:
             return f"{query.dtype} (FlashAttention takes float16/bfloat16: run under autocast)"
-        if value.shape[-1] != query.shape[-1] or query.shape[-1] > MAX_HEAD_DIM:
-            return f"head dims {query.shape[-1]}/{value.shape[-1]} (FlashAttention: equal, at most {MAX_HEAD_DIM})"
+        d = query.shape[-1]
+        if value.shape[-1] != d or d > MAX_HEAD_DIM or d % 8:
+            return f"head dims {d}/{value.shape[-1]} (FlashAttention: equal, a multiple of 8, at most {MAX_HEAD_DIM})"
         if not query.is_cuda:
             return f"a {query.device.type} tensor (varlen_attn's FlashAttention kernel runs on CUDA only)"
         return None
@@ -235,7 +237,7 @@ def make_attention(kernel: VarlenKernel) -> Callable:
         window = (-1 if sliding_window is None else sliding_window - 1, 0)
         out = kernel.fn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window,
                         enable_gqa=k.shape[1] != heads)  # fmt: skip
-        return out.view(batch, length, heads, -1), None  # [B, L, Hq, D]
+        return out.reshape(batch, length, heads, -1), None  # [B, L, Hq, D]
 
     return varlen_attention_forward
 

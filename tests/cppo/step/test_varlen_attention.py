@@ -370,6 +370,8 @@ def test_a_call_the_kernel_cannot_run_runs_sdpa_with_a_warning():
     half = q.bfloat16()
     assert "head dims 512/512" in kernel.refusal(torch.zeros(3, 1, 512).bfloat16(), torch.zeros(3, 1, 512),
                                                  sliding_window=None, dropout=0.0)  # fmt: skip
+    assert "head dims 12/12" in kernel.refusal(torch.zeros(3, 1, 12).bfloat16(), torch.zeros(3, 1, 12),
+                                               sliding_window=None, dropout=0.0)  # fmt: skip
     assert "cpu tensor" in kernel.refusal(half, half, sliding_window=None, dropout=0.0)
     assert va.REFERENCE_KERNEL.refusal(q, v, sliding_window=3, dropout=0.0) is None
 
