@@ -12,16 +12,16 @@ from collections.abc import Callable, Collection
 
 from ..distributed import DistInfo, barrier, max_across_ranks
 from ..fileio import check_writable, write_json
-from . import checkpoint
+from . import checkpoint, rewind
 from .lock import RunLock, RunLocked
 from .sinks import MetricSink, make_sinks
 
 logger = logging.getLogger(__name__)
 
-#: The files a run writes into its output_dir besides its checkpoint-N folders (folders: report_to's sinks, eval).
-RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb", "eval")
-#: Where each evaluation's result, with its per-problem records, is written (``eval/step-N.json``).
-EVAL_FOLDER = "eval"
+#: The files a run writes into its output_dir besides its checkpoint-N folders (folders: report_to's sinks, eval, and
+#: stale: what a resume moved aside).
+RUN_FILES = ("metrics.jsonl", "metrics.png", "tensorboard", "wandb", rewind.EVAL_FOLDER, rewind.STALE_FOLDER)
+EVAL_FOLDER = rewind.EVAL_FOLDER
 #: What :func:`open_run` does with a run already in the folder: refuse it (a new run), keep it (``--resume``),
 #: delete it once the new run has loaded (``--overwrite``: :meth:`Run.clear`), or look when training starts
 #: (``later``: the Python API, whose caller may still load a checkpoint into the trainer).
@@ -65,11 +65,12 @@ def _lock_on_rank0(output_dir: str, *, info: DistInfo) -> RunLock | None:
 
 
 def _clean_leftovers(output_dir: str, *, info: DistInfo) -> None:
-    """Rank 0 deletes what killed saves left (:func:`cppo.run.checkpoint.remove_leftovers`), every rank having looked
+    """Rank 0 deletes what killed saves left (:func:`cppo.run.checkpoint.remove_leftovers`, and the half-written plot
+    or evaluation of a killed atomic write: :func:`cppo.run.rewind.remove_torn_writes`), every rank having looked
     first."""
     barrier(info)  # every rank has looked before rank 0 changes anything
     if info.is_main:
-        for name in checkpoint.remove_leftovers(output_dir):
+        for name in checkpoint.remove_leftovers(output_dir) + rewind.remove_torn_writes(output_dir):
             logger.warning("%s: cleaned up %s, left by a save that was killed", output_dir, name)
     barrier(info)
 
@@ -135,11 +136,15 @@ class Run:
     def start(self, settings: dict, *, step: int) -> None:
         """Training starts after ``step``: rank 0 holds the run lock (taken now when :func:`open_run` left it for
         later), a new run (``step`` 0) finds no run in the folder (looked at now when it was left for later), and the
-        sinks start for a run of ``settings`` (a resumed run drops what a killed run logged after its checkpoint)."""
+        sinks start for a run of ``settings``. A resumed run (``step`` > 0) holds only what it did: rank 0 moves
+        aside what the run there wrote after ``step`` (:func:`cppo.run.rewind.move_aside`, said in a warning) and the
+        sinks drop what it logged after it."""
         if self.info.is_main and self._lock is None and self._own_lock is None:
             self._own_lock = RunLock.of(self.output_dir).acquire()
         if step == 0 and not self._checked:  # a new run never mixes with one already there (resume or delete it)
             refuse_existing_run(self.output_dir)
+        if step and self.info.is_main:
+            _move_aside(self.output_dir, step)
         self._checked = True
         self._sinks_closed = False
         for sink in self.sinks:
@@ -196,6 +201,16 @@ class Run:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _move_aside(output_dir: str, step: int) -> None:
+    """:func:`cppo.run.rewind.move_aside`, said in one warning naming the folder and every path moved."""
+    folder, moved = rewind.move_aside(output_dir, step, checkpoints=checkpoint.CHECKPOINT_RE)
+    if moved:
+        logger.warning(
+            "resuming after step %d: moved aside what the run there wrote after that step, to %s: %s", step, folder,
+            ", ".join(moved),
+        )  # fmt: skip
 
 
 def _close(sink: MetricSink) -> None:
