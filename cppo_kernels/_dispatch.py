@@ -96,19 +96,23 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
 
 
 #: The execution modes each backend of an op implements, for the ops that have modes (``fused_cppo_loss``: see
-#: ``cppo_kernels.loss.MODES``). The PyTorch twin implements every mode; gradient-in-forward exists only there.
+#: ``cppo_kernels.loss.MODES``). The PyTorch twin implements every mode.
 BACKEND_MODES: dict[str, dict[str, tuple[str, ...]]] = {
-    "loss": {"triton": ("two-pass",), "torch": ("two-pass", "grad-in-forward")},
+    "loss": {"triton": ("two-pass", "grad-in-forward"), "torch": ("two-pass", "grad-in-forward")},
 }
+#: A mode a backend implements in a module of its own (else ``cppo_kernels._{op}_{backend}``): the Triton backend's
+#: gradient-in-forward is cuBLAS GEMMs around a Triton row pass (``cppo_kernels._loss_gemm``).
+MODE_MODULES: dict[tuple[str, str, str], str] = {("loss", "triton", "grad-in-forward"): "_loss_gemm"}
 
 
 def backend_module(op: str, tensor: torch.Tensor, *, mode: str | None = None) -> ModuleType:
     """The backend module of ``op`` for ``tensor``: ``cppo_kernels._{op}_triton`` when :func:`use_triton`, else
     ``cppo_kernels._{op}_torch``. Imported on first use: triton is not installed everywhere.
 
-    With ``mode`` (an op of :data:`BACKEND_MODES`), a mode the Triton backend lacks takes ``cppo_kernels._{op}_torch``
-    on ``tensor``'s device whatever the backend asked for (without consulting :func:`use_triton`: the Triton
-    backend is not used); an op without modes, or a mode no backend of the op implements, is a ``ValueError``.
+    With ``mode`` (an op of :data:`BACKEND_MODES`), the backend's module for that mode (:data:`MODE_MODULES`); a
+    mode the Triton backend lacks takes ``cppo_kernels._{op}_torch`` on ``tensor``'s device whatever the backend
+    asked for (without consulting :func:`use_triton`: the Triton backend is not used); an op without modes, or a
+    mode no backend of the op implements, is a ``ValueError``.
     """
     if mode is not None:
         modes = BACKEND_MODES.get(op)
@@ -118,8 +122,9 @@ def backend_module(op: str, tensor: torch.Tensor, *, mode: str | None = None) ->
             raise ValueError(f"mode must be one of {modes['torch']} for op {op!r}, got {mode!r}")
         if mode not in modes["triton"]:
             return _import(op, "torch")  # the Triton backend lacks the mode: its PyTorch twin
-    return _import(op, "triton" if use_triton(tensor) else "torch")
+    return _import(op, "triton" if use_triton(tensor) else "torch", mode)
 
 
-def _import(op: str, backend: str) -> ModuleType:
-    return importlib.import_module(f"{__package__}._{op}_{backend}")
+def _import(op: str, backend: str, mode: str | None = None) -> ModuleType:
+    name = MODE_MODULES.get((op, backend, mode), f"_{op}_{backend}")
+    return importlib.import_module(f"{__package__}.{name}")

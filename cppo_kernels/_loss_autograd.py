@@ -205,9 +205,18 @@ class GradInForward(torch.autograd.Function):
                 hidden, weight, targets, bias, lse, upstream * grad_loss, **_needs(ctx, bias)
             )
             return *grads, None, None, None, None, None
-        if grad_loss.device.type != "cpu" or float(grad_loss) != 1.0:  # no host sync on an accelerator
-            for g in grads:
-                if g is not None:
-                    g.mul_(grad_loss)
-        grads = (None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        scale = grad_loss.device.type != "cpu" or float(grad_loss) != 1.0  # no host sync on an accelerator
+        grads = (_scaled(g, grad_loss if scale else None, dtype) for g, dtype in zip(grads, ctx.dtypes))
         return *grads, None, None, None, None, None
+
+
+def _scaled(g: Tensor | None, by: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``g * by`` (``by`` None: 1) in ``dtype``: one pass over the fp32 gradient (the scale and the cast in one
+    kernel: the product is rounded to ``dtype`` as it is stored), in place when ``dtype`` is fp32."""
+    if g is None:
+        return None
+    if by is None:
+        return g if g.dtype == dtype else g.to(dtype)
+    if g.dtype == dtype:
+        return g.mul_(by)
+    return torch.mul(g, by, out=torch.empty(g.shape, dtype=dtype, device=g.device))

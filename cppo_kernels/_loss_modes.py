@@ -22,10 +22,13 @@ MODES = ("auto", "two-pass", "grad-in-forward")
 #: The mode ``mode="auto"`` picks, per shape class ``(device type, backend, dtype name or None for any)``:
 #: a rule, read at each call, never a timing at call time. A class is not keyed on the token count: the two modes
 #: may round a logit differently on CUDA, and a token's log-prob must not depend on the batch it comes in.
-#: CPU torch backend: gradient-in-forward (measured, benchmarks/results/loss.json). CUDA: the Triton two-pass
-#: kernels, and gradient-in-forward (cuBLAS) for the torch backend, until the GPU kit's first run
-#: (benchmarks/gpu_check.py) times both at its shapes and sets these CUDA rows to the faster mode per class.
-#: The interpreter (Triton on CPU: the tests) runs the Triton two-pass kernels. Whatever the rule, the options of
+#: CPU torch backend: gradient-in-forward (measured, benchmarks/results/loss.json). CUDA: gradient-in-forward for
+#: both backends: the GPU kit's H200 run (2026-12-04, T = 16,384, H = 1,536, V = 151,936 bf16) timed the torch
+#: backend's cuBLAS gradient-in-forward at 69.7 ms against 140.9 ms for the Triton two-pass kernels; the Triton
+#: backend's gradient-in-forward is now cuBLAS GEMMs around one Triton row pass (cppo_kernels._loss_gemm, predicted
+#: ~1.1x the 3-GEMM floor by the kit's roofline, to be measured), and the two-pass kernels stay the memory-minimal
+#: mode (mode="two-pass": no [C, V] buffer). The interpreter (Triton on CPU: the tests) runs the two-pass kernels
+#: unless a test asks for gradient-in-forward. Whatever the rule, the options of
 #: :attr:`LossConfig.call_rule` (the entropy mask and bonus) run two-pass: they need the whole call before any
 #: token's gradient is known; those of :attr:`LossConfig.sequence_rule` (sequence-level ratios, VESPO, the
 #: off-policy mask) run gradient-in-forward in chunks of whole sequences on the CPU when every sequence fits one
@@ -34,7 +37,7 @@ MODE_RULES: dict[tuple[str, str, str | None], str] = {
     ("cpu", "torch", None): "grad-in-forward",
     ("cpu", "triton", None): "two-pass",
     ("cuda", "torch", None): "grad-in-forward",
-    ("cuda", "triton", None): "two-pass",
+    ("cuda", "triton", None): "grad-in-forward",
 }
 
 

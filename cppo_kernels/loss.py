@@ -43,7 +43,7 @@ from ._loss_modes import (
     MODES,
     call_mode,
     check_mode,
-    resolve_mode,  # noqa: F401  (the mode rule, read here by callers and tests)
+    resolve_mode,
     wants_grad,
 )
 from ._ops import compiled_logprobs, compiled_loss, implements
@@ -295,7 +295,7 @@ def eager_logprobs(
     checks.in_range(targets, weight.shape[0])
     checks.raise_first()
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, H]
-    logp, lse, entropy = backend_module("loss", h).logprobs_fwd(
+    logp, lse, entropy = backend_module("loss", h, mode=resolve_mode("auto", h)).logprobs_fwd(
         h,
         weight.contiguous(),
         targets.reshape(-1).to(torch.int64).contiguous(),

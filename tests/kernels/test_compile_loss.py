@@ -98,3 +98,36 @@ def test_compiles_fits_and_does_not_spill(compiled, kernel, hidden_size, dtype, 
     assert c.fits, f"{where}: {c.shared} B shared > {SHARED_MEMORY_LIMIT[arch]}"
     assert not c.spills, f"{where}: spills (stack {c.stack} B, local {c.local} B, {c.registers} regs)"
     assert c.registers <= 255, where
+
+
+#: The GEMM path's row pass (cppo_kernels._loss_rows_triton): fp32 or bf16 factors, with and without the cap, at the
+#: CUDA tile; V is a runtime argument the JIT does not specialise.
+ROW_CASES = [(q, cap) for q in ("bf16", "fp32") for cap in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def compiled_rows() -> dict[str, CompiledKernel | str]:
+    from cppo_kernels import _loss_rows_triton as R
+
+    fn, cases, jobs = R._row_pass_kernel, [(q, cap, a) for q, cap in ROW_CASES for a in ARCHS], []
+    for q, cap, arch in cases:
+        signature = {}
+        for name in fn.arg_names:
+            if name in ("HAS_BIAS", "HAS_CAP", "COMPUTE_ENTROPY", "WANT_Q", "BLOCK_V"):
+                continue
+            signature[name] = ({"q_ptr": f"*{q}", "targets_ptr": "*i64"}.get(name, "*fp32") if name.endswith("_ptr")
+                               else "fp32" if name in ("z_scale", "cap_out", "margin") else "i32")  # fmt: skip
+        constexprs = {"HAS_BIAS": True, "HAS_CAP": cap, "COMPUTE_ENTROPY": True, "WANT_Q": True,
+                      "BLOCK_V": R.ROW_BLOCK_V["cuda"]}  # fmt: skip
+        divisible = [n for n in signature if n.endswith("_ptr") or n.startswith("stride")]
+        jobs.append(job(fn, signature=signature, divisible=divisible, constexprs=constexprs, arch=arch, num_warps=8))
+    return {f"{q}|{cap}|{a}": c for (q, cap, a), c in zip(cases, compile_many(jobs), strict=True)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("q,cap", ROW_CASES, ids=[f"{q}-{'cap' if c else 'plain'}" for q, c in ROW_CASES])
+def test_the_row_pass_compiles_fits_and_does_not_spill(compiled_rows, q, cap, arch):
+    c = compiled_rows[f"{q}|{cap}|{arch}"]
+    where = f"row pass q={q} cap={cap} sm_{arch}"
+    assert not isinstance(c, str), f"{where}: {c}"
+    assert c.fits and not c.spills and c.registers <= 255, f"{where}: {c}"

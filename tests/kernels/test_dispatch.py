@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cppo_kernels import use_backend
-from cppo_kernels._dispatch import BACKEND_MODES, backend_module, requested_backend, use_triton
+from cppo_kernels._dispatch import BACKEND_MODES, MODE_MODULES, backend_module, requested_backend, use_triton
 
 
 def test_env_then_context_then_argument(monkeypatch):
@@ -79,31 +79,38 @@ _MODE_FUNCTIONS = {
 
 
 def test_backend_modes_are_what_the_modules_implement():
-    """BACKEND_MODES lists exactly the modes whose functions a backend module has; the torch twin has every mode."""
+    """BACKEND_MODES lists exactly the modes whose functions a backend's module for that mode has (MODE_MODULES, else
+    ``_loss_{backend}``); the torch twin has every mode."""
     modes = BACKEND_MODES["loss"]
     assert set(modes["torch"]) == set(_MODE_FUNCTIONS) and set(modes["triton"]) <= set(modes["torch"])
     for backend, listed in modes.items():
-        module = importlib.import_module(f"cppo_kernels._loss_{backend}")
-        implemented = [m for m, fns in _MODE_FUNCTIONS.items() if all(callable(getattr(module, f, None)) for f in fns)]
+        implemented = []
+        for mode, fns in _MODE_FUNCTIONS.items():
+            module = importlib.import_module(
+                f"cppo_kernels.{MODE_MODULES.get(('loss', backend, mode), f'_loss_{backend}')}"
+            )
+            if all(callable(getattr(module, f, None)) for f in fns):
+                implemented.append(mode)
         assert sorted(implemented) == sorted(listed), backend
 
 
-def test_a_mode_the_triton_backend_lacks_runs_on_the_torch_twin(monkeypatch):
-    """Gradient-in-forward exists only in the torch backend: it runs there whatever the backend asked for, without
-    consulting the Triton backend (no TRITON_INTERPRET error); two-pass follows the backend choice."""
+def test_each_mode_runs_its_backends_module(monkeypatch):
+    """Gradient-in-forward on the Triton backend is the GEMM path (cppo_kernels._loss_gemm), on the torch backend
+    the torch twin; two-pass follows the backend choice; a forced Triton backend that cannot run here raises in
+    both modes."""
     x = torch.zeros(1)
-    for backend in ("auto", "torch", "triton"):
+    with use_backend("triton"):
+        assert backend_module("loss", x, mode="grad-in-forward").__name__ == "cppo_kernels._loss_gemm"
+        assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_triton"
+    for backend in ("auto", "torch"):  # auto on a CPU tensor: torch
         with use_backend(backend):
             assert backend_module("loss", x, mode="grad-in-forward").__name__ == "cppo_kernels._loss_torch"
-    with use_backend("triton"):
-        assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_triton"
-    with use_backend("torch"):
-        assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_torch"
+            assert backend_module("loss", x, mode="two-pass").__name__ == "cppo_kernels._loss_torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with use_backend("triton"):
-        assert backend_module("loss", x, mode="grad-in-forward").__name__ == "cppo_kernels._loss_torch"
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-            backend_module("loss", x, mode="two-pass")
+        for mode in ("grad-in-forward", "two-pass"):
+            with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+                backend_module("loss", x, mode=mode)
 
 
 def test_bad_mode_is_a_clear_error():

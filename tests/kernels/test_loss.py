@@ -32,11 +32,13 @@ class LossPath(NamedTuple):
     mode: str
 
 
-#: Every path of fused_cppo_loss on the CPU: the torch backend in both modes, the Triton kernels (two-pass).
+#: Every path of fused_cppo_loss on the CPU: the torch backend in both modes, the Triton kernels (two-pass) and the
+#: GEMM path (Triton gradient-in-forward: GEMMs around the Triton row pass, under the interpreter).
 PATHS = {
     "torch-two-pass": LossPath("torch", "two-pass"),
     "torch-grad-in-forward": LossPath("torch", "grad-in-forward"),
     "triton-two-pass": LossPath("triton", "two-pass"),
+    "triton-grad-in-forward": LossPath("triton", "grad-in-forward"),
 }
 
 

@@ -14,7 +14,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from loss_cases import assert_close, cu_seqlens, hypothesis_settings
 
-from cppo_kernels import LossConfig, _loss_torch, _policy, fused_cppo_loss, reference
+from cppo_kernels import LossConfig, _loss_gemm, _loss_torch, _policy, fused_cppo_loss, reference
 from cppo_kernels import loss as loss_module
 
 #: Special log-ratios: the clamp's bounds (and just past them), the clip bounds of eps 0.2 / 0.28, far outside.
@@ -261,16 +261,16 @@ def test_gradient_gemms_take_the_real_tokens_only(dtype, monkeypatch):
         assert_close(name, got, exp, tol, 1e-7)
 
 
-def _spy(monkeypatch) -> list[int]:
-    """Counts the calls of the gradient-in-forward pass."""
+def _spy(monkeypatch, module=_loss_torch) -> list[int]:
+    """Counts the calls of ``module``'s gradient-in-forward pass (the torch backend's by default)."""
     calls = []
-    real = _loss_torch.logprobs_fwd_grads
+    real = module.logprobs_fwd_grads
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_loss_torch, "logprobs_fwd_grads", spy)
+    monkeypatch.setattr(module, "logprobs_fwd_grads", spy)
     return calls
 
 
@@ -431,17 +431,17 @@ def test_padded_layout_and_empty_batch():
 
 
 def test_explicit_mode_on_the_triton_backend(monkeypatch):
-    """mode="grad-in-forward" runs the chunked torch code (cuBLAS on CUDA) whatever the backend; it agrees with the
-    Triton two-pass kernels (here under the interpreter)."""
+    """mode="grad-in-forward" on the Triton backend runs the GEMM path (GEMMs around the Triton row pass, here under
+    the interpreter), not the torch twin; it agrees with the Triton two-pass kernels."""
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
-    calls = _spy(monkeypatch)
+    calls, gemm_calls = _spy(monkeypatch), _spy(monkeypatch, _loss_gemm)
     hidden, weight, bias, targets, adv, old, ref = _inputs(8, [5, 11], torch.float32)
     args = (hidden, weight, bias, targets, adv, cu_seqlens([5, 11]))
     options = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04)
     loss, _, grads = _run("grad-in-forward", *args, **options)
-    assert calls == [1]
+    assert calls == [] and gemm_calls == [1]
     want, _, want_grads = _run("auto", *args, **options)  # the CPU rule of the Triton backend: two-pass
-    assert calls == [1]
+    assert calls == [] and gemm_calls == [1]
     assert_close("loss", loss, want, 1e-6)
     for name, got, exp in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
         assert_close(name, got, exp, 1e-4)
@@ -465,18 +465,21 @@ def test_both_modes_take_their_backend_from_the_dispatcher(monkeypatch):
     assert asked == [("loss", mode) for mode in modes]
 
 
-def test_grad_in_forward_does_not_consult_the_triton_backend(monkeypatch):
-    """A forced Triton backend that cannot run here (no interpreter) does not stop gradient-in-forward, which runs
-    on the torch twin; the two-pass path on it raises the backend's error."""
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    calls = _spy(monkeypatch)
+def test_the_torch_backend_runs_gradient_in_forward_on_its_own_code(monkeypatch):
+    """The torch backend's gradient-in-forward is the chunked torch code (CPU BLAS / cuBLAS), never the GEMM path
+    of the Triton backend; a forced Triton backend that cannot run here (no interpreter) raises its error in both
+    modes."""
+    calls, gemm_calls = _spy(monkeypatch), _spy(monkeypatch, _loss_gemm)
     hidden, weight, bias, targets, adv, old, _ = _inputs(9, [7, 4], torch.float32)
     args = (hidden, weight, bias, targets, adv, cu_seqlens([7, 4]))
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
     loss, _, grads = _run("grad-in-forward", *args, old_logprobs=old)
-    assert calls == [1] and torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        _run("two-pass", *args, old_logprobs=old)
+    assert calls == [1] and gemm_calls == [] and torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for mode in ("grad-in-forward", "two-pass"):
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            _run(mode, *args, old_logprobs=old)
 
 
 def test_only_cuda_bf16_takes_half_precision_gemms():

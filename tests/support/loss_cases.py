@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from cppo_kernels import _loss_torch
+from cppo_kernels import _loss_gemm, _loss_rows_triton, _loss_torch
 
 #: Tolerances per input dtype: (loss and metrics, gradients of the torch backend and of
 #: cppo_loss_from_logits, gradients of the Triton backend). Gradients are compared as
@@ -47,6 +47,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(_loss_torch, "FWD_TOKENS", 8)
     monkeypatch.setattr(_loss_torch, "BWD_TOKENS", 16)
     monkeypatch.setattr(_loss_torch, "BWD_VOCAB", 64)
+    # the GEMM path (Triton gradient-in-forward): chunks of 16 tokens, rows of 32-column tiles under the interpreter
+    monkeypatch.setattr(_loss_gemm, "CHUNK_MAX", 16)
+    monkeypatch.setitem(_loss_rows_triton.ROW_BLOCK_V, "interpreter", 32)
 
 
 #: Every path of fused_cppo_loss on the CPU: (backend, mode).
@@ -54,6 +57,7 @@ LOSS_PATHS = {
     "torch-two-pass": ("torch", "two-pass"),
     "torch-grad-in-forward": ("torch", "grad-in-forward"),
     "triton-two-pass": ("triton", "two-pass"),
+    "triton-grad-in-forward": ("triton", "grad-in-forward"),
 }
 
 
