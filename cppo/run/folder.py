@@ -84,6 +84,7 @@ def open_run(output_dir: str, *, report_to: list[str], info: DistInfo, existing:
     deletes what killed saves left. Call it on every rank; ``Run.close`` releases what it took."""
     if existing not in EXISTING:
         raise ValueError(f"existing must be one of {EXISTING}, got {existing!r}")
+    created = not os.path.isdir(output_dir)  # a run that writes nothing into it removes it again (Run.close)
     check_writable(output_dir)
     sinks = make_sinks(report_to, output_dir) if info.is_main else []
     if existing == "later":
@@ -97,7 +98,7 @@ def open_run(output_dir: str, *, report_to: list[str], info: DistInfo, existing:
         if lock is not None:
             lock.release()
         raise
-    return Run(output_dir, info=info, sinks=sinks, lock=lock, checked=True)
+    return Run(output_dir, info=info, sinks=sinks, lock=lock, checked=True, created=created)
 
 
 class Run:
@@ -113,9 +114,10 @@ class Run:
         sinks: list[MetricSink],
         lock: RunLock | None = None,
         checked: bool = False,
+        created: bool = False,
     ) -> None:
         self.output_dir, self.info, self.sinks = output_dir, info, sinks
-        self._lock, self._own_lock, self._checked = lock, None, checked
+        self._lock, self._own_lock, self._checked, self._created = lock, None, checked, created
         self._sinks_closed = False
 
     @property
@@ -196,11 +198,17 @@ class Run:
             self._own_lock = None
 
     def close(self) -> None:
-        """:meth:`finish`, and the lock :func:`open_run` took is released."""
+        """:meth:`finish`, and the lock :func:`open_run` took is released. Where no run is in the folder (a command
+        that failed before writing anything: a ``--resume`` with no checkpoint to load), its lock file goes too, and
+        the folder itself when :func:`open_run` made it: the folder is left as it was."""
         self.finish()
         if self._lock is not None:
-            self._lock.release()
+            empty = not existing_run(self.output_dir)
+            self._lock.release(remove_file=empty)
             self._lock = None
+            if empty and self._created:
+                with contextlib.suppress(OSError):  # not empty: something else was put there meanwhile
+                    os.rmdir(self.output_dir)
 
 
 def _move_aside(output_dir: str, step: int) -> None:

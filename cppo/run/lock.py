@@ -9,6 +9,7 @@ that a refused run can say who holds the folder. Under torchrun rank 0 takes it,
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -56,17 +57,23 @@ class RunLock:
             self.depth += 1
             return self
         os.makedirs(self.output_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            if fcntl is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
+        for _ in range(100):  # a holder may remove the file between our open and our flock: lock the one at the path
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunLocked(
+                    f"output_dir {self.output_dir!r} is in use by another run ({holder}): wait for it to end or stop "
+                    "it, or set another output_dir"
+                ) from None
+            if _is_at_path(fd, self.path):
+                break
             os.close(fd)
-            raise RunLocked(
-                f"output_dir {self.output_dir!r} is in use by another run ({holder}): wait for it to end or stop it, "
-                "or set another output_dir"
-            ) from None
+        else:
+            raise RunLocked(f"output_dir {self.output_dir!r}: its lock file keeps being removed by another process")
         previous = _read_holder(fd, default="")
         if previous:  # the lock was free, so its last holder is gone without releasing: a killed run
             logger.warning(
@@ -76,14 +83,20 @@ class RunLock:
         self.fd, self.depth = fd, 1
         return self
 
-    def release(self) -> None:
-        """Releases the lock (the outermost release of a nested acquire)."""
+    def release(self, *, remove_file: bool = False) -> None:
+        """Releases the lock (the outermost release of a nested acquire): the file is left empty (released on
+        purpose, not by a killed run), or with ``remove_file`` removed, while still held (a folder where the run
+        wrote nothing keeps no lock file; a process that opened it meanwhile locks the file at the path instead)."""
         if not self.depth:
             return
         self.depth -= 1
         if self.depth or self.fd is None:
             return
-        os.ftruncate(self.fd, 0)  # an empty file: released on purpose, not by a killed run
+        if remove_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        else:
+            os.ftruncate(self.fd, 0)
         os.close(self.fd)  # drops the flock
         self.fd = None
 
@@ -106,6 +119,15 @@ def check_free(output_dir: str) -> None:
         raise RunLocked(f"output_dir {output_dir!r} is in use by another run ({_read_holder(fd)})") from None
     finally:
         os.close(fd)  # drops the shared lock, if taken
+
+
+def _is_at_path(fd: int, path: str) -> bool:
+    """Whether the open file ``fd`` is still the one at ``path`` (not removed or replaced since it was opened)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _read_holder(fd: int, default: str = "a process whose details cannot be read") -> str:

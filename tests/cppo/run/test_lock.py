@@ -70,3 +70,41 @@ def test_cppo_train_into_a_folder_in_use_is_one_line(tmp_path, capsys):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_failed_resume_into_a_new_folder_leaves_no_lock(tmp_path, capsys, existed):
+    """``cppo train --resume`` where no run is: one line, and the folder is as it was (issue 49): no
+    ``.cppo-run.lock`` left behind, no folder made."""
+    out = tmp_path / "new"
+    if existed:
+        out.mkdir()
+    assert train_cli(out, "--resume") == 2
+    assert "no checkpoint-* folder" in capsys.readouterr().err
+    assert (sorted(p.name for p in out.iterdir()) == []) if existed else not out.exists()
+    lock = RunLock.of(str(out)).acquire()  # free, and takeable again
+    lock.release()
+
+
+def test_a_lock_file_removed_under_a_waiting_opener_is_not_taken(tmp_path, monkeypatch):
+    """A process that opened the lock file just before its holder removed it (an empty folder's lock goes with the
+    run) must not lock the removed file: it takes the lock of the file now at the path."""
+    first = RunLock(str(tmp_path)).acquire()
+    stale = os.open(tmp_path / LOCK_NAME, os.O_RDWR)  # opened while the first holder still has it
+    first.release(remove_file=True)
+    assert not (tmp_path / LOCK_NAME).exists()
+    real_open, opened = os.open, []
+
+    def open_stale_first(path, flags, *args):
+        if str(path).endswith(LOCK_NAME) and not opened:
+            opened.append(path)
+            return os.dup(stale)  # what the waiting process holds: the removed file
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_stale_first)
+    second = RunLock(str(tmp_path)).acquire()
+    monkeypatch.undo()
+    os.close(stale)
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path)).acquire()  # the file at the path is locked: a third run is refused
+    second.release()
