@@ -11,7 +11,7 @@ import re
 import yaml
 
 from ..fileio import shown_path
-from .settings import TrainConfig, field_types
+from .settings import TrainConfig, field_types, loss_field_types
 from .values import coerce, did_you_mean
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parents[1] / "presets"
@@ -31,7 +31,8 @@ TRL_NAMES = {
     "save_steps": "save_every",
     "logging_steps": "log_every",
     "eval_steps": "eval_every",
-    "loss_type": "loss_agg (dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm)",
+    "loss_type": "loss.loss_type=NAME (TRL's loss types: its surrogate and loss_agg)",
+    "importance_sampling_level": "loss.importance_sampling=token|sequence",
     "bf16": "dtype=bfloat16",
     "fp16": "dtype=float16",
     "model_name_or_path": "model",
@@ -41,10 +42,14 @@ TRL_NAMES = {
 }
 
 
-def _suggest(key: str, hints) -> str:
-    """``" (TRL's name: use lr)"`` for a TRL / transformers name, else the closest setting (:func:`did_you_mean`)."""
+def _suggest(key: str, hints, value=None) -> str:
+    """``" (TRL's name: use lr)"`` for a TRL / transformers name, ``" (an option of the loss: --set loss.NAME=VALUE
+    ...)"`` for an option of the ``loss`` section, else the closest setting (:func:`did_you_mean`)."""
     if key in TRL_NAMES:
         return f" (that is TRL's name: here use {TRL_NAMES[key]})"
+    if key in loss_field_types() and key != "compute_entropy":  # (the trainer sets that one itself)
+        shown = "VALUE" if value is None else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...")
+        return f" (an option of the loss: --set loss.{key}={shown.strip()}, or {key} under loss: in a YAML file)"
     close = difflib.get_close_matches(key, [*hints, *TRL_NAMES], n=1, cutoff=0.6)
     if close and close[0] in TRL_NAMES:
         return f" (did you mean TRL's {close[0]!r}? here use {TRL_NAMES[close[0]]})"
@@ -96,9 +101,15 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
     for key in values:
         if key not in hints:
             raise ValueError(
-                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints)}; cppo train --help lists them all"
+                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints, values[key])}; cppo train --help lists "
+                "them all"
             )
     values = {k: coerce(k, v, hints[k]) for k, v in values.items()}
+    if isinstance(values.get("loss"), dict):  # its options parse as the flat settings do (1e-3: a number)
+        options = loss_field_types()
+        values["loss"] = {
+            k: coerce(f"loss.{k}", v, options[k]) if k in options else v for k, v in values["loss"].items()
+        }
     values.setdefault("preset", preset)
     try:
         config = TrainConfig(**values)

@@ -222,6 +222,11 @@ class TrainConfig:
         )  # fmt: skip
         fields = {f.name for f in dataclasses.fields(LossConfig)}
         for key in extra:
+            if key == "compute_entropy":  # a field of LossConfig the trainer sets itself, not a setting
+                raise ValueError(
+                    "loss.compute_entropy: cppo train always computes the entropy (each step's entropy metric); "
+                    "remove loss.compute_entropy"
+                )
             if key in flat:
                 raise ValueError(f"loss.{key}: {key} is a setting of its own; set {key}={extra[key]!r}")
             if key not in fields | {"loss_type"}:
@@ -229,6 +234,9 @@ class TrainConfig:
                     f"loss.{key}: not an option of the loss{did_you_mean(key, sorted(fields | {'loss_type'}))}; the "
                     f"options are loss_type and {sorted(fields - set(flat))}"
                 )
+        for key, hint in loss_field_types().items():
+            if key in extra:
+                check_type(f"loss.{key}", extra[key], hint)  # in the user's words, as a flat setting's
         loss_type = extra.pop("loss_type", None)
         if loss_type is not None:
             if loss_type not in LOSS_TYPES:
@@ -339,6 +347,11 @@ class TrainConfig:
 
 def field_types() -> dict[str, typing.Any]:
     return typing.get_type_hints(TrainConfig)
+
+
+def loss_field_types() -> dict[str, typing.Any]:
+    """The type of each option of the ``loss`` section (the fields of :class:`cppo_kernels.LossConfig`)."""
+    return typing.get_type_hints(LossConfig)
 
 
 def _check_lora(cfg: TrainConfig) -> None:

@@ -59,6 +59,46 @@ def test_a_bad_loss_option_is_one_line_naming_it(item, match):
         load_config("tiny-cpu", [item])
 
 
+@pytest.mark.parametrize(
+    ("item", "name", "value"),
+    [
+        ("loss.entropy_coef=1e-3", "entropy_coef", 1e-3),  # YAML 1.1 reads 1e-3 as text, as for lr=1e-3
+        ("loss.top_entropy_quantile=5E-1", "top_entropy_quantile", 0.5),
+        ("loss.delta=2", "delta", 2.0),
+        ("loss.off_policy_mask_threshold=1e-2", "off_policy_mask_threshold", 0.01),
+    ],
+)
+def test_loss_section_values_parse_as_the_flat_settings_do(item, name, value, tmp_path):
+    """``--set loss.entropy_coef=1e-3`` is the number, as the flat ``--set lr=1e-3`` is (issue 49); a YAML file's
+    ``loss:`` mapping too."""
+    assert load_config("tiny-cpu", ["lr=1e-3"]).lr == 1e-3
+    assert getattr(load_config("tiny-cpu", [item]).loss_config, name) == value
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: tiny-qwen2\nloss:\n  {item.split('.', 1)[1].replace('=', ': ')}\n")
+    assert getattr(load_config(str(path)).loss_config, name) == value
+
+
+@pytest.mark.parametrize(
+    ("item", "match"),
+    [
+        (
+            "loss.entropy_coef=abc",
+            r"^--set loss.entropy_coef=abc: loss.entropy_coef must be a number, got abc \(text\)$",
+        ),
+        ("loss.compute_entropy=true", r"loss.compute_entropy: cppo train always computes the entropy"),
+        ("entropy_coef=0.01", r"unknown setting 'entropy_coef' \(an option of the loss: --set loss.entropy_coef="),
+        ("delta=2", r"unknown setting 'delta' \(an option of the loss: --set loss.delta=2, or delta under loss: in a"),
+        ("loss_type=grpo", r"unknown setting 'loss_type' \(that is TRL's name: here use loss.loss_type="),
+    ],
+)
+def test_loss_advice_names_settings_that_exist(item, match):
+    """The advice of a refused loss option names what to set: never a setting that does not exist (issue 49:
+    ``loss.compute_entropy`` said ``set compute_entropy=True``)."""
+    with pytest.raises(ValueError, match=match) as e:
+        load_config("tiny-cpu", [item])
+    assert "set compute_entropy" not in str(e.value)
+
+
 def test_loss_type_and_surrogate_together_are_refused():
     with pytest.raises(ValueError, match="loss.loss_type=sapo sets the surrogate"):
         load_config("tiny-cpu", ["loss.loss_type=sapo", "loss.surrogate=clip"])
