@@ -19,12 +19,13 @@ import logging
 import os
 import pathlib
 import re
-import shlex
 import sys
 import traceback
 from typing import TYPE_CHECKING
 
 import yaml
+
+from . import cli_report as report
 
 if TYPE_CHECKING:  # the package's modules import torch: the commands import them, --help and bad flags do not
     from .config import TrainConfig
@@ -152,7 +153,7 @@ def _train(args) -> int:
     from .run import open_run, resume
     from .trainer import Trainer
 
-    config = load_config(args.config, args.overrides)
+    config, progress = load_config(args.config, args.overrides), args.progress
     if args.allow_config_change and not args.resume:
         raise ValueError("--allow-config-change only applies with --resume")
     if args.dry_run:
@@ -169,14 +170,20 @@ def _train(args) -> int:
         if candidates:
             path = resume(trainer, candidates)
             distributed.print_main(f"resumed from {path} at step {trainer.step}", file=sys.stderr, info=info)
+        progress.start = getattr(trainer, "step", None)
         history = trainer.train()
         if history:
             last = history[-1]
             keys = ("step", "reward_mean", "accuracy", "kept_fraction", "time/step")
             distributed.print_main(json.dumps({k: last[k] for k in keys}), info=info)
         if trainer.last_checkpoint:  # the last line: where the run went and how to evaluate it
-            distributed.print_main(_eval_hint(trainer.last_checkpoint), file=sys.stderr, info=info)
+            distributed.print_main(report.eval_hint(trainer.last_checkpoint), file=sys.stderr, info=info)
     except BaseException as e:
+        if trainer is not None:  # how far it got, for the report of a stop (report.stop_report)
+            progress.step, progress.checkpoint = (
+                getattr(trainer, "step", None),
+                getattr(trainer, "last_checkpoint", None),
+            )
         # the frames of a failed run hold the trainer and its DDP module: release them too (see below)
         traceback.clear_frames(e.__traceback__)
         raise
@@ -190,20 +197,6 @@ def _train(args) -> int:
         trainer = None  # noqa: F841
         distributed.close_distributed()
     return 0
-
-
-def _eval_hint(checkpoint: str) -> str:
-    """``cppo train: saved CHECKPOINT; evaluate it with: PROGRAM eval --model CHECKPOINT`` (the program as it was
-    called: ``.venv/bin/cppo``, ``cppo``, or ``PYTHON -m cppo``; the path relative to here when it is below)."""
-    here = os.path.relpath(checkpoint)
-    shown = here if not here.startswith(os.pardir) else checkpoint
-    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "cppo" else f"{_shown_program(sys.executable)} -m cppo"
-    return f"cppo train: saved {shown}; evaluate it with: {program} eval --model {shlex.quote(shown)}"
-
-
-def _shown_program(path: str) -> str:
-    here = os.path.relpath(path)
-    return shlex.quote(here if not here.startswith(os.pardir) else path)
 
 
 def _resume_candidates(config: TrainConfig, args, *, info) -> list[str]:
@@ -258,7 +251,7 @@ def _check_eval_args(args) -> None:
 
     from .config import check_model_and_data
     from .engines import check_engine_installed, engine_supports
-    from .fileio import check_writable
+    from .fileio import check_writable, cppo_program
     from .run import model_folder
     from .step import is_adapter_folder
     from .tasks import verifier
@@ -286,7 +279,9 @@ def _check_eval_args(args) -> None:
             model=args.model, dataset=args.dataset, dataset_path=args.dataset_path, dtype=args.dtype, device=args.device
         )
     except ValueError as e:
-        raise ValueError(_as_flags(str(e))) from None
+        message = _as_flags(str(e))
+        close = report.did_you_mean_path(args.model) if message.startswith("--model") else ""
+        raise ValueError(message + close) from None  # checkpoint-00008: a zero short of checkpoint-000008
     _check_not_a_run_folder(args.model)
     try:
         check_engine_installed(args.rollout_backend)
@@ -294,8 +289,10 @@ def _check_eval_args(args) -> None:
         message = str(e).replace("rollout_backend=", "--rollout-backend ")
         raise ValueError(re.sub(r"\brollout_backend\b", "--rollout-backend", message)) from None
     if engine_supports(args.rollout_backend, "reads_model_folder") and is_adapter_folder(model_folder(args.model)):
-        raise ValueError(f"--model {args.model!r} is a LoRA adapter, which --rollout-backend {args.rollout_backend} "
-                         "cannot load (it reads full weights from the folder): cppo merge it first")  # fmt: skip
+        raise ValueError(
+            f"--model {args.model!r} is a LoRA adapter, which --rollout-backend {args.rollout_backend} cannot load (it "
+            f"reads full weights from the folder): {cppo_program()} merge it first"
+        )
 
 
 #: ``cppo eval``'s flags for the settings its checks name.
@@ -432,6 +429,8 @@ def _merge(args) -> int:
     from .step import is_adapter_folder, merge
 
     check_choice("--dtype", args.dtype, DTYPES)
+    if not os.path.exists(args.checkpoint):
+        raise ValueError(f"--checkpoint {args.checkpoint!r} does not exist{report.did_you_mean_path(args.checkpoint)}")
     folder = model_folder(args.checkpoint)
     if not is_adapter_folder(folder):
         raise ValueError(
@@ -446,11 +445,10 @@ COMMANDS = {"train": _train, "eval": _eval, "merge": _merge}
 
 def main(argv: list[str] | None = None) -> int:
     """Runs ``cppo train``, ``cppo eval`` or ``cppo merge``; returns the exit code (2: a user error; 1: a run that
-    diverged)."""
+    diverged; 128 + the signal's number: stopped by a signal, said in words with the command to run next)."""
     args = _parser().parse_args(argv)
-    from .run import Interrupted  # the package's modules import torch: --help and bad flags have not waited for it
-    from .step import NonFiniteUpdates
-
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args.progress = report.Progress(resume=bool(getattr(args, "resume", False)))
     if args.command == "eval":  # which flags the command line gave (a checkpoint's training config fills the others)
         flags = vars(_parser(flags_only=True).parse_args(argv))
         args.given = {name for name in TRAINED if flags.get(name) is not None}
@@ -458,43 +456,30 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter(f"cppo {args.command}: warning: %(message)s"))
     logging.getLogger("cppo").addHandler(handler)
     try:
-        return COMMANDS[args.command](args)
-    except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
-        _error(args.command, e)
-        return 2
-    except NonFiniteUpdates as e:
-        _error(args.command, e)
-        return 1
-    except Interrupted as e:  # the first Ctrl-C / SIGTERM: stopped at a safe point, this step saved
-        _error(args.command, e, kind="stopped")
-        _resume_hint(argv)
-        return e.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C: at once (saves are renamed into place: nothing half-written)
-        _error(
-            args.command,
-            "stopped at once by a second signal: the last checkpoint in output_dir is whole",
-            kind="stopped",
-        )
-        _resume_hint(argv)
+        return _run(args, argv)
+    except KeyboardInterrupt as e:  # a second signal, or a Ctrl-C outside the training steps (imports included)
+        lines = report.stop_report(args.command, e, args.progress, argv)
+        report.error(args.command, lines[0].split(": stopped: ", 1)[1], kind="stopped")
+        print(*lines[1:], sep="\n", file=sys.stderr)
         return 130
     finally:
         logging.getLogger("cppo").removeHandler(handler)
 
 
-def _resume_hint(argv: list[str] | None) -> None:
-    """One line saying how to continue: the same command with ``--resume`` (without ``--overwrite``)."""
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
-    print(f"cppo train: to continue: cppo {' '.join(shlex.quote(a) for a in args)} --resume", file=sys.stderr)
+def _run(args, argv: list[str]) -> int:
+    """The command, its user errors as one line (exit code 2), a diverged run (1), a stop at a safe point."""
+    from .run import Interrupted  # the package's modules import torch: --help and bad flags have not waited for it
+    from .step import NonFiniteUpdates
 
-
-def _error(command: str, e: BaseException | str, *, kind: str = "error") -> None:
-    """Prints ``cppo COMMAND: error: ...`` as one line of its own (after closing a progress bar the error stopped)."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    print(f"cppo {command}: {kind}: {_one_line(e) if isinstance(e, BaseException) else e}", file=sys.stderr)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # the user's input: settings, files, paths, hub names
+        report.error(args.command, e)
+        return 2
+    except NonFiniteUpdates as e:
+        report.error(args.command, e)
+        return 1
+    except Interrupted as e:  # the first Ctrl-C / SIGTERM: stopped at a safe point, this step saved
+        report.error(args.command, e, kind="stopped")
+        print(report.continue_hint(argv), file=sys.stderr)
+        return e.exit_code

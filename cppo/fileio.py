@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import platform
+import shlex
 import stat
 import subprocess
 import sys
@@ -31,6 +32,8 @@ __all__ = [
     "json_safe",
     "check_writable",
     "shown_path",
+    "shown_command",
+    "cppo_program",
     "fsync",
     "fsync_tree",
     "git_commit",
@@ -126,6 +129,28 @@ def shown_path(path: str | os.PathLike) -> str:
     if os.path.isabs(path):
         return repr(path)
     return f"{path!r} (resolved from the current directory {os.getcwd()!r} to {os.path.abspath(path)!r})"
+
+
+def shown_command(path: str) -> str:
+    """A program's path as a command shows it, to be typed again from here: relative to the current directory when
+    below it (``.venv/bin/cppo``), else absolute; shell-quoted."""
+    here = os.path.relpath(path)
+    return shlex.quote(here if not here.startswith(os.pardir) else os.path.abspath(path))
+
+
+def cppo_program(*, distributed: bool = False) -> str:
+    """How this process ran ``cppo``, as the start of a command a printed hint gives (issue 49: a fresh shell has no
+    bare ``cppo``): the ``cppo`` script as called (``.venv/bin/cppo``), else ``PYTHON -m cppo``; ``distributed``:
+    under torchrun, ``TORCHRUN --nproc-per-node N [...] -m cppo`` (``...``: the launcher's other flags, for a job over
+    several nodes)."""
+    if distributed and "TORCHELASTIC_RUN_ID" in os.environ:
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "?"), os.environ.get("WORLD_SIZE", "?")
+        launcher = shown_command(os.path.join(os.path.dirname(sys.executable), "torchrun"))
+        return f"{launcher} --nproc-per-node {local}{' ...' if local != world else ''} -m cppo"
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == "cppo":
+        return shown_command(script)
+    return f"{shown_command(sys.executable)} -m cppo"
 
 
 def fsync(path: str) -> None:

@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from ..fileio import shown_path
+from ..fileio import cppo_program, shown_path
 from .settings import TrainConfig, field_types, loss_field_types
 from .values import coerce, did_you_mean
 
@@ -101,8 +101,8 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
     for key in values:
         if key not in hints:
             raise ValueError(
-                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints, values[key])}; cppo train --help lists "
-                "them all"
+                f"{origin[key]}: unknown setting {key!r}{_suggest(key, hints, values[key])}; {cppo_program()} train "
+                "--help lists them all"
             )
     values = {k: coerce(k, v, hints[k]) for k, v in values.items()}
     if isinstance(values.get("loss"), dict):  # its options parse as the flat settings do (1e-3: a number)

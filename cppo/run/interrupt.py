@@ -1,7 +1,9 @@
 """Stopping a run at a safe point: the first SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) only raises a flag
 that the training loop reads after each step, where it writes a checkpoint and raises :class:`Interrupted`; a second
 signal stops at once (``KeyboardInterrupt``). Checkpoints are written to a temporary folder and renamed into place,
-so an immediate stop never leaves a half-written one: the previous checkpoint stays whole."""
+so an immediate stop never leaves a half-written one: the previous checkpoint stays whole. A signal before the handler
+is set up (the imports, the model loading) is Python's own ``KeyboardInterrupt``, which ``cppo train`` reports as what
+it is (:mod:`cppo.cli_report`)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,13 @@ class Interrupted(Exception):
         return 128 + self.signum
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """The second SIGINT / SIGTERM within :class:`StopSignals`: the run stops at once (told apart from Python's own
+    ``KeyboardInterrupt`` of a signal outside the block)."""
+
+
 class StopSignals:
-    """Within the block, SIGINT and SIGTERM set :attr:`received` (the first) or raise ``KeyboardInterrupt`` (the
+    """Within the block, SIGINT and SIGTERM set :attr:`received` (the first) or raise :class:`StoppedAtOnce` (the
     second); the previous handlers come back at the end. A no-op outside the main thread (signals go there)."""
 
     def __init__(self) -> None:
@@ -36,7 +43,7 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
+            raise StoppedAtOnce(f"second {signal.Signals(signum).name}: stopping at once")
         self.received = signum
 
     def __enter__(self) -> StopSignals:

@@ -287,3 +287,30 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, capsys, monkeypa
         assert main(argv) == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert "runs/ is a folder here, so this names a local path, not a hub model" in line, line
+
+
+def test_a_checkpoint_a_zero_short_names_the_one_there(tmp_path, capsys, monkeypatch, no_model):
+    """``cppo eval --model runs/tiny-cpu/checkpoint-00008`` (one zero short) and ``cppo merge --checkpoint`` of a
+    missing folder name the checkpoint of the same step (issue 49)."""
+    (tmp_path / "runs" / "tiny-cpu" / "checkpoint-000008").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model", "runs/tiny-cpu/checkpoint-00008"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("(did you mean 'runs/tiny-cpu/checkpoint-000008'?)"), err
+    assert main(["merge", "--checkpoint", "runs/tiny-cpu/checkpoint-8", "--output", "merged"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "cppo merge: error: --checkpoint 'runs/tiny-cpu/checkpoint-8' does not exist (did you mean "
+        "'runs/tiny-cpu/checkpoint-000008'?)"
+    ]
+    assert not (tmp_path / "merged").exists()
+
+
+def test_printed_commands_start_with_the_program_as_called(tmp_path, capsys, monkeypatch):
+    """A hint's command runs as printed from a fresh shell: ``.venv/bin/cppo ...`` (as the run's last line), never a
+    bare ``cppo`` (issue 49)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", [str(REPO / ".venv" / "bin" / "cppo")])
+    assert main(["train", "--config", "tiny-cpu", "--set", "bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "; .venv/bin/cppo train --help lists them all" in err and " cppo train --help" not in err, err
