@@ -243,7 +243,13 @@ class TrainConfig:
                 raise ValueError(f"loss.loss_type must be one of {sorted(LOSS_TYPES)} (TRL's), got {loss_type!r}")
             if "surrogate" in extra:
                 raise ValueError(f"loss.loss_type={loss_type} sets the surrogate; do not also set loss.surrogate")
-            extra["surrogate"], extra["loss_agg"] = LOSS_TYPES[loss_type]  # (the flat loss_agg gives way)
+            extra["surrogate"], extra["loss_agg"] = LOSS_TYPES[loss_type]  # (the flat loss_agg's default gives way)
+            default = TrainConfig.__dataclass_fields__["loss_agg"].default
+            if self.loss_agg not in (default, extra["loss_agg"]):  # set both ways: one of them would be dropped
+                raise ValueError(
+                    f"loss.loss_type={loss_type} aggregates by {extra['loss_agg']}, but loss_agg={self.loss_agg}: "
+                    "set one of them"
+                )
         try:
             return LossConfig(**{**flat, **extra})
         except ValueError as e:  # an option of the section: name it as the section does

@@ -99,6 +99,18 @@ def test_loss_advice_names_settings_that_exist(item, match):
     assert "set compute_entropy" not in str(e.value)
 
 
+def test_loss_type_and_another_flat_aggregation_are_refused():
+    """``loss.loss_type`` sets the aggregation: a flat ``loss_agg`` set to another one is refused (one of the two
+    would be dropped silently); the flat default, and a preset's explicit token-mean, give way."""
+    with pytest.raises(ValueError, match=r"loss.loss_type=dapo aggregates by token-mean, but loss_agg=seq-mean"):
+        load_config("tiny-cpu", ["loss.loss_type=dapo", "loss_agg=seq-mean-token-mean"])
+    assert load_config("tiny-cpu", ["loss.loss_type=grpo"]).loss_config.loss_agg == "seq-mean-token-mean"
+    assert load_config("tiny-cpu", ["loss.loss_type=grpo", "loss_agg=seq-mean-token-mean"]).loss_agg == (
+        "seq-mean-token-mean"
+    )
+    assert load_config("gsm8k-qwen2.5-1.5b", ["loss.loss_type=grpo"]).loss_config.loss_agg == "seq-mean-token-mean"
+
+
 def test_loss_type_and_surrogate_together_are_refused():
     with pytest.raises(ValueError, match="loss.loss_type=sapo sets the surrogate"):
         load_config("tiny-cpu", ["loss.loss_type=sapo", "loss.surrogate=clip"])
