@@ -25,7 +25,7 @@ from .base import (
 from .hf import HFEngine  # importing an engine's module registers it
 from .prefill import generate_prefilled_once, prefill_once_applies
 from .stopping import PartialRollout, Stopper, checkpoint_tokens
-from .vllm import VLLMEngine  # vLLM itself is imported only when this engine is built
+from .vllm import VLLMEngine, engine_parameter_names, quiet_logs, tied_weights  # vLLM: imported when built
 
 __all__ = [
     "EngineFactory",
@@ -42,11 +42,14 @@ __all__ = [
     "check_engine_name",
     "cut_after_eos",
     "encode_prompts",
+    "engine_parameter_names",
     "engine_supports",
     "eos_ids",
     "generate_prefilled_once",
     "make_engine",
     "prefill_once_applies",
+    "quiet_logs",
     "register_engine",
     "resolve_engine_name",
+    "tied_weights",
 ]

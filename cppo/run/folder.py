@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 
 from ..distributed import DistInfo, barrier, max_across_ranks
 from ..fileio import check_writable, write_json
-from . import checkpoint, rewind
+from . import checkpoint, metrics, rewind
 from .lock import RunLock, RunLocked
 from .sinks import MetricSink, make_sinks
 
@@ -145,7 +145,8 @@ class Run:
             self._own_lock = RunLock.of(self.output_dir).acquire()
         if step == 0 and not self._checked:  # a new run never mixes with one already there (resume or delete it)
             refuse_existing_run(self.output_dir)
-        if step and self.info.is_main:
+        if step and self.info.is_main:  # (the log too whatever report_to says now: it may have changed)
+            metrics.rewind_jsonl(os.path.join(self.output_dir, metrics.LOG_FILE), step)
             _move_aside(self.output_dir, step)
         self._checked = True
         self._sinks_closed = False

@@ -77,6 +77,28 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+def rewind_jsonl(path: str, step: int) -> int:
+    """Drops the records of the log at ``path`` (if any) logged after ``step``, and a torn last line; returns how many
+    records were dropped (the file is rewritten, atomically, only then)."""
+    if not os.path.isfile(path):
+        return 0
+    records = read_jsonl(path)
+    kept = [r for r in records if r["step"] <= step]
+    if len(kept) < len(records) or _torn(path):
+        write_jsonl(path, kept)
+    return len(records) - len(kept)
+
+
+def _torn(path: str) -> bool:
+    """Whether the log's last line lacks its newline (a write a kill cut short)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if not f.tell():
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 def read_jsonl(path: str) -> list[dict]:
     """The records of the log at ``path``. A torn last line (a run killed mid-write) is dropped with a warning naming
     the file; any other line that is not a JSON object with a ``step`` is a ``ValueError`` naming file and line."""

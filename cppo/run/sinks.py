@@ -102,8 +102,7 @@ class JsonlSink(MetricSink):
     def start(self, settings: dict, *, step: int) -> None:
         """Keeps the log's records up to ``step``: a resumed run drops what a killed run logged after its
         checkpoint, and a torn last line."""
-        if os.path.isfile(self.path):
-            metrics.write_jsonl(self.path, [r for r in metrics.read_jsonl(self.path) if r["step"] <= step])
+        metrics.rewind_jsonl(self.path, step)
 
     def log(self, record: dict, step: int) -> None:
         metrics.append_jsonl(self.path, record)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,13 +224,15 @@ def test_auto_picks_vllm_on_the_cpu_where_it_runs_the_model():
     from cppo.step import load_model_and_tokenizer
 
     cpu = torch.device("cpu")
-    model, _ = _tiny("llama")
-    assert resolve_engine_name("auto", device=cpu, model_name="some/llama", model=model) == "vllm"
-    assert resolve_engine_name("auto", device=cpu, model_name="some/llama", model=model, sharded=True) == "hf"
-    assert resolve_engine_name("auto", device=cpu, model_name="tiny-llama", model=model) == "hf"
-    small, _ = load_model_and_tokenizer("tiny-qwen2")  # head size 16
-    assert resolve_engine_name("auto", device=cpu, model_name="folder", model=small) == "hf"
-    assert resolve_engine_name("hf", device=cpu, model_name="some/llama", model=model) == "hf"
+    model, tok = _tiny("llama")
+    given = dict(device=cpu, model=model, tokenizer=tok, settings=_settings("some/llama"))
+    assert resolve_engine_name("auto", model_name="some/llama", **given) == "vllm"
+    assert resolve_engine_name("auto", model_name="some/llama", sharded=True, **given) == "hf"
+    assert resolve_engine_name("auto", model_name="tiny-llama", **given) == "hf"
+    small, small_tok = load_model_and_tokenizer("tiny-qwen2")  # head size 16
+    assert resolve_engine_name("auto", device=cpu, model_name="folder", model=small, tokenizer=small_tok,
+                               settings=_settings("folder")) == "hf"  # fmt: skip
+    assert resolve_engine_name("hf", model_name="some/llama", **given) == "hf"
 
 
 def test_a_head_size_vllm_cannot_run_on_the_cpu_is_refused_in_one_line():
@@ -305,3 +310,28 @@ def test_several_processes_are_refused_in_one_line(monkeypatch):
     match = r"^rollout_backend='vllm' runs one engine in a single process; this job has 2"
     with pytest.raises(ValueError, match=match):
         make_engine("vllm", model, tok, _settings("tiny-qwen2"))
+
+
+def _train_vllm(tmp_path, **env) -> subprocess.CompletedProcess:
+    """``cppo train --config tiny-cpu`` for one step with vLLM (head size 32), in a process of its own."""
+    argv = [sys.executable, "-m", "cppo", "train", "--config", "tiny-cpu", "--set", f"output_dir={tmp_path}",
+            "--set", "rollout_backend=vllm", "--set", "num_steps=1", "--set",
+            'model_config={"num_attention_heads": 2, "num_key_value_heads": 1}']  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**environ, **env})
+
+
+def test_a_vllm_run_ends_cleanly_with_vllms_warnings_only_and_its_info_log_on_request(tmp_path):
+    """Issue 49: a successful vLLM run printed vLLM's INFO log, a harmless ``RotaryEmbedding: Failed to load
+    weights`` at every sync, and after its last line a traceback (``ValueError: Invalid process group specified``:
+    vLLM's exit hook tearing down groups ``cppo train`` had destroyed). Now: exit 0, no traceback, no INFO line and
+    no rotary warning; ``VLLM_LOGGING_LEVEL=INFO`` (vLLM's own setting) brings its INFO log back."""
+    done = _train_vllm(tmp_path / "quiet")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "cppo train: saved" in done.stderr
+    for unwanted in ("Traceback", "Invalid process group", " INFO ", "RotaryEmbedding: Failed to load weights"):
+        assert unwanted not in out, f"{unwanted!r} in the output:\n{out[-3000:]}"
+    loud = _train_vllm(tmp_path / "loud", VLLM_LOGGING_LEVEL="INFO")
+    assert loud.returncode == 0 and "Traceback" not in loud.stderr
+    assert " INFO " in loud.stdout + loud.stderr

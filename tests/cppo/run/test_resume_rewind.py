@@ -58,6 +58,16 @@ def test_a_second_resume_to_the_same_step_keeps_both_sets_apart(tmp_path):
     assert (tmp_path / STALE_FOLDER / "after-step-2-2" / "eval" / "step-3.json").is_file()
 
 
+def test_the_log_is_rewound_whatever_report_to_says_now(tmp_path):
+    """A resume that no longer logs to metrics.jsonl (``report_to`` may change) still drops the killed run's records
+    after its checkpoint: they are no part of the resumed run."""
+    killed_run(tmp_path)
+    run = open_run(str(tmp_path), report_to=["none"], info=ALONE, existing="resume")
+    run.start({}, step=2)
+    run.close()
+    assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+
+
 def test_a_new_run_and_a_resume_with_nothing_after_move_nothing(tmp_path):
     killed_run(tmp_path)
     run = open_run(str(tmp_path), report_to=["none"], info=ALONE, existing="resume")
