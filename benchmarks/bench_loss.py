@@ -149,8 +149,9 @@ class Method(NamedTuple):
 
 
 def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...]) -> dict[str, Method]:
-    """``fused_cppo_loss`` on both paths (gradient-in-forward, two-pass), once per loss type: dapo named as the path,
-    the others ``<path>-<type>`` (VESPO gradient-in-forward only where its sequences fit a chunk)."""
+    """``fused_cppo_loss`` on each path (gradient-in-forward: on CUDA the GEMM path of the Triton backend and the
+    torch backend's cuBLAS code; two-pass), once per loss type: dapo named as the path, the others ``<path>-<type>``
+    (VESPO gradient-in-forward only where its sequences fit a chunk)."""
     h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
 
     def fused(backend: str, mode: str, loss_type: str) -> Callable[[], torch.Tensor]:
@@ -164,7 +165,8 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
         return run
 
     cuda = device.type == "cuda"
-    paths = {
+    paths = {  # on CUDA: the GEMM path (what mode="auto" runs), the torch backend's cuBLAS path, the Triton kernels
+        **({"fused-grad-in-forward-gemm": ("triton", "grad-in-forward", True)} if cuda else {}),
         f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": ("torch", "grad-in-forward", True),
         f"fused-two-pass-{'triton' if cuda else 'torch'}": ("triton" if cuda else "torch", "two-pass", False),
     }

@@ -157,9 +157,9 @@ def row_pass(
     """The row pass over the ``n = len(targets)`` rows of the fp32 head output ``y [>= n, V]`` (row stride
     ``y.stride(0)``, unit column stride): writes ``out = (logp [n], lse [n], entropy [n] or None, fac [n] or None)``
     and, with ``q`` (a view of ``y``'s memory, fp32 or bf16, ``[>= n, V]``), the rows' gradient factors (module
-    docstring). ``bias [V]`` or None, ``targets [n]`` int64."""
+    docstring). ``bias [V]`` or None, ``targets [n]`` int64. On ``meta`` tensors nothing runs."""
     n, V = targets.shape[0], y.shape[1]
-    if n == 0:
+    if n == 0 or y.device.type == "meta":  # meta: a traffic ledger's plan (the GPU kit's roofline), no data
         return
     logp, lse, entropy, fac = out
     want_q = q is not None

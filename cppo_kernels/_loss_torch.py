@@ -171,14 +171,18 @@ def _cap_slope(z: Tensor, f: LogitFactors, out: Tensor) -> Tensor:
     return torch.div(z, f.cap_out, out=out).square_().neg_().add_(1.0)
 
 
-def _entropy(logsm: Tensor, scratch: Tensor) -> Tensor:
-    """``[n]``: ``-sum_v p log p`` of the rows of the log-softmax ``logsm [n, V]``, block by block in ``scratch``."""
-    out = torch.empty(logsm.shape[0], dtype=torch.float32, device=logsm.device)  # [n]
-    for r in range(0, logsm.shape[0], scratch.shape[0]):
-        rows = logsm[r : r + scratch.shape[0]]  # [k, V]
-        p = torch.exp(rows, out=scratch[: rows.shape[0]])  # [k, V]
-        out[r : r + rows.shape[0]] = p.mul_(rows).sum(dim=1).neg_()
-    return out
+def _entropy(z: Tensor, n: int, scratch: Tensor) -> Tensor:
+    """``[n]``: ``-sum_v p log p`` of the first ``n`` rows of ``z [m, V]`` (they hold the log-softmax), block by
+    block in ``scratch [k, V]``, every block exactly ``k`` rows high (the last one runs into ``z``'s padding rows,
+    whose results are dropped): a reduction's order may depend on how many rows it reduces at once (CUDA's sum
+    does), and a token's entropy must not depend on the tokens batched with it."""
+    k = scratch.shape[0]
+    out = torch.empty(-(-n // k) * k, dtype=torch.float32, device=z.device)  # [n rounded up to k]
+    for r in range(0, n, k):
+        rows = z[r : r + k]  # [k, V]
+        p = torch.exp(rows, out=scratch)  # [k, V]
+        out[r : r + k] = p.mul_(rows).sum(dim=1).neg_()
+    return out[:n]
 
 
 class _Grads:
@@ -263,8 +267,9 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
     chunks = _chunks(T, C, block_rows(w, b, f, C) if partial else C, bounds)  # (start, stop, GEMM rows)
     M = max(m for _, _, m in chunks)  # the tallest GEMM
     hbuf = torch.zeros(M, H, dtype=w.dtype, device=device)  # [M, H]
-    zbuf = torch.empty(M, V, **f32)  # [M, V]
-    scratch = torch.empty(min(ENTROPY_ROWS, T), V, **f32) if compute_entropy else None  # [rows, V]
+    rows = -(-M // ENTROPY_ROWS) * ENTROPY_ROWS if compute_entropy else M  # whole entropy blocks (_entropy)
+    zbuf = torch.empty(rows, V, **f32)  # [M (rounded up), V]
+    scratch = torch.empty(ENTROPY_ROWS, V, **f32) if compute_entropy else None  # [rows, V]
     for start, stop, m in chunks:
         n = stop - start
         h, z = hbuf[:m], zbuf[:m]  # [m, H], [m, V]
@@ -284,7 +289,7 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
         # largest logit, so the backward's exp(z - lse) cannot overflow; picked - logp would cancel at large logits
         lse[start:stop] = (top - zc.gather(1, at)).squeeze(1)
         if entropy is not None:
-            entropy[start:stop] = _entropy(zc, scratch)
+            entropy[start:stop] = _entropy(zbuf, n, scratch)
         if grads is not None:
             grads.add(start, stop, z, h, tgt, logp_c)
     return logp, lse, entropy, grads

@@ -118,8 +118,9 @@ def fused_cppo_loss(
     ``[V, H]`` gradient is then held from the forward on). Gradient-in-forward runs options that need a whole
     sequence (:attr:`LossConfig.sequence_rule`) on the CPU in chunks of whole sequences, none that needs the whole
     call (:attr:`LossConfig.call_rule`), and only when gradients are wanted (grad mode on and hidden, weight or bias
-    requiring grad): otherwise nothing beyond the log-probs is computed. It runs
-    the chunked PyTorch code (CPU BLAS, or cuBLAS on CUDA) whatever the backend. It supports a scaled loss, gradient
+    requiring grad): otherwise nothing beyond the log-probs is computed. On the Triton backend it runs cuBLAS GEMMs
+    around one Triton row pass per chunk (:mod:`cppo_kernels._loss_gemm`), on the PyTorch backend the chunked
+    PyTorch code (CPU BLAS, or cuBLAS on CUDA). It supports a scaled loss, gradient
     accumulation over micro-batches, a loss used several times in one graph and a second backward through a retained
     graph (recomputed); neither mode supports double backward (``create_graph=True`` raises).
 
@@ -155,8 +156,9 @@ def fused_cppo_loss(
             ``torch.compile`` breaks the graph there (``fullgraph=True`` stops, naming this option).
         config: the loss options as one :class:`LossConfig` (default: ``LossConfig(**options)``).
         mode: ``"auto"`` (the :data:`MODE_RULES` entry of the inputs' shape class: gradient-in-forward for the
-            PyTorch backend, the Triton two-pass kernels on CUDA until the GPU kit decides; two-pass whatever the
-            rule for the options of :attr:`LossConfig.call_rule`), ``"two-pass"`` or ``"grad-in-forward"`` (a
+            PyTorch backend and on CUDA, two-pass under the CPU interpreter; two-pass whatever the rule for the
+            options of :attr:`LossConfig.call_rule`), ``"two-pass"`` (on CUDA the memory-minimal mode) or
+            ``"grad-in-forward"`` (a
             ``ValueError`` with those options, or with a sequence longer than a chunk for a sequence rule).
         **options: any :class:`LossConfig` field by name (``temperature``, ``epsilon_low``, ``beta``,
             ``kl_estimator``, ``loss_agg``, ``surrogate``, ``entropy_coef``, ...: LossConfig documents every one, its

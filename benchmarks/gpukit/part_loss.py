@@ -11,6 +11,7 @@ import importlib.util
 import pathlib
 import sys
 
+from gpukit import roofline
 from gpukit.plan import Plan
 from gpukit.runner import Report, seconds_left
 
@@ -74,15 +75,48 @@ def _oracle_key(name: str) -> str:
     return "loss64" if loss_type == "dapo" else f"loss64_{loss_type}"
 
 
-def loss_summary(res: dict, accuracy: dict) -> dict:
+def measure_bandwidth(device, *, gigabytes: float = 2.0, repeats: int = 5) -> float:
+    """Bytes/s of a device-to-device copy of ``gigabytes`` (read + write counted), the median of ``repeats`` after a
+    warm-up: the bandwidth the roofline uses (``roofline.PEAK_BANDWIDTH`` on the CPU, where nothing is measured)."""
+    import statistics
+
+    import torch
+
+    if device.type != "cuda":
+        return roofline.PEAK_BANDWIDTH["H200"]
+    n = int(gigabytes * 1e9 / 4)
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    times = []
+    for r in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if r:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n * 4 / statistics.median(times)
+
+
+def loss_summary(res: dict, accuracy: dict, bandwidth: float | None = None) -> dict:
     """``bench_loss.run_config``'s result in the kit's terms. FLOPs are counted as the three GEMMs any method needs
     (logits, dhidden, dweight: ``6 T H V``), so TFLOP/s ranks the methods, and ``x_gemm_floor`` is the time over
-    three plain GEMMs of the same shape measured in the same run (1.0 = as fast as the floor)."""
+    three plain GEMMs of the same shape measured in the same run (1.0 = as fast as the floor). With ``bandwidth``
+    (bytes/s), each method's roofline prediction (:mod:`gpukit.roofline`: its ledger at this shape, this GEMM rate
+    and bandwidth) and the measured time over it."""
+    import torch
+
     T, H, V = res["tokens"], res["hidden"], res["vocab"]
     gemm_s, gemm_flop = res["matmul_s"], 2 * T * H * V
+    predicted = {}
+    if bandwidth:
+        predicted = roofline.roofline(list(res["methods"]), T, H, V, getattr(torch, res["dtype"]),
+                                      gemm_ms=gemm_s * 1e3, bandwidth=bandwidth)  # fmt: skip
     methods = {}
     for name, row in res["methods"].items():
         seconds = row["fwd_bwd_s"]
+        pred = predicted.get(name, {}).get("predicted_ms")
         methods[name] = {
             "fwd_ms": row["fwd_s"] * 1e3,
             "bwd_ms": row["bwd_s"] * 1e3,
@@ -94,11 +128,14 @@ def loss_summary(res: dict, accuracy: dict) -> dict:
             "loss": row["loss"],
             "loss_error": abs(row["loss"] - accuracy[_oracle_key(name)]),
             "library": not name.startswith(COMPARISONS),
+            "predicted_ms": pred,
+            "x_predicted": None if not pred else seconds * 1e3 / pred,
         }
     library = [n for n, m in methods.items() if m["library"]]
     fastest = min(methods, key=lambda n: methods[n]["fwd_bwd_ms"]) if methods else None
     return {
         "gemm": {"ms": gemm_s * 1e3, "tflops": gemm_flop / gemm_s / 1e12},
+        "bandwidth_tbs": None if not bandwidth else bandwidth / 1e12,
         "methods": methods,
         "fastest": fastest,
         "fastest_library": min(library, key=lambda n: methods[n]["fwd_bwd_ms"]) if library else None,
@@ -121,7 +158,9 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
         key = f"T={T} H={H} V={V} {dtype_name}"
         dtype = getattr(torch, dtype_name)
         accuracy = oracle_errors(bench_loss.make_inputs(T, H, V, dtype, device))
-        row = loss_summary(bench_loss.run_config(T, H, V, dtype, device, plan.loss_repeats, plan.loss_warmup), accuracy)
+        bandwidth = measure_bandwidth(device)
+        res = bench_loss.run_config(T, H, V, dtype, device, plan.loss_repeats, plan.loss_warmup)
+        row = loss_summary(res, accuracy, bandwidth)
         methods = row["methods"]
         timed = row["gemm"]["ms"] > 0 and all(m["fwd_bwd_ms"] > 0 for m in methods.values())
         report.check(

@@ -18,9 +18,10 @@ PARTS = ("tests", "loss", "select", "e2e")
 #: killed after that. Measured on the lent H200 (gVisor, 16 CPU cores) on 2026-12-04: the tests part ran 21 of its
 #: 82 tests in 138 s on 4 workers (Triton compilation there is the cost), the loss part took 74 s for its two shapes
 #: with Liger-Kernel carried, select 29 s, e2e more than 100 s (speedup.py unfinished). The tests part gets the most;
-#: a stopped part keeps what it finished, with each failure's message (tests/conftest.py's failure log). They add up
-#: to 460 s, inside DEADLINE_S with the set-up (imports, wheels: about 15 s).
-BUDGET_S = {"tests": 215.0, "loss": 110.0, "select": 35.0, "e2e": 100.0}
+#: a stopped part keeps what it finished, with each failure's message (tests/conftest.py's failure log). Since issue 48
+#: the loss part has 20 s more (a third shape, Liger's; a third fused method; 5 rounds instead of 7), the tests part
+#: 15 s less. They add up to 465 s, inside DEADLINE_S with the set-up (imports, wheels: about 15 s).
+BUDGET_S = {"tests": 200.0, "loss": 130.0, "select": 35.0, "e2e": 100.0}
 #: The default --deadline: the whole kit, set-up and summary included, inside the 8 minutes the kit was asked to fit
 #: (all 82 CUDA tests need more than that on the lent H200: run ``--parts tests`` alone for them).
 DEADLINE_S = 475.0
@@ -65,9 +66,14 @@ class Plan:
 GPU_PLAN = Plan(
     dry=False,
     device="cuda",
-    loss_shapes=((16_384, 1536, 151_936, "bfloat16"), (2048, 896, 151_936, "float32")),
-    loss_repeats=5,
-    loss_warmup=2,
+    # the kit's shape (Qwen2.5-1.5B's head, 16k tokens), Liger-Kernel PR #1356's published one, and fp32
+    loss_shapes=(
+        (16_384, 1536, 151_936, "bfloat16"),
+        (8192, 4096, 128_256, "bfloat16"),
+        (2048, 896, 151_936, "float32"),
+    ),
+    loss_repeats=4,
+    loss_warmup=1,
     select_groups=(64, 1024, 4096),
     select_repeats=200,
     select_warmup=20,

@@ -68,17 +68,20 @@ def render_loss(r: dict) -> list[str]:
             "",
             f"**{key}**: GEMM floor (one plain [T,H]x[H,V] matmul) {gemm['ms']:.2f} ms = {gemm['tflops']:.0f} "
             f"TFLOP/s; fastest {row['fastest']}, fastest of the library's {row['fastest_library']}; fused_logprobs "
-            f"max abs error vs fp64 {acc['logp_error']:.2g} (judged against the kernels' bound by the tests part)",
+            f"max abs error vs fp64 {acc['logp_error']:.2g} (judged against the kernels' bound by the tests part); "
+            f"roofline at {row.get('bandwidth_tbs') or 0:.2f} TB/s (a measured copy) and the GEMM's rate",
             "",
-            "| method | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s (6THV) | x 3-GEMM floor | peak extra GB | workspace GB "
-            "| loss abs error vs fp64 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | fwd ms | bwd ms | fwd+bwd ms | roofline ms | x roofline | TFLOP/s (6THV) | x 3-GEMM floor "
+            "| peak extra GB | workspace GB | loss abs error vs fp64 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, m in row["methods"].items():
+            pred = m.get("predicted_ms")
+            roof = "- | -" if not pred else f"{pred:.2f} | {m['x_predicted']:.2f}"
             lines.append(
                 f"| {name}{'' if m['library'] else ' (comparison)'} | {m['fwd_ms']:.2f} | {m['bwd_ms']:.2f} | "
-                f"{m['fwd_bwd_ms']:.2f} | {m['tflops']:.1f} | {m['x_gemm_floor']:.2f} | {m['peak_extra_gb']:.2f} | "
-                f"{m['workspace_gb']:.2f} | {m['loss_error']:.2g} |"
+                f"{m['fwd_bwd_ms']:.2f} | {roof} | {m['tflops']:.1f} | {m['x_gemm_floor']:.2f} | "
+                f"{m['peak_extra_gb']:.2f} | {m['workspace_gb']:.2f} | {m['loss_error']:.2g} |"
             )
     return lines
 
