@@ -1,0 +1,59 @@
+"""Issue 52 (docs/results.md, "Pre-registered: CPPO at GRPO's compute"): the committed files of its run.
+
+Part 2, the old units still stand: seed 51's ``cppo-pooled`` unit and the untrained evaluation, rerun at the plan's
+commit, reproduce sweep 41's committed ones exactly (accuracy, every per-problem record, every token count); the
+plan was committed before any of the run's units started.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+
+import pytest
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SWEEP41, SWEEP52 = RESULTS / "sweep41" / "units", RESULTS / "sweep52"
+#: The commit of the plan (docs/results.md and the arm), and its time: every unit of the run ran after it, at it.
+PLAN_COMMIT, PLAN_TIME = "067bb8a654b0010d3709b5e072d64b69b84d3e9a", "2026-12-07T18:06:08+00:00"
+#: Row fields that are measured times (they differ between runs by nature).
+TIMES = ("phase_seconds", "total_seconds", "train_seconds", "setup_seconds", "cpu_seconds", "phase_cpu_seconds",
+         "generation_share", "eval_seconds")  # fmt: skip
+#: Settings added to TrainConfig after sweep 41's commit, at their defaults (absent from its files: the default).
+NEW_SETTINGS = {"rollout_stop_rate": 0.0, "rollout_stop_at": 0.25, "rollout_stop_scorer": "learned"}
+
+
+def _read(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _units() -> list[pathlib.Path]:
+    return sorted(p for p in SWEEP52.rglob("result.json") if "units" in p.parts)
+
+
+def test_the_rerun_unit_reproduces_the_committed_one_exactly():
+    new = _read(SWEEP52 / "repro" / "units" / "seed51-cppo-pooled" / "result.json")["rows"][0]
+    old = _read(SWEEP41 / "seed51-cppo-pooled" / "result.json")["rows"][0]
+    assert new["accuracy_after"] == old["accuracy_after"] == 0.43
+    assert new["eval_per_problem"] == old["eval_per_problem"] and len(new["eval_per_problem"][-1]["records"]) == 300
+    differs = {k for k in new if new[k] != old.get(k, NEW_SETTINGS.get(k))}
+    assert differs <= {*TIMES, "accuracy_curve"}, differs  # every count, id, reward and record equal
+    # the curve: the same steps and accuracies, at other wall-clock times
+    assert [p[1:] for p in new["accuracy_curve"]] == [p[1:] for p in old["accuracy_curve"]]
+
+
+def test_the_untrained_evaluation_reproduces_the_committed_one_exactly():
+    new, old = (_read(d / "before" / "result.json")["point"] for d in (SWEEP52 / "repro" / "units", SWEEP41))
+    assert {k: v for k, v in new.items() if k != "eval_seconds"} == {
+        k: v for k, v in old.items() if k != "eval_seconds"
+    }
+    assert new["correct"] == 65 and len(new["per_problem"]) == 300
+
+
+@pytest.mark.parametrize("path", _units(), ids=lambda p: str(p.relative_to(SWEEP52)))
+def test_every_unit_ran_at_the_plans_commit_after_it(path):
+    meta = _read(path)["meta"]
+    assert meta["git_commit"] == PLAN_COMMIT and meta["git_dirty"] is False
+    started = datetime.datetime.fromisoformat(meta["date"])
+    assert started > datetime.datetime.fromisoformat(PLAN_TIME), meta["date"]
