@@ -103,3 +103,23 @@ def test_a_recurrent_model_trains_as_stock_trl_with_prefill_once_declined(tmp_pa
     for name, value in weights(stock).items():
         torch.testing.assert_close(weights(cppo)[name], value, atol=1e-4, rtol=1e-4, msg=name)
     assert torch.equal(rng, stock_rng)
+
+
+def test_the_only_forward_beyond_generation_and_training_is_one_cache_probe_per_model(tiny_model, tmp_path):
+    """Issue 49: CPPOTrainer at P = 0.75 (4 prompts x 4, 3 steps, ``num_iterations=2``, beta 0.04) forwarded 15
+    positions more than f0d423a for the same rows: ``cache_shares_rows``'s probe (3 distinct 5-token prompts, with a
+    KV cache), which decides whether ``prefill_once`` may share a prompt's cache over its completions. Something
+    needs it (a recurrent model's cache cannot be shared), so it stays: once per model, never once per step."""
+    trainer = CPPOTrainer(
+        model=tiny_model, reward_funcs=digit_reward, train_dataset=tiny_dataset(),
+        args=make_config(CPPOConfig, tmp_path, pruning_rate=0.75, per_device_train_batch_size=16, **OPTIONS),
+    )  # fmt: skip
+    shapes = []
+    forward = trainer.model.forward
+    trainer.model.forward = lambda *a, **k: shapes.append(tuple(k["input_ids"].shape)) or forward(*a, **k)
+    trainer.train()
+    assert shapes.count((3, 5)) == 1 and shapes[0] == (3, 5)  # the probe, first
+    assert cache_shares_rows(trainer.model)  # its verdict, kept: asking again runs no forward
+    assert shapes.count((3, 5)) == 1
+    generations = [s for s in shapes[1:] if s[1] > 1 and s[0] == 4]  # each generation's prefill of 4 prompts
+    assert len(generations) == 2  # 3 steps, num_iterations=2: two generations, one probe for both
