@@ -23,7 +23,7 @@ from .base import (
     resolve_engine_name,
 )
 from .hf import HFEngine  # importing an engine's module registers it
-from .prefill import generate_prefilled_once, prefill_once_applies
+from .prefill import generate_prefilled_once, prefill_once_applies, prefilled_once
 from .stopping import PartialRollout, Stopper, checkpoint_tokens
 from .vllm import VLLMEngine, engine_parameter_names, quiet_logs, tied_weights  # vLLM: imported when built
 
@@ -48,6 +48,7 @@ __all__ = [
     "generate_prefilled_once",
     "make_engine",
     "prefill_once_applies",
+    "prefilled_once",
     "quiet_logs",
     "register_engine",
     "resolve_engine_name",

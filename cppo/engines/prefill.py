@@ -9,12 +9,17 @@ shared is probed on the cache its forward returns (:func:`cache_shares_rows`), n
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import weakref
 
 import torch
 
-__all__ = ["cache_shares_rows", "generate_prefilled_once", "prefill_once_applies"]
+__all__ = [
+    "cache_name", "cache_shares_rows", "forward_parameters", "generate_prefilled_once", "prefill_cache",
+    "prefill_once_applies", "prefill_positions", "prefilled_once",
+]  # fmt: skip
 
 #: The probe of :func:`cache_shares_rows`: 3 distinct prompts of 5 tokens, copied to 5 rows in this order.
 _PROBE_ROWS, _PROBE_WIDTH, _PROBE_INDEX = 3, 5, (2, 0, 2, 1, 0)
@@ -93,7 +98,7 @@ def generate_prefilled_once(
     first = torch.full((len(distinct),), len(rows), device=rows.device).scatter_reduce(
         0, index, torch.arange(len(rows), device=rows.device), "amin"
     )  # [U]: a row holding each distinct prompt
-    cache = _prefill(model, input_ids[first, :-1], attention_mask[first, :-1])  # the [U, L - 1] first positions
+    cache = prefill_cache(model, input_ids[first, :-1], attention_mask[first, :-1])  # the [U, L - 1] first positions
     if cache is None:
         raise ValueError(
             f"prefill_once: {type(model).__name__}'s forward returned no KV cache to share; set prefill_once to false"
@@ -101,7 +106,7 @@ def generate_prefilled_once(
     cache.batch_select_indices(index)  # [U, ...] -> [N, ...]: each row gets its prompt's keys and values
     generate = model.generate if generate is None else generate
     result = generate(
-        input_ids=input_ids, attention_mask=attention_mask, **{_cache_name(model): cache}, **generate_kwargs
+        input_ids=input_ids, attention_mask=attention_mask, **{cache_name(model): cache}, **generate_kwargs
     )
     if not pad_column:
         return result
@@ -111,17 +116,29 @@ def generate_prefilled_once(
     return result
 
 
-def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+@contextlib.contextmanager
+def prefilled_once(model):
+    """``model.generate`` is :func:`generate_prefilled_once` inside the block (an instance attribute over the
+    class's method, removed at the end): for a caller's code that calls ``model.generate`` itself (``CPPOTrainer``:
+    TRL's generation)."""
+    model.generate = functools.partial(generate_prefilled_once, model, generate=model.generate)
+    try:
+        yield
+    finally:
+        del model.generate
+
+
+def prefill_cache(model, ids: torch.Tensor, mask: torch.Tensor):
     """The prefill forward of ``ids`` / ``mask`` ``[U, T]`` (the logits of the last position only, position ids
     from the mask as ``generate`` derives them): the cache it returns, or None where it returns none."""
     from transformers import Cache
 
-    forward = _forward_parameters(model)
+    forward = forward_parameters(model)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}  # the logits are not used
     if "position_ids" in forward:  # (generate passes them to a model that takes them; others count from the cache)
         extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [U, T]: generate's rule
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
-    cache = out.get(_cache_name(model))
+    cache = out.get(cache_name(model))
     return cache if isinstance(cache, Cache) else None
 
 
@@ -136,7 +153,7 @@ def _probe(model) -> bool:
     try:
         model.eval()  # (a training-mode forward may turn the cache off, under gradient checkpointing)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            cache = _prefill(model, ids.to(device), torch.ones_like(ids, device=device))
+            cache = prefill_cache(model, ids.to(device), torch.ones_like(ids, device=device))
         if cache is None:
             return False
         index = torch.tensor(_PROBE_INDEX, device=device)
@@ -168,7 +185,7 @@ def _row_states(holder, rows: int = _PROBE_ROWS):
         yield from ((p, t) for p, t in found if isinstance(t, torch.Tensor) and t.dim() and t.size(0) == rows)
 
 
-def _cache_name(model=None) -> str:
+def cache_name(model=None) -> str:
     """The name transformers gives the KV cache in ``forward``, ``generate`` and model outputs (``past_key_values``
     before 5.x renamed it ``cache``; ``cache_params`` where a forward takes only that: Mamba, Mamba 2)."""
     from transformers import GenerationMixin
@@ -177,7 +194,7 @@ def _cache_name(model=None) -> str:
     name = "cache" if "cache" in parameters else "past_key_values"
     if model is None:
         return name
-    forward = _forward_parameters(model)
+    forward = forward_parameters(model)
     return "cache_params" if name not in forward and "cache_params" in forward else name
 
 
@@ -186,7 +203,7 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _forward_parameters(model) -> set[str]:
+def forward_parameters(model) -> set[str]:
     """The keyword names the causal LM's ``forward`` takes (through a PEFT wrapper, its base model's)."""
     return set(inspect.signature(_base(model).forward).parameters)
 

@@ -11,8 +11,8 @@ import torch
 from tiny_families import tiny_family
 from tiny_generation import tiny
 
+from cppo.engines.hidden import _full_forward_hidden, checkpoint_hidden
 from cppo.engines.prefill import cache_shares_rows
-from cppo.engines.stopping import _full_forward_hidden, checkpoint_hidden
 from cppo.step import tiny_tokenizer
 
 #: (prompt, group size): prompts of 1 to 19 tokens, groups of 1 to 4 rows, the first prompt asked again at the end.

@@ -132,7 +132,7 @@ def test_a_forward_without_a_cache_is_declined_and_one_error_if_forced(monkeypat
 
     def no_cache(*args, **kwargs):
         out = forward(*args, **kwargs)
-        out[prefill._cache_name()] = None  # "cache" from transformers 5.20, "past_key_values" before
+        out[prefill.cache_name()] = None  # "cache" from transformers 5.20, "past_key_values" before
         return out
 
     monkeypatch.setattr(model, "forward", no_cache)

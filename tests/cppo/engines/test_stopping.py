@@ -1,4 +1,4 @@
-"""Stopping completions mid-generation (cppo.engines.stopping, issue 38) in the hf engine: with nothing stopped the
+"""Stopping completions mid-generation (cppo.engines.resume, issue 38) in the hf engine: with nothing stopped the
 completions and random draws are those of one uninterrupted call; stopped rows are never decoded past their
 checkpoint; the survivors decode on from the cache alone and, greedy, give the tokens an uninterrupted call gives
 them; the stopper sees the policy's hidden state at each row's last forwarded position."""
@@ -131,7 +131,7 @@ def test_a_bad_checkpoint_is_one_line_naming_the_setting(at):
 def test_one_forward_over_the_partial_completions_gives_the_engines_hidden_states(arch, prefill_once):
     """What an engine without hidden states (vLLM) computes, checkpoint_hidden, equals what the hf engine reads
     from its own forward, so the quality head sees the same feature whichever engine generated."""
-    from cppo.engines.stopping import checkpoint_hidden
+    from cppo.engines.hidden import checkpoint_hidden
 
     model, tok = tiny(arch, eos_bias=3.0)
     seen: list[PartialRollout] = []
@@ -177,7 +177,7 @@ def test_a_stopper_that_reads_no_hidden_states_costs_no_forward_for_them(monkeyp
     an extra policy forward, passes None and runs no such forward; the same rows stop."""
     from tiny_families import tiny_family
 
-    from cppo.engines import EngineSettings, HFEngine, stopping
+    from cppo.engines import EngineSettings, HFEngine, resume
     from cppo.step import tiny_tokenizer
 
     tok = tiny_tokenizer(128)
@@ -186,7 +186,7 @@ def test_a_stopper_that_reads_no_hidden_states_costs_no_forward_for_them(monkeyp
     odd = lambda p: [i % 2 == 1 for i in range(len(p.finished))]  # noqa: E731
     torch.manual_seed(3)
     want = eng(PROMPTS[:2], G, stopper=Stopper(at=AT, choose=odd))
-    monkeypatch.setattr(stopping, "checkpoint_hidden", lambda *a, **k: pytest.fail("a forward for hidden states"))
+    monkeypatch.setattr(resume, "checkpoint_hidden", lambda *a, **k: pytest.fail("a forward for hidden states"))
     seen = []
     torch.manual_seed(3)
     got = eng(PROMPTS[:2], G, stopper=Stopper(at=AT, choose=lambda p: seen.append(p) or odd(p), needs_hidden=False))

@@ -112,7 +112,7 @@ def test_stopped_requests_end_at_the_checkpoint_and_the_survivors_continue_as_un
     survivors are continued, and the stopper's hidden states are the policy's (those of one forward over each row's
     prompt and partial completion; zeros for the rows that ended before the checkpoint)."""
     from cppo.engines import Stopper
-    from cppo.engines.stopping import _full_forward_hidden
+    from cppo.engines.hidden import _full_forward_hidden
 
     prompts, at = PROMPTS * 2, 4
     plain = engine(prompts, 1, greedy=True)
