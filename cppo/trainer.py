@@ -62,7 +62,7 @@ def _on_kernel_backend(method):
     return wrapper
 
 
-class Trainer(StepRollouts):
+class Trainer:
     """CPPO training of ``config.model``, in one process or one rank of a torchrun job.
 
     ``info`` places this process (:class:`cppo.distributed.DistInfo`); by default it is read from torchrun's
@@ -105,6 +105,11 @@ class Trainer(StepRollouts):
             total=self.num_steps * config.mu,
         )  # fmt: skip
         self.rollout = self._make_rollout()
+        self.rollouts = StepRollouts(
+            self.problems, sampler=self.sampler, greso=self.greso, tokenizer=self.tokenizer, info=self.info,
+            system_prompt=config.system_prompt, reward_fns=self.reward_fns, group_size=config.group_size,
+            device=self.device,
+        )  # fmt: skip
         self.stopping = None if not config.rollout_stop_rate else step.RolloutStopping(  # pruning while generating
             config, hidden_size=self.model.config.hidden_size, tokenizer=self.tokenizer, info=self.info)  # fmt: skip
         self.loss_config = config.loss_config
@@ -120,13 +125,9 @@ class Trainer(StepRollouts):
         cfg = self.config
         self.compute_dtype = getattr(torch, cfg.dtype)
         self.model, self.tokenizer = step.load_model_and_tokenizer(
-            cfg.model,
-            model_config=cfg.model_config,
-            dtype="float32",
-            device=self.device,
-            seed=cfg.seed,
+            cfg.model, model_config=cfg.model_config, dtype="float32", device=self.device, seed=cfg.seed,
             prefix_sharing=cfg.prefix_sharing,
-        )
+        )  # fmt: skip
         self.logit_transform = step.check_logit_transform(self.model)  # the model's own scale and cap, or refused
         if cfg.gradient_checkpointing:
             step.enable_gradient_checkpointing(self.model)
@@ -141,12 +142,9 @@ class Trainer(StepRollouts):
         if cfg.beta > 0 and not cfg.use_peft:
             self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False)
         wrap = functools.partial(
-            distributed.wrap_model,
-            parallelism=cfg.parallelism,
-            info=self.info,
-            forward=step.completion_hidden,
+            distributed.wrap_model, parallelism=cfg.parallelism, info=self.info, forward=step.completion_hidden,
             compute_dtype=self.compute_dtype,
-        )
+        )  # fmt: skip
         self.policy = wrap(self.model)
         self.ref_policy = wrap(self.ref_model, frozen=True) if self.ref_model is not None else None
         if cfg.beta > 0 and cfg.use_peft:  # the wrapped policy itself (DDP / FSDP2 included), adapters disabled
@@ -183,14 +181,8 @@ class Trainer(StepRollouts):
         timer, start = PhaseTimer(self.device), time.perf_counter()
         torch.manual_seed(self._step_seed())  # sampling in generate draws from the global RNG: reproducible per step
 
-        if cfg.filter_groups or cfg.greso:  # generate and reward, call after call (cppo.step.dynamic, GRESO)
-            problems, prompts, rollout, rewards, scores, correct, filled, extra = self._draw_step(timer)
-        else:
-            with timer("generate"):
-                problems, prompts, rollout = self._generate()
-            with timer("reward"):
-                rewards, scores, correct = self._reward(problems, prompts, rollout)  # rewards [Q * G]
-            filled, extra = None, self.stopping.observe(rollout, correct, rewards) if self.stopping is not None else {}
+        # generate and reward (call after call with filter_groups / GRESO: cppo.step.dynamic, cppo.tasks.greso)
+        problems, prompts, rollout, rewards, scores, correct, filled, extra = self._draw_step(timer)
         with timer("select"):
             batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
@@ -225,6 +217,30 @@ class Trainer(StepRollouts):
         return distributed.reduce_metrics(record, info=self.info, reductions=metric_reduction)
 
     # Stages ---------------------------------------------------------------------------------------------------
+
+    def _step_seed(self, rank: int | None = None) -> int:
+        """This step's seed for ``rank`` (default: this rank's)."""
+        return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
+
+    def _draw_step(self, timer: PhaseTimer):
+        """The step's generation calls through :meth:`_generate` and :meth:`_reward`
+        (:meth:`cppo.rollouts.StepRollouts.draw_step`): what :meth:`train_step` reads."""
+        cfg = self.config
+        return self.rollouts.draw_step(
+            timer, self._generate, self._reward, pruning=self.pruning, stopping=self.stopping,
+            filter_groups=cfg.filter_groups, max_calls=cfg.max_num_gen_batches, seed=self._step_seed(rank=0),
+        )  # fmt: skip
+
+    def _generate(self, num_questions: int | None = None) -> tuple[list[dict], list[str], Rollout]:
+        """This rank's share of the step's questions (``num_questions`` over all ranks, default the step's), their
+        prompts, and G sampled completions of each (with ``rollout_stop_rate``, some stopped mid-generation)."""
+        stopper = None if self.stopping is None else self.stopping.stopper(self.step, self._step_seed())
+        n = num_questions or self.pruning.questions_drawn
+        return self.rollouts.generate(self.rollout, n, policy=self.policy, stopper=stopper)
+
+    def _reward(self, problems: list[dict], prompts: list[str], rollout: Rollout):
+        """``(rewards [Q * G] fp32, scores by reward function, correct per completion)``."""
+        return self.rollouts.reward(problems, prompts, rollout)
 
     def _select_and_pack(self, rewards: torch.Tensor, rollout: Rollout, filled=None) -> tuple[list[PackedBatch], int]:
         """This rank's micro-batches of retained completions (balanced over the ranks) and how many completions
@@ -280,16 +296,8 @@ class Trainer(StepRollouts):
         dtype = self.compute_dtype
         return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
-    def _update(
-        self,
-        passes: list[PackedBatch],
-        old: list,
-        ref: list,
-        *,
-        weights: step.StepWeights,
-        into: torch.Tensor,
-        importance: list | None = None,
-    ) -> None:
+    def _update(self, passes: list[PackedBatch], old: list, ref: list, *, weights: step.StepWeights,
+                into: torch.Tensor, importance: list | None = None) -> None:  # fmt: skip
         """One policy update's forward and backward over every pass (gradients synchronised in the last one), each
         loss scaled by its share of the step's loss (:func:`cppo.step.step_weights`; with ``top_entropy_quantile``
         a no-grad pass first finds the step's entropy cut under the policy of this update); adds each micro-batch's
@@ -334,17 +342,8 @@ class Trainer(StepRollouts):
             self.rollout.sync_weights()
         return grad_norm, applied
 
-    def _step_metrics(
-        self,
-        problems: list[dict],
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        scores: dict[str, list[float]],
-        correct: list[bool],
-        batches: list[PackedBatch],
-        *,
-        num_kept: int,
-    ) -> dict:
+    def _step_metrics(self, problems: list[dict], rollout: Rollout, rewards: torch.Tensor, scores: dict, correct: list,
+                      batches: list[PackedBatch], *, num_kept: int) -> dict:  # fmt: skip
         """The step's data metrics on this rank (rewards over all ranks); the losses, times etc. are added after."""
         cfg, lengths = self.config, rollout.lengths
         forward_passes = cfg.mu + (cfg.mu > 1) + (self.ref_policy is not None)
@@ -430,6 +429,23 @@ class Trainer(StepRollouts):
             self.save_checkpoint(path)
         raise Interrupted(signum, step=self.step, checkpoint=path)
 
+    def stop_reason(self) -> str | None:
+        """Why the run ends after this step (None: it goes on). ``num_steps`` set: after that many steps. Otherwise
+        after the planned ``num_epochs`` passes' steps (``num_steps``, which the learning-rate schedule spans) or as
+        soon as the question sampler has passed ``num_epochs`` epochs (GRESO's skips count as passed), whichever
+        comes first: verl's epochs of the data. A plain step draws its fixed count, so the two agree; with
+        ``filter_groups`` / ``greso`` a step passes more questions, the run ends early and the schedule is cut short
+        (a truncated cosine). The sampler's position is the same on every rank, so every rank stops together."""
+        cfg, n = self.config, self.sampler.num_questions
+        if self.step >= self.num_steps:
+            return f"{self.step} of {self.num_steps} planned steps done"
+        if cfg.num_steps is None and self.sampler.passed >= cfg.num_epochs * n:
+            return (
+                f"num_epochs={cfg.num_epochs} epochs of the {n} questions used up after step {self.step} (planned "
+                f"{self.num_steps} steps; the learning-rate schedule is cut short there)"
+            )
+        return None
+
     def _checkpoint_path(self) -> str:
         return os.path.join(self.config.output_dir, f"checkpoint-{self.step:06d}")
 
@@ -455,27 +471,18 @@ class Trainer(StepRollouts):
         for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):  # GRESO's history, the head
             state.update({name: part.state_dict()} if part is not None else {})  # (resumed as if never stopped)
         self.last_checkpoint = save_checkpoint(
-            path,
-            module=self.policy,
-            tokenizer=self.tokenizer,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            state=state,
-            info=self.info,
-        )
+            path, module=self.policy, tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
+            state=state, info=self.info,
+        )  # fmt: skip
         return self.last_checkpoint
 
     def load_checkpoint(self, path: str) -> None:
         """Restores model weights, optimizer, scheduler, data position, RNG states and step from ``path`` (on every
         rank; a sharded FSDP2 checkpoint needs the world size that wrote it)."""
         state = load_checkpoint(
-            path,
-            module=self.policy,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            info=self.info,
+            path, module=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, info=self.info,
             required=TRAINER_KEYS,
-        )
+        )  # fmt: skip
         # lr, weight decay, schedule: this run's
         step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
