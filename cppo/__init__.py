@@ -6,27 +6,16 @@
     Trainer(load_config("tiny-cpu", ["num_steps=2"])).train()
 """
 
-import importlib
-import importlib.util
+from .config import TrainConfig, load_config  # plain data: no torch
 
 __all__ = ["TrainConfig", "load_config", "Trainer"]
 
 
 def __getattr__(name: str):
-    """The names above, and the subpackages (``cppo.step``, ...), imported on first use (they import torch): ``cppo
-    --help`` and the CLI's bad flags do not wait for it."""
-    if name in ("TrainConfig", "load_config"):
-        from .config import TrainConfig, load_config
-
-        return TrainConfig if name == "TrainConfig" else load_config
+    """``Trainer``, imported on first use: it imports torch, which ``cppo --help`` and the CLI's bad flags (this
+    package's ``-m`` entry and console script import this module first) do not wait for."""
     if name == "Trainer":
         from .trainer import Trainer
 
         return Trainer
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])

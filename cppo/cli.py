@@ -11,58 +11,30 @@ Several processes: ``torchrun --nproc-per-node N -m cppo train --config ...`` (a
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
+import dataclasses
 import glob
 import json
 import logging
 import os
-import pathlib
 import re
 import sys
 import traceback
-from typing import TYPE_CHECKING
 
 import yaml
 
 from . import cli_report as report
-
-if TYPE_CHECKING:  # the package's modules import torch: the commands import them, --help and bad flags do not
-    from .config import TrainConfig
-
-
-#: What the source raises where it alone cannot give the defaults (no file, a non-literal name); anything else shows.
-SOURCE_UNREADABLE = (OSError, SyntaxError, NameError, AttributeError, TypeError, StopIteration)
+from .config import TrainConfig, setting_help  # plain data: no torch (the commands import what trains)
 
 
 def settings_epilog() -> str:
-    """Every ``--set`` setting, its default and meaning (``train --help``): from the source, else from TrainConfig."""
-    try:
-        settings = _settings_from_source()
-    except SOURCE_UNREADABLE:
-        from .config import TrainConfig, setting_help
-
-        settings = {name: (default, setting_help()[name]) for name, default in TrainConfig().to_dict().items()}
+    """Every ``--set`` setting, its default and meaning (``train --help``), read from :class:`TrainConfig`."""
     lines = ["settings (--set name=value: a YAML value, a list as a,b, null for none; a preset may set others):"]
-    for name, (default, meaning) in settings.items():
-        lines.append(f"  {name} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}")
-        lines.append(f"      {meaning}")
+    meanings = setting_help()
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  {f.name} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}")
+        lines.append(f"      {meanings[f.name]}")
     return "\n".join(line.rstrip() for line in lines)
-
-
-def _settings_from_source() -> dict[str, tuple[object, str]]:
-    """``name -> (default, meaning)`` of ``TrainConfig``'s ``setting(...)`` fields, evaluated from the source of
-    cppo/config/settings.py with the literal constants of cppo/config/choices.py: no torch (cppo.config imports it)."""
-    folder = pathlib.Path(__file__).resolve().parent / "config"
-    names = {"setting": lambda default, help, *, factory=None: (factory() if factory else default, help)}
-    for node in ast.parse((folder / "choices.py").read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            with contextlib.suppress(ValueError, TypeError):  # not a literal: a setting naming it needs the fallback
-                names[node.targets[0].id] = ast.literal_eval(node.value)
-    tree = ast.parse((folder / "settings.py").read_text(encoding="utf-8"))
-    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
-    calls = [n for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.value, ast.Call)]
-    return {n.target.id: eval(ast.unparse(n.value), names) for n in calls if ast.unparse(n.value.func) == "setting"}
 
 
 def _parser(*, flags_only: bool = False) -> argparse.ArgumentParser:

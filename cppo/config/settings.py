@@ -1,6 +1,7 @@
-"""Training configuration: one dataclass of every setting with its one-line meaning, its checks (``validate``, run on
-construction) and the settings a resume compares (:meth:`TrainConfig.changes_from`). Loading it from a preset or a
-YAML file: :mod:`cppo.config.loading`."""
+"""Training configuration: one dataclass of every setting with its one-line meaning, plain data (importing it imports
+no torch), its checks (``validate``, run on construction: each component checks its own settings, imported when the
+check runs) and the settings a resume compares (:meth:`TrainConfig.changes_from`). Loading it from a preset or a YAML
+file: :mod:`cppo.config.loading`."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from cppo_kernels import LossConfig
-from cppo_kernels.config import LOSS_TYPES, check_choice, check_float, check_int
-
-from ..distributed import PARALLELISMS, check_device
-from ..engines import check_engine_installed, check_engine_name, checkpoint_tokens, engine_supports
-from ..run import check_report_to
-from ..step import SCORERS, Pruning, check_mode
-from ..tasks import check_arith_eval_limit, check_greso, check_timeout
 from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
-from .sources import check_model_and_data
+from .pruning import HoldsPruning, pruning_setting
 from .values import check_type, did_you_mean
 
 
@@ -34,12 +27,12 @@ def setting_help() -> dict[str, str]:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(HoldsPruning):
     """Every setting of a CPPO run. ``validate()`` (run on construction, once) rejects bad values naming the
-    setting; it reads no file and loads no library: whether the model and the data exist is checked where they
-    load (:func:`check_model_and_data`, by the trainer and the CLI before anything trains).
+    setting; it reads no file: whether the model and the data exist is checked where they load
+    (:func:`~cppo.config.sources.check_model_and_data`, by the trainer and the CLI before anything trains).
 
-    The pruning rule (counts, scopes, allocation) is :class:`cppo.step.selection.Pruning`, built once: :attr:`pruning`.
+    The pruning rule (counts, scopes, allocation) is :class:`cppo.step.Pruning`, built once: :attr:`pruning`.
     """
 
     # model
@@ -66,20 +59,10 @@ class TrainConfig:
     temperature: float = setting(1.0, "sampling temperature; also divides the logits in the loss")
     top_p: float = setting(1.0, "nucleus sampling threshold in (0, 1]")
     # pruning and allocation
-    pruning_rate: float = setting(
-        0.0, "fraction P of completions pruned (smallest |advantage|) before the training passes, in [0, 1)"
-    )
-    selection_scope: str = setting(
-        "batch", "batch: prune int(N * P) of the rank's step (official); group: per question; global: all ranks"
-    )
-    selection_metric: str = setting(
-        "smallest",
-        "smallest: prune the smallest |A| (CPPO); largest; random; max-variance: keep each question's subset of "
-        "largest reward variance (PODS, selection_scope group)",
-    )
-    allocation: bool = setting(
-        True, "draw 1/(1-P) times more questions per step, so a step trains as many completions as GRPO"
-    )
+    pruning_rate: float = pruning_setting("pruning_rate")
+    selection_scope: str = pruning_setting("selection_scope")
+    selection_metric: str = pruning_setting("selection_metric")
+    allocation: bool = pruning_setting("allocation")
     questions_per_step: int = setting(1, "questions a GRPO step draws (over all processes)")
     filter_groups: bool = setting(
         False,
@@ -198,22 +181,26 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    @property
-    def pruning(self) -> Pruning:
-        """The run's pruning policy (:class:`cppo.step.selection.Pruning`): counts per step and the selection itself.
-        Built and validated once, on construction, and the same object on every read (the trainer, the CLI, the
-        counts here); built anew only when a pruning setting has been assigned since (:meth:`Pruning.held_by`)."""
-        return Pruning.held_by(self, **Pruning.config_settings(self))
+    def pruning_fields(self) -> dict:
+        """The fields of the run's :attr:`pruning` policy (built and validated on construction, the same object on
+        every read: the trainer, the CLI, the counts here)."""
+        return dict(
+            group_size=self.group_size, pruning_rate=self.pruning_rate, scope=self.selection_scope,
+            metric=self.selection_metric, allocation=self.allocation, questions_per_step=self.questions_per_step,
+        )  # fmt: skip
 
     def steps_for(self, problems: int) -> int:
         """Training steps over ``problems`` questions: ``num_steps``, else ``num_epochs`` passes (at least 1)."""
         return self.num_steps or max(1, self.num_epochs * problems // self.pruning.questions_drawn)
 
     @property
-    def loss_config(self) -> LossConfig:
+    def loss_config(self):  # -> cppo_kernels.LossConfig (imported here: it imports torch)
         """The options of ``fused_cppo_loss``: the flat settings, then the ``loss`` section's (its ``loss_type``
         expanded to TRL's surrogate and aggregation), with entropy (a step metric); ``LossConfig`` validates them.
         A ``loss`` key that is not a ``LossConfig`` field, or names a flat setting, is refused naming it."""
+        from cppo_kernels import LossConfig
+        from cppo_kernels.config import LOSS_TYPES
+
         extra = dict(self.loss)
         flat = dict(
             temperature=self.temperature, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
@@ -257,7 +244,10 @@ class TrainConfig:
             raise ValueError(f"loss.{e}" if name in extra else str(e)) from None
 
     def validate(self) -> None:
-        """Raises ``ValueError`` naming the first bad setting."""
+        """Raises ``ValueError`` naming the first bad setting: each setting's type and range here, then each
+        component's own check of its settings (:func:`_check_components`, imported as it runs)."""
+        from cppo_kernels.config import check_float
+
         for name, hint in field_types().items():
             check_type(name, getattr(self, name), hint)
             if isinstance(getattr(self, name), float):
@@ -283,41 +273,7 @@ class TrainConfig:
                 f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
                 f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
             )
-        check_greso(self.greso_target_skip_rate, self.greso_min_explore, self.greso_adjust_step)
-        _check_rollout_stop(self)
-        check_choice("parallelism", self.parallelism, PARALLELISMS)
-        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_engine_name(self.rollout_backend)
-        check_mode(self.vllm_importance_sampling_mode)
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        for name, value in (("clip_min", low), ("clip_max", high)):
-            if value is not None:
-                check_float(f"vllm_importance_sampling_{name}", value, low=0.0)
-        if low is not None and high is not None and low > high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min={low} must be <= vllm_importance_sampling_clip_max={high}"
-            )
-        check_report_to(self.report_to)
-        check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
-        self.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        check_float("lr", self.lr, low=0.0)
-        check_float("weight_decay", self.weight_decay, low=0.0)
-        check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
-        check_int("max_skipped_updates", self.max_skipped_updates, low=1)
-        check_int("seed", self.seed, low=0, high=MAX_SEED)
-        if self.question_seed is not None:
-            check_int("question_seed", self.question_seed, low=0, high=MAX_SEED)
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not self.rewards:
-            raise ValueError("rewards must name at least one reward function")
-        check_timeout(self.reward_timeout)
-        check_arith_eval_limit(self.dataset, self.eval_limit)
-        check_choice("dtype", self.dtype, DTYPES)
-        check_device(self.device)
-        _check_lora(self)
+        _check_components(self)
 
     @property
     def training_question_seed(self) -> int:
@@ -325,9 +281,12 @@ class TrainConfig:
         return self.seed if self.question_seed is None else self.question_seed
 
     def check_sources(self) -> None:
-        """Whether the model and the data exist (:func:`check_model_and_data`) and the rollout engine's packages are
-        installed: the checks of this machine, apart from :meth:`validate`; the trainer and :func:`load_config` run
-        them before anything loads."""
+        """Whether the model and the data exist (:func:`~cppo.config.sources.check_model_and_data`) and the rollout
+        engine's packages are installed: the checks of this machine, apart from :meth:`validate`; the trainer and
+        :func:`load_config` run them before anything loads."""
+        from ..engines import check_engine_installed
+        from .sources import check_model_and_data
+
         check_engine_installed(self.rollout_backend)
         check_model_and_data(
             model=self.model, model_config=self.model_config, dataset=self.dataset,
@@ -352,16 +311,71 @@ class TrainConfig:
 
 
 def field_types() -> dict[str, typing.Any]:
-    return typing.get_type_hints(TrainConfig)
+    """The type of each setting (the fields' annotations, not the class variables')."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
 
 
 def loss_field_types() -> dict[str, typing.Any]:
     """The type of each option of the ``loss`` section (the fields of :class:`cppo_kernels.LossConfig`)."""
+    from cppo_kernels import LossConfig
+
     return typing.get_type_hints(LossConfig)
+
+
+def _check_components(cfg: TrainConfig) -> None:
+    """Each component's check of its own settings (the greso sampler, pruning while generating, the engines, the
+    importance weights, the sinks, the loss, the optimiser, the rewards, the device, LoRA), imported here: they
+    import torch, the settings do not."""
+    from cppo_kernels.config import check_choice, check_float, check_int
+
+    from ..distributed import PARALLELISMS, check_device
+    from ..engines import check_engine_name
+    from ..run import check_report_to
+    from ..step import check_mode
+    from ..tasks import check_arith_eval_limit, check_greso, check_timeout
+
+    check_greso(cfg.greso_target_skip_rate, cfg.greso_min_explore, cfg.greso_adjust_step)
+    _check_rollout_stop(cfg)
+    check_choice("parallelism", cfg.parallelism, PARALLELISMS)
+    check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
+    check_engine_name(cfg.rollout_backend)
+    check_mode(cfg.vllm_importance_sampling_mode)
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    for name, value in (("clip_min", low), ("clip_max", high)):
+        if value is not None:
+            check_float(f"vllm_importance_sampling_{name}", value, low=0.0)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"vllm_importance_sampling_clip_min={low} must be <= vllm_importance_sampling_clip_max={high}")
+    check_report_to(cfg.report_to)
+    check_choice("kernel_backend", cfg.kernel_backend, KERNEL_BACKENDS)
+    cfg.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    check_float("lr", cfg.lr, low=0.0)
+    check_float("weight_decay", cfg.weight_decay, low=0.0)
+    check_float("max_grad_norm", cfg.max_grad_norm, low=0.0, low_open=True)
+    check_int("max_skipped_updates", cfg.max_skipped_updates, low=1)
+    check_int("seed", cfg.seed, low=0, high=MAX_SEED)
+    if cfg.question_seed is not None:
+        check_int("question_seed", cfg.question_seed, low=0, high=MAX_SEED)
+    if not 0.0 <= cfg.warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if not cfg.rewards:
+        raise ValueError("rewards must name at least one reward function")
+    check_timeout(cfg.reward_timeout)
+    check_arith_eval_limit(cfg.dataset, cfg.eval_limit)
+    check_choice("dtype", cfg.dtype, DTYPES)
+    check_device(cfg.device)
+    _check_lora(cfg)
 
 
 def _check_lora(cfg: TrainConfig) -> None:
     """The LoRA settings (checked whether or not ``use_peft`` is on: a preset carries them either way)."""
+    from cppo_kernels.config import check_int
+
+    from ..engines import engine_supports
+
     check_int("lora_r", cfg.lora_r, low=1)
     check_int("lora_alpha", cfg.lora_alpha, low=1)
     if not 0.0 <= cfg.lora_dropout < 1.0:
@@ -382,6 +396,11 @@ def _check_rollout_stop(cfg: TrainConfig) -> None:
     """The ``rollout_stop_*`` settings (issue 38): each one's own value; with ``rollout_stop_rate`` > 0 (the feature
     on) the checkpoint against ``max_completion_length`` and what the feature composes with today. Off, where its
     checkpoint would fall refuses nothing (issue 49: ``max_completion_length=1`` with the default 0.25)."""
+    from cppo_kernels.config import check_choice, check_float, check_int
+
+    from ..engines import checkpoint_tokens, engine_supports
+    from ..step import SCORERS
+
     check_float("rollout_stop_rate", cfg.rollout_stop_rate, low=0.0)
     check_choice("rollout_stop_scorer", cfg.rollout_stop_scorer, SCORERS)
     check_int("rollout_stop_warmup", cfg.rollout_stop_warmup, low=0)

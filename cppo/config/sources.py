@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 
-from cppo_kernels.config import check_choice
-
-from ..distributed import check_device
 from ..fileio import shown_path
 from .choices import DATASETS, DTYPES, HUB_ID_RE, TINY_MODELS
 from .values import did_you_mean
@@ -25,6 +22,10 @@ def check_model_and_data(
     """Whether the model and the data exist, checked before anything loads (the trainer, ``cppo train --dry-run`` and
     ``cppo eval`` call it; it reads the file system and imports transformers for a tiny model's config):
     ``ValueError`` naming the setting."""
+    from cppo_kernels.config import check_choice
+
+    from ..distributed import check_device
+
     check_choice("dtype", dtype, DTYPES)
     check_device(device)
     if dataset_path is not None and not os.path.exists(dataset_path):

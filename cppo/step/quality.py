@@ -197,10 +197,10 @@ def survivor_selection(
     else:
         count = pruning.kept_count(n) if num_kept is None else num_kept
         kept = torch.sort(-score, stable=True).indices[:count].tolist()
-    if any(stopped[i] for i in kept):
+    if any(stopped[i] for i in kept):  # what the settings' rule (rollout_stop_rate <= pruning_rate) rules out
         raise ValueError(
-            "rollout_stop_rate stopped more completions than CPPO's selection can leave out (it keeps "
-            f"{len(kept)} of {n}): lower rollout_stop_rate to at most pruning_rate"
+            f"survivor_selection: {sum(stopped)} of {n} completions were stopped, more than the selection leaves out "
+            f"(it keeps {len(kept)})"
         )
     return adv, torch.tensor(sorted(kept), dtype=torch.long)
 

@@ -24,8 +24,10 @@ This is the one module of :mod:`cppo` that calls the selection kernels of :mod:`
 - allocation (``allocation=True``): a step draws ``ceil(questions_per_step / (1 - P))`` questions (rounded up, so
   a step never trains fewer completions than GRPO would), else ``questions_per_step``.
 
-A run builds its :class:`Pruning` once: a config's ``pruning`` (:meth:`Pruning.held_by`) keeps the one it built and
-validated, and builds a new one only when a pruning setting has been assigned since.
+A run builds its :class:`Pruning` once: a config's ``pruning`` (:class:`cppo.config.HoldsPruning`, shared by
+``TrainConfig`` and ``CPPOConfig``) keeps the one it built and validated, and builds a new one only when a pruning
+setting has been assigned since. The policy checks its settings and their rules itself, naming each setting as the
+config that built it names it (``names``).
 
 The vocabulary is the kernels' (:data:`cppo_kernels.config.SCOPES`, :data:`cppo_kernels.config.METRICS`) plus
 ``"global"``, which is the kernels' ``"batch"`` over the gathered step.
@@ -34,7 +36,8 @@ The vocabulary is the kernels' (:data:`cppo_kernels.config.SCOPES`, :data:`cppo_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +48,9 @@ from cppo_kernels.config import SCOPES as KERNEL_SCOPES
 from ..distributed import DistInfo, all_gather_varlen
 
 __all__ = ["SCOPES", "METRICS", "Pruning", "Selection", "kept_count"]
+
+#: How a :class:`Pruning`'s messages name its fields by default: ``cppo train``'s settings.
+SETTING_NAMES = {"scope": "selection_scope", "metric": "selection_metric"}
 
 #: ``selection_scope``: per question, pooled over this process's step, or pooled over all processes' step.
 SCOPES = (*KERNEL_SCOPES, "global")
@@ -72,8 +78,9 @@ class Selection:
 class Pruning:
     """The pruning policy of a run: the counts (kept per step, questions drawn) and the selection itself.
 
-    ``pruning_rate=0`` keeps every completion (GRPO). Construction validates every option (``ValueError`` naming
-    the setting by the trainer's name).
+    ``pruning_rate=0`` keeps every completion (GRPO). Construction validates every option and the rule between
+    them (``ValueError`` naming the setting by the config's name: ``names`` maps a field to it where it is not
+    ``cppo train``'s, e.g. ``{"metric": "pruning_metric"}``; not compared).
     """
 
     group_size: int
@@ -84,45 +91,34 @@ class Pruning:
     questions_per_step: int = 1
     scale: str = "group"
     eps: float = 1e-4
+    names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_int("group_size", self.group_size, low=1)
-        check_float("pruning_rate", self.pruning_rate, low=0.0)
+        check_int(self._named("group_size"), self.group_size, low=1)
+        check_float(self._named("pruning_rate"), self.pruning_rate, low=0.0)
         if not self.pruning_rate < 1.0:
-            raise ValueError(f"pruning_rate must be in [0, 1), got {self.pruning_rate}")
-        check_choice("selection_scope", self.scope, SCOPES)
-        check_choice("selection_metric", self.metric, METRICS)
-        if self.metric == "max-variance" and self.scope != "group":
-            raise ValueError(f"selection_metric='max-variance' needs selection_scope='group', got {self.scope!r}")
-        check_choice("scale", self.scale, SCALES)
+            raise ValueError(f"{self._named('pruning_rate')} must be in [0, 1), got {self.pruning_rate}")
+        check_choice(self._named("scope"), self.scope, SCOPES)
+        check_choice(self._named("metric"), self.metric, METRICS)
+        if self.metric == "max-variance" and self.scope != "group":  # PODS' rule is per question
+            raise ValueError(
+                f"{self._named('metric')}='max-variance' keeps each question's subset of largest variance, which "
+                f"needs {self._named('scope')}='group', got {self.scope!r}: set {self._named('scope')}='group'"
+            )
+        check_choice(self._named("scale"), self.scale, SCALES)
         if not isinstance(self.allocation, bool):
-            raise ValueError(f"allocation must be true or false, got {self.allocation!r}")
-        check_int("questions_per_step", self.questions_per_step, low=1)
+            raise ValueError(f"{self._named('allocation')} must be true or false, got {self.allocation!r}")
+        check_int(self._named("questions_per_step"), self.questions_per_step, low=1)
+
+    def _named(self, name: str) -> str:
+        """The setting a field of this policy came from, as its config names it."""
+        return self.names.get(name) or SETTING_NAMES.get(name, name)
 
     @classmethod
     def from_config(cls, config) -> Pruning:
-        """The policy of a :class:`cppo.config.TrainConfig` (or anything with its setting names), built anew; a
-        config's own ``pruning`` is built once (:meth:`held_by`)."""
-        return cls(**cls.config_settings(config))
-
-    @staticmethod
-    def config_settings(config) -> dict:
-        """This class's fields from a :class:`cppo.config.TrainConfig`'s setting names."""
-        return dict(
-            group_size=config.group_size, pruning_rate=config.pruning_rate, scope=config.selection_scope,
-            metric=config.selection_metric, allocation=config.allocation, questions_per_step=config.questions_per_step,
-        )  # fmt: skip
-
-    @classmethod
-    def held_by(cls, owner: object, **settings) -> Pruning:
-        """``owner``'s policy of ``settings`` (this class's fields; ``owner``: the config they come from), built and
-        validated once: kept on ``owner`` and built anew only when one of ``settings`` differs from the kept
-        policy's (a setting assigned after the config was built), so every reader of a run's config shares one."""
-        held = owner.__dict__.get(_HELD)
-        if held is None or any(not _same(getattr(held, k), v) for k, v in settings.items()):
-            held = cls(**settings)
-            owner.__dict__[_HELD] = held  # not a field: dataclasses' asdict, eq and repr never see it
-        return held
+        """The policy of a config (a :class:`cppo.config.HoldsPruning`: ``TrainConfig`` or ``CPPOConfig``), built
+        anew; a config's own ``pruning`` is built once."""
+        return cls(**config.pruning_fields(), names=dict(config.pruning_names))
 
     # ---------------------------------------------------------------------------------------------------------
     # Counts
@@ -270,12 +266,3 @@ class Pruning:
                 f"group_size={self.group_size}"
             )
         return self.prune_pooled(gathered, sizes, info.rank, seed=seed, num_kept=num_kept).to(advantages.device)
-
-
-#: The attribute of a config holding its :class:`Pruning` (:meth:`Pruning.held_by`).
-_HELD = "_cppo_pruning"
-
-
-def _same(held: object, value: object) -> bool:
-    """Whether a setting still has the value the held policy was built from (the type too: ``1`` is not ``True``)."""
-    return type(held) is type(value) and held == value

@@ -101,7 +101,11 @@ def test_random_draws_differ_per_rank_for_local_scopes_only():
         ({"pruning_rate": -0.1}, "pruning_rate must be >= 0"),
         ({"scope": "world"}, "selection_scope must be one of"),
         ({"metric": "max"}, "selection_metric must be one of"),
-        ({"metric": "max-variance"}, "selection_metric='max-variance' needs selection_scope='group', got 'batch'"),
+        (  # the rule stated once (issue 50), in the words CPPOConfig's message had
+            {"metric": "max-variance"},
+            "selection_metric='max-variance' keeps each question's subset of largest variance, which needs "
+            "selection_scope='group', got 'batch'",
+        ),
         ({"metric": "max-variance", "scope": "global"}, "needs selection_scope='group', got 'global'"),
         ({"questions_per_step": 0}, "questions_per_step must be >= 1"),
         ({"allocation": "yes"}, "allocation must be true or false"),
