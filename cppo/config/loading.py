@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import pathlib
 import re
 
@@ -82,21 +83,8 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         preset, path = preset_or_yaml, PRESET_DIR / f"{preset_or_yaml}.yaml"
     values, origin = _read_yaml(path)
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} must look like key=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
-            raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({_yaml_problem(e)})") from None
-        section, dot, name = key.strip().partition(".")
-        if dot and section == "loss" and name:  # --set loss.NAME=VALUE: one option of the loss section
-            loss = values.get("loss")
-            values["loss"] = {**(loss if isinstance(loss, dict) else {}), name: value}
-            origin["loss"] = f"{origin['loss']} {item}" if "loss" in origin else f"--set {item}"
-            continue
-        values[key.strip()] = value
-        origin[key.strip()] = f"--set {item}"
+        _apply_override(values, origin, item)
+    _flatten_rollout_stop(values, origin)
     hints = field_types()
     for key in values:
         if key not in hints:
@@ -120,6 +108,67 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         if name not in origin:
             raise
         raise ValueError(f"{origin[name]}: {e}") from None
+
+
+def _apply_override(values: dict, origin: dict, item: str) -> None:
+    """One ``--set key=value`` (the value parsed as YAML) onto ``values``; ``section.NAME=VALUE`` sets one option of
+    a section (:data:`SECTIONS`), keeping the section's other options."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {item!r} must look like key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({_yaml_problem(e)})") from None
+    section, dot, name = key.strip().partition(".")
+    if dot and section in SECTIONS and name:
+        held = values.get(section)
+        values[section] = {**(held if isinstance(held, dict) else {}), name: value}
+        origin[section] = f"{origin[section]} {item}" if section in origin else f"--set {item}"
+        return
+    values[key.strip()] = value
+    origin[key.strip()] = f"--set {item}"
+
+
+#: The sections of a config: ``loss:`` (a setting of its own, the options of ``cppo_kernels.LossConfig``) and
+#: ``rollout_stop:`` (pruning while generating: its options are the ``rollout_stop_*`` settings without the prefix).
+SECTIONS = ("loss", "rollout_stop")
+#: The ``rollout_stop:`` section's options: ``rate``, ``at``, ``scorer``, ``warmup``.
+ROLLOUT_STOP = tuple(name.removeprefix("rollout_stop_") for name in field_types() if name.startswith("rollout_stop_"))
+
+
+def _flatten_rollout_stop(values: dict, origin: dict) -> None:
+    """The ``rollout_stop:`` section's options as the settings ``rollout_stop_NAME`` they set (each refused, naming
+    where it was set, when it is no option of the section or when the setting is also given by its flat name); a flat
+    ``rollout_stop_NAME`` is still read, with a pointer to the section."""
+    for key in [k for k in values if k.startswith("rollout_stop_") and k.removeprefix("rollout_stop_") in ROLLOUT_STOP]:
+        name = key.removeprefix("rollout_stop_")
+        logging.getLogger("cppo").warning(
+            "%s: %s is read; it is rollout_stop.%s now (--set rollout_stop.%s=VALUE, or %s under rollout_stop: in a "
+            "YAML file)",
+            origin[key],
+            key,
+            name,
+            name,
+            name,
+        )
+    if "rollout_stop" not in values:
+        return
+    section, where = values.pop("rollout_stop"), origin.pop("rollout_stop")
+    if not isinstance(section, dict):
+        raise ValueError(f"{where}: rollout_stop must be a mapping of {list(ROLLOUT_STOP)}, got {section!r}")
+    for name, value in section.items():
+        if name not in ROLLOUT_STOP:
+            raise ValueError(
+                f"{where}: rollout_stop.{name}: not an option of rollout_stop{did_you_mean(name, ROLLOUT_STOP)}; the "
+                f"options are {list(ROLLOUT_STOP)}"
+            )
+        if f"rollout_stop_{name}" in values:
+            raise ValueError(
+                f"{where}: rollout_stop.{name} is also set as rollout_stop_{name} ({origin[f'rollout_stop_{name}']}): "
+                "set it once, under rollout_stop:"
+            )
+        values[f"rollout_stop_{name}"], origin[f"rollout_stop_{name}"] = value, where
 
 
 #: Deepest nesting of a config file (settings are scalars, lists and the tiny model's flat mapping).

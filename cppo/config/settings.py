@@ -82,17 +82,18 @@ class TrainConfig(HoldsPruning):
         0.05, "greso: exploration floor, in (0, 1]: a question is kept with at least this probability"
     )
     greso_adjust_step: float = setting(0.01, "greso: how far the exploration probability moves per draw, in (0, 1]")
+    # pruning while generating: the rollout_stop: section (rollout_stop.rate, .at, .scorer, .warmup in a config)
     rollout_stop_rate: float = setting(
-        0.0, "pruning while generating: fraction of each group's completions stopped at rollout_stop_at, those of "
-        "smallest predicted |advantage| (0: off; at most pruning_rate)",
+        0.0, "rollout_stop.rate, pruning while generating: fraction of each group's completions stopped at "
+        "rollout_stop.at, those of smallest predicted |advantage| (0: off; at most pruning_rate)",
     )  # fmt: skip
     rollout_stop_at: float = setting(
-        0.25, "rollout_stop_rate: the checkpoint, in new tokens (>= 1) or as a fraction of max_completion_length"
+        0.25, "rollout_stop.at: the checkpoint, in new tokens (>= 1) or as a fraction of max_completion_length"
     )
     rollout_stop_scorer: str = setting(
-        "learned", "rollout_stop_rate: learned (a quality head on the policy's hidden state), random or length"
+        "learned", "rollout_stop.scorer: learned (a quality head on the policy's hidden state), random or length"
     )
-    rollout_stop_warmup: int = setting(2, "rollout_stop_rate: first steps whose rollouts only train the head")
+    rollout_stop_warmup: int = setting(2, "rollout_stop.warmup: first steps whose rollouts only train the head")
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
     prefix_sharing: bool = setting(
         True, "pack a question's kept completions after its prompt once (block-causal mask; exact, fewer tokens)"
