@@ -413,7 +413,7 @@ def _check_rollout_stop(cfg: TrainConfig) -> None:
             f"rollout_stop_rate={cfg.rollout_stop_rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection "
             "after generation keeps (1 - pruning_rate) of each group, which the stopped completions cannot supply"
         )
-    blockers = {
+    blockers = {  # fsdp2: the ranks of a sharded policy must decode in lockstep, and stopping rows breaks it
         "selection_metric": cfg.selection_metric != "smallest", "selection_scope": cfg.selection_scope == "global",
         "parallelism": cfg.parallelism == "fsdp2",
     }  # fmt: skip

@@ -30,10 +30,7 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
         """``num_per_prompt`` completions of each prompt; sampling draws from torch's global RNG (seed it first).
         ``stopper``: stop rows at a checkpoint and decode only the others on (:mod:`.resume`)."""
-        s = self.settings
-        if stopper is not None and s.sharded:
-            raise ValueError("stopping completions mid-generation does not run under parallelism: fsdp2 (the ranks "
-                             "would decode different numbers of steps); use ddp")  # fmt: skip
+        s = self.settings  # a stopper never comes with s.sharded: the config refuses rollout_stop under fsdp2
         encoded = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         prompt_ids = [p for p in encoded for _ in range(num_per_prompt)]
         if not prompt_ids:
