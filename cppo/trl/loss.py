@@ -61,7 +61,7 @@ from .sharding import gathered_head
 
 __all__ = [
     "LOSS_TABLE", "ScaleRule", "loss_settings", "unsupported_setting", "install_hidden_forward",
-    "model_logit_transform", "padded_hidden", "fused_policy_loss",
+    "model_logit_transform", "head_inputs", "padded_hidden", "fused_policy_loss",
 ]  # fmt: skip
 
 
@@ -237,10 +237,11 @@ def model_logit_transform(trainer) -> LogitTransform:
     return check_logit_transform(model, hidden_forward=hidden)
 
 
-def _head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
+def head_inputs(trainer, hidden: Tensor, model) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(hidden, weight, bias)`` in one dtype: the head's (fp32) with ``cast_lm_head_to_fp32``, else the hidden
     states' (what autocast gives a linear layer). Read after ``model``'s forward, where FSDP2 keeps it gathered
-    (:func:`cppo.trl.sharding.gathered_head`: a whole tensor, or a ValueError)."""
+    (:func:`cppo.trl.sharding.gathered_head`: a whole tensor, or a ValueError). The fused policy loss here and the
+    prefix-shared passes (:mod:`cppo.trl.packing`) read the head through it."""
     weight, bias = gathered_head(trainer, trainer.accelerator.unwrap_model(model))
     dtype = weight.dtype if trainer.args.cast_lm_head_to_fp32 else hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -269,7 +270,7 @@ def fused_policy_loss(trainer, model, inputs: dict, hidden: Tensor | None = None
     aux_loss = None
     if hidden is None:
         hidden, aux_loss = padded_hidden(trainer, model, inputs)
-    hidden, weight, bias = _head_inputs(trainer, hidden, model)  # [B, C, H]
+    hidden, weight, bias = head_inputs(trainer, hidden, model)  # [B, C, H]
     config, rule = loss_settings(trainer)
     scale, logged = rule.scales(trainer, completion_mask.sum(), inputs["num_items_in_batch"])
     config = dataclasses.replace(config, entropy_coef=rule.fused_entropy_coef(trainer, config.entropy_coef, scale))

@@ -32,7 +32,7 @@ from torch import Tensor
 from cppo_kernels import fused_logprobs
 
 from ..step import PackedBatch, Sample, pack_shared, prefix_attention_mask, use_prefix_sharing
-from .loss import _head_inputs, install_hidden_forward
+from .loss import head_inputs, install_hidden_forward
 
 #: The longest packed row (unless one padded row is longer): sdpa and eager take a dense ``[L, L]`` mask and compute
 #: every score of it, so L is bounded as the cppo trainer's default ``micro_batch_tokens`` bounds its rows.
@@ -178,7 +178,7 @@ def shared_logps(trainer, model, rows: SharedRows) -> Tensor:
     for b, dest in zip(rows.batches, rows.dest, strict=True):
         with trainer.accelerator.autocast():
             hidden = _completion_hidden(model, b, unwrapped)  # [T, H]
-        hidden, weight, bias = _head_inputs(trainer, hidden, model)
+        hidden, weight, bias = head_inputs(trainer, hidden, model)
         with torch.autocast(hidden.device.type, enabled=False):
             head = dict(bias=bias, temperature=trainer.temperature, **trainer.logit_transform.kwargs())
             logp = fused_logprobs(hidden, weight, b.targets, **head)  # [T]

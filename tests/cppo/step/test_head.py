@@ -109,7 +109,7 @@ def _trainer_path(model, t: LogitTransform) -> None:
 def _cppo_trainer_path(model, t: LogitTransform) -> None:
     """CPPOTrainer's path: its hidden-state forward on TRL's rows ``[prompt | completion]``, the head inputs and the
     transform it reads (a stand-in for the trainer: one process, no autocast, the head in the model's dtype)."""
-    from cppo.trl.loss import _head_inputs, install_hidden_forward, model_logit_transform, padded_hidden
+    from cppo.trl.loss import head_inputs, install_hidden_forward, model_logit_transform, padded_hidden
 
     state = types.SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None)  # one process, nothing sharded
     accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext, state=state)
@@ -129,7 +129,7 @@ def _cppo_trainer_path(model, t: LogitTransform) -> None:
     with torch.no_grad():
         padded, aux = padded_hidden(trainer, model, inputs)  # [B, C, H], no aux loss
         assert aux is None
-        hidden, weight, bias = _head_inputs(trainer, padded, model)
+        hidden, weight, bias = head_inputs(trainer, padded, model)
         rows = torch.cat([prompt, completion], 1)
         logits = model(input_ids=rows, attention_mask=torch.ones_like(rows), use_cache=False).logits[:, 3:-1]
     got = fused_logprobs(hidden, weight, completion, bias=bias, temperature=TEMPERATURE, **t.kwargs())
