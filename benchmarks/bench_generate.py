@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_args import check_output_file, count  # noqa: E402
-from bench_out import out_file  # noqa: E402
+from benchkit.args import check_output_file, count  # noqa: E402
+from benchkit.out import out_file  # noqa: E402
 
 from cppo.engines import EngineSettings, Stopper, check_engine_installed, checkpoint_tokens, make_engine  # noqa: E402
 from cppo.fileio import run_metadata  # noqa: E402
@@ -95,7 +95,6 @@ def main(argv=None) -> int:
     model.eval()
     problems = load_problems("gsm8k", dataset_path=args.dataset_path, max_questions=args.questions, question_seed=0)
     prompts = [build_prompt(tok, p) for p in problems]
-    longest = max(args.max_new_tokens)
 
     def settings(new_tokens: int, name: str = "hf") -> EngineSettings:
         return EngineSettings(
@@ -103,16 +102,7 @@ def main(argv=None) -> int:
             temperature=1.0, compute_dtype=None, prefill_once=name != "hf-noprefill",
         )  # fmt: skip
 
-    engines, startup = {}, {}
-    for name in args.engines:
-        t0, c0 = time.perf_counter(), time.process_time()
-        engines[name] = make_engine(name.removesuffix("-noprefill"), model, tok, settings(longest, name))
-        startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
-        print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
-    for _ in range(args.warmup):  # vLLM's first calls are slow (its buffers, the prefix cache)
-        for name, engine in engines.items():
-            engine.settings = settings(8, name)
-            engine(prompts, args.group_size)
+    engines, startup = build_engines(args, model, tok, prompts, settings)
     samples: list[dict] = []
     names = args.engines + ([f"{e}+stop" for e in args.engines] if args.stop is not None else [])
     for r in range(args.rounds):
@@ -150,6 +140,24 @@ def main(argv=None) -> int:
         print(json.dumps(row))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
+
+
+def build_engines(args, model, tok, prompts: list[str], settings) -> tuple[dict, dict]:
+    """Every ``--engines`` engine built at the longest ``--max-new-tokens`` (its start-up wall and CPU seconds by
+    name), then ``--warmup`` short calls of each."""
+    engines, startup = {}, {}
+    for name in args.engines:
+        t0, c0 = time.perf_counter(), time.process_time()
+        engines[name] = make_engine(
+            name.removesuffix("-noprefill"), model, tok, settings(max(args.max_new_tokens), name)
+        )
+        startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+        print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
+    for _ in range(args.warmup):  # vLLM's first calls are slow (its buffers, the prefix cache)
+        for name, engine in engines.items():
+            engine.settings = settings(8, name)
+            engine(prompts, args.group_size)
+    return engines, startup
 
 
 def random_stopper(args, new_tokens: int, *, seed: int) -> Stopper:

@@ -51,8 +51,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from bench_args import check_output_file, count
-from bench_out import out_file
+from benchkit.args import check_output_file, count
+from benchkit.out import out_file
 
 from cppo.fileio import atomic_path, run_metadata, write_json
 from cppo_kernels import chunk_tokens, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench_args import check_output_file, count
-from bench_out import out_file
+from benchkit.args import check_output_file, count
+from benchkit.out import out_file
 
 GROUP_SIZE = 16
 KEEP = 4

@@ -32,8 +32,8 @@ import tempfile
 import time
 from collections import defaultdict
 
-from bench_args import check_output_file, count
-from bench_out import out_file
+from benchkit.args import check_output_file, count
+from benchkit.out import out_file
 
 #: The tiny model of ``benchmarks/speedup.py``'s CPU default (the ``speedup-cpu`` preset): 1.3M parameters with a
 #: 4096-token LM head.

@@ -92,19 +92,15 @@ if str(BENCHMARKS) not in sys.path:
 
 @pytest.fixture(scope="session")
 def speedup():
-    """``benchmarks/speedup.py`` as a module (``benchmarks/`` on the path, as when it runs as a script)."""
-    import importlib.util
+    """The end-to-end benchmark behind ``benchmarks/speedup.py``: ``benchmarks/endtoend/speedup.py``."""
+    from endtoend import speedup
 
-    spec = importlib.util.spec_from_file_location("benchmarks_speedup", BENCHMARKS / "speedup.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return speedup
 
 
 @pytest.fixture(scope="session")
-def report(speedup):
-    """``benchmarks/speedup_report.py``: the rows and the report of the speedup benchmark."""
-    import speedup_report
+def report():
+    """``benchmarks/endtoend/report.py``: the rows and the report of the speedup benchmark."""
+    from endtoend import report
 
-    return speedup_report
+    return report

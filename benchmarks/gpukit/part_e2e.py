@@ -81,7 +81,7 @@ def run_speedup(argv: Sequence[str], folder: pathlib.Path, report: Report, until
 def vllm_argv(plan: Plan, folder: pathlib.Path) -> list[str]:
     """speedup.py's arguments for vLLM rollouts. vLLM loads a model folder, so the HF run's tiny model (its config,
     its seed) is saved to ``folder`` and named by ``--model`` instead of ``--model-config``."""
-    import speedup
+    from endtoend import speedup
 
     from cppo.step import load_model_and_tokenizer
 
@@ -118,7 +118,7 @@ def run(plan: Plan, out: pathlib.Path, report: Report, until: float) -> None:
         if not plan.dry:
             run_speedup(argv, out / "speedup-vllm", report, until, "speedup vllm")
             return
-        import speedup  # the dry run checks the arguments only: vLLM needs a GPU
+        from endtoend import speedup  # the dry run checks the arguments only: vLLM needs a GPU
 
         args = speedup.parse_args(argv)
         vllm_asked = 'rollout_backend="vllm"' in args.overrides

@@ -11,12 +11,12 @@ import math
 import pathlib
 import statistics
 
-import accuracy_arm
-import accuracy_seeds
 import pytest
-import seeds_report
 import torch
 from sweep_cases import META, PRESET, unit_row
+from sweeps import arm as accuracy_arm
+from sweeps import report as seeds_report
+from sweeps import seeds as accuracy_seeds
 
 from cppo import fileio
 

@@ -10,10 +10,10 @@ import statistics
 import subprocess
 import sys
 
-import accuracy_seeds
 import pytest
-import seeds_report
-import seeds_stats
+from sweeps import report as seeds_report
+from sweeps import seeds as accuracy_seeds
+from sweeps import stats as seeds_stats
 
 from cppo import fileio
 

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import accuracy_arm
-import accuracy_seeds
 import pytest
 import torch
 from sweep_cases import (
@@ -32,6 +30,8 @@ from sweep_cases import (
     sweep_args,
     write_unit,
 )
+from sweeps import arm as accuracy_arm
+from sweeps import seeds as accuracy_seeds
 
 from cppo import fileio
 

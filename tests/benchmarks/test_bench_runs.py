@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from bench_out import RUNS, new_run_folder, run_folder_name
+from benchkit.out import RUNS, new_run_folder, run_folder_name
 from tiny_model import TINY_ONE_LAYER
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

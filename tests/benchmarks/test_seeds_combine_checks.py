@@ -11,12 +11,12 @@ import math
 import subprocess
 import sys
 
-import accuracy_arm
-import accuracy_seeds
 import pytest
-import seeds_report
-import seeds_stop
 from sweep_cases import SWEEP, argv_of, summary_inputs, sweep_args, unit_row, write_unit
+from sweeps import arm as accuracy_arm
+from sweeps import report as seeds_report
+from sweeps import seeds as accuracy_seeds
+from sweeps import stop as seeds_stop
 
 
 def records(step, correct):

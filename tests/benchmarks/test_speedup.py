@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import speedup_args
 import torch
+from endtoend import args as speedup_args
 from tiny_model import TINY_ONE_LAYER
 
 from cppo import TrainConfig, fileio, load_config

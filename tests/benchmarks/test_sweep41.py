@@ -8,10 +8,10 @@ import json
 import shutil
 import statistics
 
-import accuracy_seeds
 import pytest
-import seeds_report
 from sweep_cases import REPO
+from sweeps import report as seeds_report
+from sweeps import seeds as accuracy_seeds
 
 SWEEP = REPO / "benchmarks" / "results" / "sweep41"
 SEEDS = list(range(51, 71))

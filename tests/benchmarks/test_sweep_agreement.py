@@ -13,12 +13,12 @@ import shutil
 import subprocess
 import sys
 
-import accuracy_arm
-import accuracy_seeds
 import pytest
-import seeds_files
-import sweep_units
 from sweep_cases import ARMS5, COMMITTED, META, argv_of, seed_files, summary_inputs, sweep_args, unit_row, write_unit
+from sweeps import arm as accuracy_arm
+from sweeps import files as seeds_files
+from sweeps import seeds as accuracy_seeds
+from sweeps import units as sweep_units
 
 from cppo import TrainConfig, fileio
 

@@ -1,8 +1,8 @@
 """The package layout keeps its rules (docs/development.md, *The layout's rules*), read from the code's own imports:
 no import circle in ``cppo/``, at most 8 levels (a module one level above everything it imports, imports inside
 functions counted, a subpackage's face passed through to the module that defines the name), nothing outside a
-subpackage importing one of its modules directly, no module over 500 lines but the Triton kernels, and every module
-named with its job in docs/training.md."""
+subpackage importing one of its modules directly, no module over 500 lines but the Triton kernels and those whose
+docstring says why (a signal, not a cap), and every module named with its job in docs/training.md."""
 
 from __future__ import annotations
 
@@ -185,12 +185,20 @@ def test_a_private_import_is_found(tmp_path):
     assert private_imports(bad) == ["bench.py imports cppo.step.models", "bench.py imports cppo.run.lock"]
 
 
+def says_why_it_is_long(path: pathlib.Path) -> bool:
+    """The module's docstring says why it runs over :data:`MAX_LINES` (a sentence naming "500 lines")."""
+    return f"{MAX_LINES} lines" in (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "")
+
+
 @pytest.mark.parametrize("root", ["cppo", "cppo_kernels", "benchmarks", "examples"])
 def test_no_module_over_500_lines_but_the_triton_kernels(root):
+    """The size is a signal, not a cap (issue 50): a module over 500 lines says why in its docstring."""
     long = {
         p.relative_to(REPO).as_posix(): n
         for p in (REPO / root).rglob("*.py")
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES and not p.name.endswith("_triton.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+        and not p.name.endswith("_triton.py")
+        and not says_why_it_is_long(p)
     }
     assert not long, long
 

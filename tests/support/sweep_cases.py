@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-import accuracy_arm
-import accuracy_seeds
+from sweeps import arm as accuracy_arm
+from sweeps import seeds as accuracy_seeds
 
 from cppo import fileio
 

@@ -1,7 +1,7 @@
 """The command line of ``benchmarks/speedup.py``: its flags (``--config`` / ``--set`` exactly as ``cppo train`` takes
 them, each shortcut flag one ``--set``), the base trainer config they build, the ablation runs they ask for, and
 where the results go (``--out``, by default a new folder of the run's own under the ignored ``benchmarks/runs/``:
-:mod:`bench_out`). Nothing here plans, trains or writes a result.
+:mod:`benchkit.out`). Nothing here plans, trains or writes a result.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pathlib
 from collections.abc import Sequence
 
 import torch
-from bench_out import run_folder_name
+from benchkit.out import run_folder_name
 
 import cppo
 from cppo import TrainConfig
 from cppo.distributed import resolve_device
 from cppo.fileio import check_writable
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
 #: ``--preset NAME`` is ``--config PRESETS[NAME]`` (a trainer preset under cppo/presets/).
 PRESETS = {"cpu": "speedup-cpu", "gsm8k": "gsm8k-qwen2.5-1.5b"}
@@ -84,7 +84,7 @@ SHORTCUTS = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``speedup.py``; :func:`parse_args` turns the shortcut flags into ``--set`` settings."""
     ap = argparse.ArgumentParser(description="CPPO against GRPO, end to end, on the same questions (see docstring).")
     add = ap.add_argument
@@ -152,7 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     A shortcut flag given adds its ``setting=value`` after ``--set``'s; ``--model`` with a model that is not
     ``tiny-*`` also sets ``model_config=null`` (the preset's, if any, only applies to a tiny model).
     """
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     planned = next((o for o in args.overrides if o.partition("=")[0] in PLANNED), None)
     if planned is not None:  # the plan would replace it without a word
         key = planned.partition("=")[0]
@@ -224,7 +224,7 @@ def compare_config(args: argparse.Namespace, base: TrainConfig, *, need_cuda: bo
 
 def out_folder(args: argparse.Namespace) -> pathlib.Path:
     """``--out``, else the folder a run starting now gets under ``benchmarks/runs/`` (``NAME-<UTC time>``;
-    :func:`bench_out.new_run_folder` creates it, exclusively, when the run starts)."""
+    :func:`benchkit.out.new_run_folder` creates it, exclusively, when the run starts)."""
     return pathlib.Path(args.out) if args.out is not None else run_folder_name(str(args.name))
 
 

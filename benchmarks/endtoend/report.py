@@ -15,6 +15,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from benchkit.plots import label_axes, pyplot, save_figure
+
 from cppo import TrainConfig, fileio
 
 #: Phase in the results -> (the trainer metric with its seconds in one step, plot label, plot colour): greys for
@@ -258,7 +260,7 @@ def relative_fields(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+def format_mean(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
 
 
@@ -313,11 +315,13 @@ def format_accuracy_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['keep']}/{r['group_size']}",
             str(r["steps"]),
             f"{r['total_seconds']:.0f}",
-            _fmt(r["speedup_total"], ".2f", "x"),
+            format_mean(r["speedup_total"], ".2f", "x"),
             _accuracy_cell(r["accuracy_before"], r["accuracy_before_ci95"]),
             _accuracy_cell(r["accuracy_after"], r["accuracy_after_ci95"]),
-            "-" if reach is None else f"{reach:.0f} s ({_fmt(None if share is None else 100 * share, '.0f', '%')})",
-            _fmt(r["eval_seconds"], ".0f"),
+            "-"
+            if reach is None
+            else f"{reach:.0f} s ({format_mean(None if share is None else 100 * share, '.0f', '%')})",
+            format_mean(r["eval_seconds"], ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -357,12 +361,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['keep']}/{r['group_size']}",
             str(r["steps"]),
             *(f"{r[k]:.2f}" for k in ("train_seconds", "total_seconds")),
-            _fmt(r["speedup_train"], ".2f", "x"),
+            format_mean(r["speedup_train"], ".2f", "x"),
             f"{r['ideal_speedup_train']:.2f}x",
-            *(_fmt(r[k], ".2f", "x") for k in ("speedup_total", "amdahl_speedup_total")),
-            _fmt(percent["generation_share"], ".0f", "%"),
-            _fmt(r["paper_speedup_gsm8k"], ".2f", "x"),
-            _fmt(percent["accuracy"], ".1f", "%"),
+            *(format_mean(r[k], ".2f", "x") for k in ("speedup_total", "amdahl_speedup_total")),
+            format_mean(percent["generation_share"], ".0f", "%"),
+            format_mean(r["paper_speedup_gsm8k"], ".2f", "x"),
+            format_mean(percent["accuracy"], ".1f", "%"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [textwrap.fill(note, 120, initial_indent="- ", subsequent_indent="  ") for note in TABLE_NOTES]
@@ -376,28 +380,9 @@ def write_json(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[st
     fileio.write_json(path, {"meta": meta, "rows": list(rows)})
 
 
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg back-end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: pathlib.Path) -> None:
-    """The figure as a PNG at ``path``, replaced atomically (:func:`cppo.fileio.atomic_path`), then closed."""
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with fileio.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-
-
 def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Stacked bars of each phase's seconds per pruning rate, the speedups written above each bar."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = [f"P={_rate_cell(r)}\nkeep {r['keep']}/{r['group_size']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2.0), 5.0))
     bottom = [0.0] * len(rows)
@@ -407,8 +392,8 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
         ax.bar(labels, heights, bottom=bottom, label=label, color=color, edgecolor="white", linewidth=0.5)
         bottom = [b + h for b, h in zip(bottom, heights)]
     for x, (r, top) in enumerate(zip(rows, bottom)):
-        text = f"train {_fmt(r['speedup_train'], '.2f', 'x')} (ideal {r['ideal_speedup_train']:.2f}x)"
-        text += f"\ntotal {_fmt(r['speedup_total'], '.2f', 'x')}"
+        text = f"train {format_mean(r['speedup_train'], '.2f', 'x')} (ideal {r['ideal_speedup_train']:.2f}x)"
+        text += f"\ntotal {format_mean(r['speedup_total'], '.2f', 'x')}"
         paper_setting = r.get("allocation", meta.get("allocation", True))  # the paper's CPPO allocates
         if r["paper_speedup_gsm8k"] is not None and r["pruning_rate"] > 0 and paper_setting:
             text += f" (paper {r['paper_speedup_gsm8k']:.2f}x)"
@@ -423,14 +408,14 @@ def plot(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any
     )
     handles, names = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], names[::-1], fontsize=7, loc="upper right")  # top of the stack first
-    _save(plt, fig, path)
+    save_figure(plt, fig, path)
 
 
 def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Accuracy against training wall clock, one line per run with 95% Wilson error bars at each point; GRPO's
     final 95% interval shaded across (a run has reached that interval once it is at or above the band's
     lower edge)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 5.0))
     lo, hi = rows[0]["accuracy_after_ci95"]
     ax.axhspan(100 * lo, 100 * hi, color="#dddddd", zorder=0, label="GRPO's final accuracy, 95% CI")
@@ -452,16 +437,7 @@ def plot_accuracy(path: pathlib.Path, rows: Sequence[dict[str, Any]], meta: dict
         title=f"Accuracy vs training time on the same {rows[0]['questions']} questions, G={rows[0]['group_size']}; "
         f"error bars: 95% Wilson\n{model} on {meta.get('dataset', '?')}, {where}",
     )
-    _save(plt, fig, path)
-
-
-def label_axes(ax, *, x: str, y: str, title: str) -> None:
-    """An accuracy plot's axis labels, its title (small), a light grid and the legend where it fits best."""
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    save_figure(plt, fig, path)
 
 
 def collect_meta(config: TrainConfig, *, argv: Sequence[str]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import datetime
 import pathlib
 
 #: The folder that holds every run's own folder (``.gitignore`` lists it).
-RUNS = pathlib.Path(__file__).resolve().parent / "runs"
+RUNS = pathlib.Path(__file__).resolve().parents[1] / "runs"  # benchmarks/runs/
 
 
 def run_folder_name(benchmark: str, *, root: pathlib.Path = RUNS, now: datetime.datetime | None = None) -> pathlib.Path:

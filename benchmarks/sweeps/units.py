@@ -11,11 +11,10 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import accuracy_arm
-from seeds_files import AGREE_KEYS, ENVIRONMENT_KEYS, meta_value, read_result
-
 from cppo import fileio
 from cppo.run import RunLock, RunLocked
+from sweeps import arm as accuracy_arm
+from sweeps.files import AGREE_KEYS, ENVIRONMENT_KEYS, meta_value, read_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +131,7 @@ def check_sweep_folder(args: argparse.Namespace, out: pathlib.Path, *, record: b
 
 def check_finished_units(args: argparse.Namespace, units: Sequence[Unit], out: pathlib.Path) -> None:
     """Before a continued sweep runs anything: every finished arm agrees with what this command would run now on
-    every setting that must agree (:data:`seeds_files.AGREE_KEYS`: the settings its ``--config`` and ``--set``
+    every setting that must agree (:data:`sweeps.files.AGREE_KEYS`: the settings its ``--config`` and ``--set``
     resolve to, which an edited preset changes, and this environment's Python and library versions, one torch thread
     a unit), else the new units could never be combined with it; ValueError naming its result, the setting and both
     values."""

@@ -1,6 +1,6 @@
-"""The statistics of a multi-seed run's table (``{seed: {method: row}}``, :func:`seeds_report.by_seed`): means with
+"""The statistics of a multi-seed run's table (``{seed: {method: row}}``, :func:`sweeps.report.by_seed`): means with
 95% Student-t intervals, paired differences and ratios over the seeds two methods share, sign counts, and their
-formatting. Shared by :mod:`seeds_report` and :mod:`seeds_stop`; nothing here knows a method's name."""
+formatting. Shared by :mod:`sweeps.report` and :mod:`sweeps.stop`; nothing here knows a method's name."""
 
 from __future__ import annotations
 
@@ -73,13 +73,16 @@ def per_method_means(table: dict[int, dict[str, dict[str, Any]]], m: str, keys: 
     }
 
 
-def _fmt(interval: dict[str, Any] | None) -> str:
+def format_mean(interval: dict[str, Any] | None) -> str:
+    """A :func:`mean_interval`'s mean, whole, or ``-`` where there is none."""
     return "-" if interval is None else f"{interval['mean']:.0f}"
 
 
-def _pct(interval: Sequence[float] | None) -> str:
+def format_interval(interval: Sequence[float] | None) -> str:
+    """A ``(low, high)`` interval of fractions as signed percentages, or ``-`` where there is none."""
     return "-" if interval is None else f"[{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
 
 
-def _signs(d: dict[str, Any]) -> str:
+def format_signs(d: dict[str, Any]) -> str:
+    """A :func:`paired` difference's :func:`signs` as ``P+ / N- / Z=``."""
     return "{positive}+ / {negative}- / {zero}=".format(**d["signs"])

@@ -34,12 +34,12 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import accuracy_arm
-import speedup_args
-from seeds_report import by_seed, format_summary, method, plot
+from endtoend import args as speedup_args
 
 from cppo import TrainConfig, fileio
 from cppo.config import TINY_MODELS
+from sweeps import arm as accuracy_arm
+from sweeps.report import by_seed, format_summary, method, plot
 
 #: What the summary reads of every row.
 ROW_KEYS = ("pruning_rate", "selection_metric", "accuracy_after", "total_seconds", "train_seconds", "eval_problems")
@@ -171,7 +171,7 @@ def agreed_meta(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     """``argv`` less ``flags`` (and the value of those that take one) as speedup.py's parser reads them."""
-    actions, kept, skip = speedup_args._parser()._option_string_actions, [], False
+    actions, kept, skip = speedup_args.build_parser()._option_string_actions, [], False
     for token in argv:
         name = token.partition("=")[0]
         if skip or name in flags:
@@ -184,7 +184,7 @@ def _without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
 def check_command(path: pathlib.Path, meta: dict[str, Any], expected: Sequence[str], own: Sequence[str]) -> None:
     """A per-seed file (``--from-runs``) ran the ``speedup.py`` arguments this command passes: its ``meta.argv`` and
     ``expected``, less ``own`` (the flags the driver sets per seed), parse to the same settings
-    (:func:`speedup_args.parse_args`); ValueError naming the file, the setting and both values."""
+    (:func:`endtoend.args.parse_args`); ValueError naming the file, the setting and both values."""
     argv = meta.get("argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"{path}: its meta.argv is {argv!r}, not the speedup.py command line it ran")

@@ -17,8 +17,21 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from seeds_stats import _fmt, _pct, _signs, mean_interval, paired, per_method_means, ratio, shared, signs, t_quantile
-from speedup_report import _pyplot, _save, label_axes, wilson_interval
+from benchkit.plots import label_axes, pyplot, save_figure
+from endtoend.report import wilson_interval
+
+from sweeps.stats import (
+    format_interval,
+    format_mean,
+    format_signs,
+    mean_interval,
+    paired,
+    per_method_means,
+    ratio,
+    shared,
+    signs,
+    t_quantile,
+)
 
 #: The issue's target: CPPO in at most this share of GRPO's wall time.
 TARGET_TIME_RATIO = 0.5
@@ -172,17 +185,12 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
     GRPO (``time``: which of the first two the target uses, :data:`TIME_BASES`); :func:`preregistered`; and
     the issue's target (CPPO - GRPO's interval includes 0 or lies above it; at most half GRPO's wall time; above
     random pruning: CPPO - random's mean above 0, "clearly" when its interval is)."""
-    if time not in TIME_BASES:
-        raise ValueError(f"--time must be one of {sorted(TIME_BASES)}, got {time!r}")
-    time_key = TIME_BASES[time]
-    lacking = sorted({method(r) for r in rows if r.get(time_key) is None})
-    if lacking:
-        raise ValueError(f"--time {time}: rows of {lacking} have no {time_key} (--time wall uses their wall seconds)")
+    time_key = time_basis(rows, time)
     table = by_seed(rows)
     methods = sorted({m for runs in table.values() for m in runs})
     if "GRPO" not in methods and dynamic_pairs(table):  # issue 30's benchmark: the pairs alone
         return dynamic_summary(table, methods)
-    from seeds_stop import stop_pairs, stop_summary  # issue 38's pairs (seeds_stop imports this module)
+    from sweeps.stop import stop_pairs, stop_summary  # issue 38's pairs (sweeps.stop imports this module)
 
     stop = stop_pairs(table)
     found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m]
@@ -211,14 +219,7 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
         for m in methods
         if m != "GRPO" and shared(table, m, "GRPO")
     }
-    within, chosen = diffs[f"{cppo} - GRPO"], times[cppo]["cpu" if time == "cpu" else "total"]
-    random_key = next((k for k in diffs if k == f"{cppo} - random " + cppo.removeprefix("CPPO ")), None)
-    target = {
-        "within_grpo": within["ci95"] is not None and within["ci95"][1] >= 0.0,
-        "at_most_half_the_time": chosen["mean"] <= TARGET_TIME_RATIO,
-        "above_random": None if random_key is None else diffs[random_key]["mean"] > 0.0,
-        "clearly_above_random": None if random_key is None else bool((diffs[random_key]["ci95"] or [0])[0] > 0.0),
-    }
+    chosen = times[cppo]["cpu" if time == "cpu" else "total"]
     return {
         "seeds": list(table),
         "methods": methods,
@@ -232,10 +233,35 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
         "time_ratios": times,
         "time_ratio_total": chosen,
         "time_ratio_train": times[cppo]["train"],
-        "target": target,
+        "target": target(cppo, diffs, chosen),
         **({"dynamic": dynamic_pairs(table)} if dynamic_pairs(table) else {}),
         **({"stop": stop} if stop else {}),
         **({"preregistered": pre} if (pre := preregistered(table)) else {}),
+    }
+
+
+def time_basis(rows: Sequence[dict[str, Any]], time: str) -> str:
+    """The rows' key of the seconds ``time`` names (:data:`TIME_BASES`); ValueError for another ``time`` or where a
+    row lacks them."""
+    if time not in TIME_BASES:
+        raise ValueError(f"--time must be one of {sorted(TIME_BASES)}, got {time!r}")
+    time_key = TIME_BASES[time]
+    lacking = sorted({method(r) for r in rows if r.get(time_key) is None})
+    if lacking:
+        raise ValueError(f"--time {time}: rows of {lacking} have no {time_key} (--time wall uses their wall seconds)")
+    return time_key
+
+
+def target(cppo: str, diffs: dict[str, dict[str, Any]], chosen: dict[str, Any]) -> dict[str, bool | None]:
+    """The issue's target for ``cppo`` from the paired accuracy differences and its chosen time ratio to GRPO: within
+    GRPO (the interval of CPPO - GRPO includes 0 or lies above it), at most half GRPO's time, above random pruning."""
+    within = diffs[f"{cppo} - GRPO"]
+    random_key = next((k for k in diffs if k == f"{cppo} - random " + cppo.removeprefix("CPPO ")), None)
+    return {
+        "within_grpo": within["ci95"] is not None and within["ci95"][1] >= 0.0,
+        "at_most_half_the_time": chosen["mean"] <= TARGET_TIME_RATIO,
+        "above_random": None if random_key is None else diffs[random_key]["mean"] > 0.0,
+        "clearly_above_random": None if random_key is None else bool((diffs[random_key]["ci95"] or [0])[0] > 0.0),
     }
 
 
@@ -288,7 +314,7 @@ def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
     ]
     for d in dynamic.values():
         for m, pm in d["methods"].items():
-            cells = [_fmt(pm.get(k)) for k in ("steps", "completions", "total_seconds", "kept_zero_advantage",
+            cells = [format_mean(pm.get(k)) for k in ("steps", "completions", "total_seconds", "kept_zero_advantage",
                                                 "greso_questions_skipped")]  # fmt: skip
             lines.append(f"| {m} | {len(pm['seeds'])} | " + " | ".join(cells) + " |")
     lines += ["", "| pair | seeds | accuracy difference, points (95%) | whole-run time ratio (95%) | target |",
@@ -296,8 +322,8 @@ def format_dynamic(dynamic: dict[str, Any]) -> list[str]:
     for name, d in dynamic.items():
         diff, t = d["accuracy_difference"], d["time_ratio"]
         ci = "-" if t["ci95"] is None else f"[{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}]"
-        lines.append(f"| {name} | {diff['n']} | {100 * diff['mean']:+.1f} {_pct(diff['ci95'])} | {t['mean']:.3f} {ci} "
-                     f"| {d['target']} |")  # fmt: skip
+        lines.append(f"| {name} | {diff['n']} | {100 * diff['mean']:+.1f} {format_interval(diff['ci95'])} "
+                     f"| {t['mean']:.3f} {ci} | {d['target']} |")  # fmt: skip
     return lines
 
 
@@ -331,7 +357,9 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
     ]
     for name, d in summary["accuracy_differences"].items():
         per = ", ".join(f"{100 * v:+.1f}" for v in d["per_seed"].values())
-        lines.append(f"| {name} | {d['n']} | {per} | {100 * d['mean']:+.1f} | {_pct(d['ci95'])} | {_signs(d)} |")
+        lines.append(
+            f"| {name} | {d['n']} | {per} | {100 * d['mean']:+.1f} | {format_interval(d['ci95'])} | {format_signs(d)} |"
+        )
     timed = summary["time_ratios"] or not summary.get("stop")  # issue 38's rows without GRPO: no table
     lines += [
         "",
@@ -353,7 +381,7 @@ def format_summary(summary: dict[str, Any], table: dict[int, dict[str, dict[str,
         )
     lines += format_dynamic(summary["dynamic"]) if summary.get("dynamic") else []
     if summary.get("stop"):
-        from seeds_stop import format_stop
+        from sweeps.stop import format_stop
 
         lines += format_stop(summary["stop"])
     if summary["cppo"] or not summary.get("stop"):  # issue 38's alone: format_stop gave each group's target
@@ -380,7 +408,8 @@ def format_preregistered(pre: dict[str, Any]) -> list[str]:
         )  # fmt: skip
         lines.append(
             f"| {name}: {d['a']} - {d['b']} | {d['n']} | {d['mean_points']:+.2f} | [{ci_a[0]:+.2f}, {ci_a[1]:+.2f}] "
-            f"| [{ci_b[0]:+.2f}, {ci_b[1]:+.2f}] | {d['t']:.2f} ({d['df']}) | {d['p']:.3f} | {_signs(d)} | {verdict} |"
+            f"| [{ci_b[0]:+.2f}, {ci_b[1]:+.2f}] | {d['t']:.2f} ({d['df']}) | {d['p']:.3f} | {format_signs(d)} "
+            f"| {verdict} |"
         )
     if "compute" in pre:
         c = pre["compute"]
@@ -398,12 +427,12 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
     """Two panels. Left: final accuracy against whole-run wall time, one small marker per seed and method (95%
     Wilson bar of its own test problems), one large marker per method at its seeds' means with the t interval of
     the mean. Right: every paired accuracy difference, its mean over the seeds the pair shares with the 95% t
-    interval, labelled with the seeds and their signs. Issue 38's rows alone: :func:`seeds_stop.plot_stop`."""
+    interval, labelled with the seeds and their signs. Issue 38's rows alone: :func:`sweeps.stop.plot_stop`."""
     if summary.get("stop") and summary["cppo"] is None:
-        from seeds_stop import plot_stop
+        from sweeps.stop import plot_stop
 
         return plot_stop(path, summary, table, meta)
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.0, 5.5), gridspec_kw={"width_ratios": [1.25, 1.0]})
     for i, m in enumerate(summary["methods"]):
         color = f"C{i}"
@@ -442,9 +471,11 @@ def plot(path: pathlib.Path, summary: dict[str, Any], table: dict[int, dict[str,
         bx.scatter([100 * v for v in d["per_seed"].values()], [y] * d["n"], color="C7", s=10, alpha=0.6, zorder=3)
     bx.set_yticks(range(len(diffs)))
     names = [name.replace(" - ", "\n- ") for name, _ in reversed(diffs)]  # a pair on two lines: the panel stays wide
-    bx.set_yticklabels([f"{n}\n{d['n']} seeds, {_signs(d)}" for n, (_, d) in zip(names, reversed(diffs))], fontsize=7)
+    bx.set_yticklabels(
+        [f"{n}\n{d['n']} seeds, {format_signs(d)}" for n, (_, d) in zip(names, reversed(diffs))], fontsize=7
+    )
     bx.axvline(0.0, color="k", lw=0.8)
     bx.set_xlabel("accuracy difference, points (dots: seeds; diamond: mean, 95% t interval)")
     bx.set_title("paired differences over the seeds each pair shares", fontsize=9)
     bx.grid(alpha=0.3, axis="x")
-    _save(plt, fig, path)
+    save_figure(plt, fig, path)

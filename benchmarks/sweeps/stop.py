@@ -3,7 +3,7 @@ completions mid-rollout): for every method ``M + stop R (scorer)`` whose plain `
 method the means over its seeds (95% t intervals) of the accuracy, the completion tokens generated, the CPU seconds
 of generation and of the whole run, the completions stopped and the head's AUC over training; the paired per-seed
 accuracy differences and token / CPU ratios against plain ``M`` (and GRPO's, when it ran), the learned head against
-the random scorer, and the issue's targets. :mod:`seeds_report` summarises, prints and plots with it. Nothing here
+the random scorer, and the issue's targets. :mod:`sweeps.report` summarises, prints and plots with it. Nothing here
 runs a model.
 
 The head's AUC: the trainer records it per step (``rollout_stop_auc``, None where undefined: a step without both
@@ -26,12 +26,13 @@ import pathlib
 import re
 from typing import Any
 
-from seeds_stats import _pct, _signs, mean_interval, paired, per_method_means, ratio, shared
-from speedup_report import _pyplot, _save, label_axes, wilson_interval
+from benchkit.plots import label_axes, pyplot, save_figure
+from endtoend.report import wilson_interval
 
 from cppo import TrainConfig
+from sweeps.stats import format_interval, format_signs, mean_interval, paired, per_method_means, ratio, shared
 
-#: A method with issue 38's stopping: ``<plain method> + stop <rate> (<scorer>)`` (:func:`seeds_report.method`).
+#: A method with issue 38's stopping: ``<plain method> + stop <rate> (<scorer>)`` (:func:`sweeps.report.method`).
 STOP = re.compile(r"^(?P<plain>.+) \+ stop (?P<rate>\S+) \((?P<scorer>[\w-]+)\)$")
 #: Issue 38's targets: stopping generates at most this share of plain CPPO's completion tokens ...
 TARGET_TOKENS_RATIO = 0.6
@@ -86,13 +87,13 @@ def _having(table: dict[int, dict[str, dict[str, Any]]], key: str, *methods: str
 
 
 def _paired(table: dict, a: str, b: str, key: str) -> dict[str, Any] | None:
-    """:func:`seeds_report.paired` over the seeds where both hold ``key`` (None without one)."""
+    """:func:`sweeps.report.paired` over the seeds where both hold ``key`` (None without one)."""
     sub = _having(table, key, a, b)
     return paired(sub, a, b, key) if sub else None
 
 
 def _ratio(table: dict, a: str, b: str, key: str) -> dict[str, Any] | None:
-    """:func:`seeds_report.ratio` over the seeds where both hold ``key`` (None without one)."""
+    """:func:`sweeps.report.ratio` over the seeds where both hold ``key`` (None without one)."""
     sub = _having(table, key, a, b)
     return ratio(sub, a, b, key) if sub else None
 
@@ -185,7 +186,7 @@ def stop_pairs(table: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def stop_summary(table: dict[int, dict[str, dict[str, Any]]], methods: list[str], stop: dict) -> dict[str, Any]:
-    """The summary of rows that hold issue 38's pairs but no pooled CPPO: :func:`seeds_report.summarise`'s keys,
+    """The summary of rows that hold issue 38's pairs but no pooled CPPO: :func:`sweeps.report.summarise`'s keys,
     the accuracy differences being each stop method's against plain, learned - random's and every method's against
     GRPO (when it ran), the time ratios GRPO's, ``stop``: :func:`stop_pairs`."""
     diffs, times = {}, {}
@@ -232,9 +233,9 @@ def _diff(d: dict[str, Any] | None, points: bool = True, of: int | None = None) 
     if d is None:
         return "-"
     if points:
-        return f"{100 * d['mean']:+.1f} {_pct(d['ci95'])}, {_signs(d)}{_fewer(d, of)}"
+        return f"{100 * d['mean']:+.1f} {format_interval(d['ci95'])}, {format_signs(d)}{_fewer(d, of)}"
     ci = "-" if d["ci95"] is None else f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
-    return f"{d['mean']:+.3f} {ci}, {_signs(d)}{_fewer(d, of)}"
+    return f"{d['mean']:+.3f} {ci}, {format_signs(d)}{_fewer(d, of)}"
 
 
 def _yes(value: bool | None) -> str:
@@ -314,7 +315,7 @@ def plot_stop(path: pathlib.Path, summary: dict[str, Any], table: dict, meta: di
     """Two panels. Left: final accuracy against whole-run CPU seconds, one small marker per seed and method (95%
     Wilson bar of its test problems), one large per method at its seeds' means (95% t intervals both ways). Right:
     each stop method's head AUC per step, the mean over its seeds (thin: each seed), the warm-up shaded."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14.0, 5.5), gridspec_kw={"width_ratios": [1.25, 1.0]})
     shown = list(dict.fromkeys(m for group in summary["stop"].values() for m in group["methods"]))
     for i, m in enumerate(shown):
@@ -355,4 +356,4 @@ def plot_stop(path: pathlib.Path, summary: dict[str, Any], table: dict, meta: di
     fig.suptitle(f"{model} on {meta.get('dataset', '?')}: pruning while generating (issue 38), "
                  f"{first.get('questions', '?')} training questions per seed, G={first.get('group_size', '?')}",
                  fontsize=10)  # fmt: skip
-    _save(plt, fig, path)
+    save_figure(plt, fig, path)
