@@ -252,7 +252,7 @@ def _check_eval_args(args) -> None:
         )
     except ValueError as e:
         message = _as_flags(str(e))
-        close = report.did_you_mean_path(args.model) if message.startswith("--model") else ""
+        close = report.did_you_mean_path(args.model) if getattr(e, "settings", ()) == ("model",) else ""
         raise ValueError(message + close) from None  # checkpoint-00008: a zero short of checkpoint-000008
     _check_not_a_run_folder(args.model)
     try:

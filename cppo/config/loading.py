@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import logging
 import pathlib
-import re
 
 import yaml
 
@@ -103,11 +102,11 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
         config = TrainConfig(**values)
         config.check_sources()
         return config
-    except ValueError as e:  # the checks' messages start with the setting's name: say where it was set
-        name = re.match(r"\w*", str(e)).group()
-        if name not in origin:
+    except ValueError as e:  # the checks mark the settings they refuse (naming): say where those were set
+        where = [origin[name] for name in getattr(e, "settings", ()) if name in origin]
+        if not where:
             raise
-        raise ValueError(f"{origin[name]}: {e}") from None
+        raise ValueError(f"{'; '.join(dict.fromkeys(where))}: {e}") from None
 
 
 def _apply_override(values: dict, origin: dict, item: str) -> None:

@@ -9,9 +9,10 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from .choices import DTYPES, KERNEL_BACKENDS, LORA_TARGET_MODULES, LR_SCHEDULES, MAX_SEED, RESUMABLE
+from .checks import check_components, loss_refusal, positive
+from .choices import LORA_TARGET_MODULES, RESUMABLE
 from .pruning import HoldsPruning, pruning_setting
-from .values import check_type, did_you_mean
+from .values import check_type, did_you_mean, naming
 
 
 def setting(default, help: str, *, factory=None):
@@ -240,41 +241,50 @@ class TrainConfig(HoldsPruning):
                 )
         try:
             return LossConfig(**{**flat, **extra})
-        except ValueError as e:  # an option of the section: name it as the section does
-            name = str(e).split(" ", 1)[0]
-            raise ValueError(f"loss.{e}" if name in extra else str(e)) from None
+        except ValueError as e:
+            raise loss_refusal(LossConfig, flat, extra, e) from None
 
     def validate(self) -> None:
-        """Raises ``ValueError`` naming the first bad setting: each setting's type and range here, then each
-        component's own check of its settings (:func:`_check_components`, imported as it runs)."""
+        """Raises ``ValueError`` naming the first bad setting (and marked with it: :func:`naming`): each setting's type
+        and range here, then each component's own check of its settings (:mod:`cppo.config.checks`, imported as it
+        runs)."""
         from cppo_kernels.config import check_float
 
         for name, hint in field_types().items():
-            check_type(name, getattr(self, name), hint)
-            if isinstance(getattr(self, name), float):
-                check_float(name, getattr(self, name))  # no inf or nan reaches the run
-        _positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
-        _positive(self, "micro_batch_tokens", "num_epochs", "log_every")
+            with naming(name):
+                check_type(name, getattr(self, name), hint)
+                if isinstance(getattr(self, name), float):
+                    check_float(name, getattr(self, name))  # no inf or nan reaches the run
+        positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
+        positive(self, "micro_batch_tokens", "num_epochs", "log_every")
         for name in ("num_steps", "max_questions", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+                with naming(name):
+                    raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
-        if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:
-            raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + max_completion_length "
-                f"= {self.max_prompt_length + self.max_completion_length} (one sequence must fit a micro-batch)"
-            )
+                with naming(name):
+                    raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
+        with naming("group_size"):
+            if self.group_size < 2:
+                raise ValueError(
+                    f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}"
+                )
+        with naming("micro_batch_tokens"):
+            if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:
+                raise ValueError(
+                    f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + "
+                    f"max_completion_length = {self.max_prompt_length + self.max_completion_length} (one sequence must "
+                    "fit a micro-batch)"
+                )
         self.pruning  # noqa: B018  pruning_rate, selection_scope, selection_metric, allocation, questions_per_step
-        if self.max_num_gen_batches < 1:
-            raise ValueError(
-                f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
-                f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
-            )
-        _check_components(self)
+        with naming("max_num_gen_batches"):
+            if self.max_num_gen_batches < 1:
+                raise ValueError(
+                    f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
+                    f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
+                )
+        check_components(self)
 
     @property
     def training_question_seed(self) -> int:
@@ -288,7 +298,8 @@ class TrainConfig(HoldsPruning):
         from ..engines import check_engine_installed
         from .sources import check_model_and_data
 
-        check_engine_installed(self.rollout_backend)
+        with naming("rollout_backend"):
+            check_engine_installed(self.rollout_backend)
         check_model_and_data(
             model=self.model, model_config=self.model_config, dataset=self.dataset,
             dataset_path=self.dataset_path, dtype=self.dtype, device=self.device,
@@ -322,115 +333,3 @@ def loss_field_types() -> dict[str, typing.Any]:
     from cppo_kernels import LossConfig
 
     return typing.get_type_hints(LossConfig)
-
-
-def _check_components(cfg: TrainConfig) -> None:
-    """Each component's check of its own settings (the greso sampler, pruning while generating, the engines, the
-    importance weights, the sinks, the loss, the optimiser, the rewards, the device, LoRA), imported here: they
-    import torch, the settings do not."""
-    from cppo_kernels.config import check_choice, check_float, check_int
-
-    from ..distributed import PARALLELISMS, check_device
-    from ..engines import check_engine_name
-    from ..run import check_report_to
-    from ..step import check_mode
-    from ..tasks import check_arith_eval_limit, check_greso, check_timeout
-
-    check_greso(cfg.greso_target_skip_rate, cfg.greso_min_explore, cfg.greso_adjust_step)
-    _check_rollout_stop(cfg)
-    check_choice("parallelism", cfg.parallelism, PARALLELISMS)
-    check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
-    check_engine_name(cfg.rollout_backend)
-    check_mode(cfg.vllm_importance_sampling_mode)
-    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
-    for name, value in (("clip_min", low), ("clip_max", high)):
-        if value is not None:
-            check_float(f"vllm_importance_sampling_{name}", value, low=0.0)
-    if low is not None and high is not None and low > high:
-        raise ValueError(f"vllm_importance_sampling_clip_min={low} must be <= vllm_importance_sampling_clip_max={high}")
-    check_report_to(cfg.report_to)
-    check_choice("kernel_backend", cfg.kernel_backend, KERNEL_BACKENDS)
-    cfg.loss_config  # noqa: B018  temperature, epsilon_low / high, beta, kl_estimator, loss_agg
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
-    check_float("lr", cfg.lr, low=0.0)
-    check_float("weight_decay", cfg.weight_decay, low=0.0)
-    check_float("max_grad_norm", cfg.max_grad_norm, low=0.0, low_open=True)
-    check_int("max_skipped_updates", cfg.max_skipped_updates, low=1)
-    check_int("seed", cfg.seed, low=0, high=MAX_SEED)
-    if cfg.question_seed is not None:
-        check_int("question_seed", cfg.question_seed, low=0, high=MAX_SEED)
-    if not 0.0 <= cfg.warmup_ratio < 1.0:
-        raise ValueError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
-    if not cfg.rewards:
-        raise ValueError("rewards must name at least one reward function")
-    check_timeout(cfg.reward_timeout)
-    check_arith_eval_limit(cfg.dataset, cfg.eval_limit)
-    check_choice("dtype", cfg.dtype, DTYPES)
-    check_device(cfg.device)
-    _check_lora(cfg)
-
-
-def _check_lora(cfg: TrainConfig) -> None:
-    """The LoRA settings (checked whether or not ``use_peft`` is on: a preset carries them either way)."""
-    from cppo_kernels.config import check_int
-
-    from ..engines import engine_supports
-
-    check_int("lora_r", cfg.lora_r, low=1)
-    check_int("lora_alpha", cfg.lora_alpha, low=1)
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        raise ValueError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    targets = cfg.lora_target_modules
-    if isinstance(targets, str) and targets != "all-linear":
-        raise ValueError(f"lora_target_modules must be a list of module names or all-linear, got {targets!r}")
-    if isinstance(targets, list) and (not targets or ("all-linear" in targets and len(targets) > 1)):
-        raise ValueError(f"lora_target_modules must name at least one module, or be all-linear alone, got {targets}")
-    if cfg.use_peft and not engine_supports(cfg.rollout_backend, "supports_lora"):
-        raise ValueError(
-            f"use_peft: rollout_backend={cfg.rollout_backend!r} cannot generate from a LoRA policy; set "
-            "rollout_backend=hf"
-        )
-
-
-def _check_rollout_stop(cfg: TrainConfig) -> None:
-    """The ``rollout_stop_*`` settings (issue 38): each one's own value; with ``rollout_stop_rate`` > 0 (the feature
-    on) the checkpoint against ``max_completion_length`` and what the feature composes with today. Off, where its
-    checkpoint would fall refuses nothing (issue 49: ``max_completion_length=1`` with the default 0.25)."""
-    from cppo_kernels.config import check_choice, check_float, check_int
-
-    from ..engines import checkpoint_tokens, engine_supports
-    from ..step import SCORERS
-
-    check_float("rollout_stop_rate", cfg.rollout_stop_rate, low=0.0)
-    check_choice("rollout_stop_scorer", cfg.rollout_stop_scorer, SCORERS)
-    check_int("rollout_stop_warmup", cfg.rollout_stop_warmup, low=0)
-    if cfg.rollout_stop_rate == 0.0:
-        return
-    checkpoint_tokens(cfg.rollout_stop_at, cfg.max_completion_length)
-    if cfg.rollout_stop_rate > cfg.pruning_rate:
-        raise ValueError(
-            f"rollout_stop_rate={cfg.rollout_stop_rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection "
-            "after generation keeps (1 - pruning_rate) of each group, which the stopped completions cannot supply"
-        )
-    blockers = {  # fsdp2: the ranks of a sharded policy must decode in lockstep, and stopping rows breaks it
-        "selection_metric": cfg.selection_metric != "smallest", "selection_scope": cfg.selection_scope == "global",
-        "parallelism": cfg.parallelism == "fsdp2",
-    }  # fmt: skip
-    named = [k for k, v in blockers.items() if v]
-    if named:
-        raise ValueError(
-            f"rollout_stop_rate > 0 runs with selection_metric smallest, selection_scope group or batch, "
-            f"parallelism ddp; this config sets {named}"
-        )
-    if not engine_supports(cfg.rollout_backend, "supports_stopping"):
-        raise ValueError(
-            f"rollout_stop_rate > 0: rollout_backend={cfg.rollout_backend!r} cannot stop completions mid-generation; "
-            "set rollout_backend=hf"
-        )
-
-
-def _positive(cfg: TrainConfig, *names: str) -> None:
-    for name in names:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")

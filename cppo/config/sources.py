@@ -7,7 +7,7 @@ import os
 
 from ..fileio import shown_path
 from .choices import DATASETS, DTYPES, HUB_ID_RE, TINY_MODELS
-from .values import did_you_mean
+from .values import did_you_mean, naming
 
 
 def check_model_and_data(
@@ -26,10 +26,25 @@ def check_model_and_data(
 
     from ..distributed import check_device
 
-    check_choice("dtype", dtype, DTYPES)
-    check_device(device)
-    if dataset_path is not None and not os.path.exists(dataset_path):
-        raise ValueError(f"dataset_path {shown_path(dataset_path)} does not exist")
+    with naming("dtype"):
+        check_choice("dtype", dtype, DTYPES)
+    with naming("device"):
+        check_device(device)
+    with naming("dataset_path"):
+        if dataset_path is not None and not os.path.exists(dataset_path):
+            raise ValueError(f"dataset_path {shown_path(dataset_path)} does not exist")
+    with naming("dataset"):
+        _check_dataset(dataset)
+    with naming("model"):
+        _check_model(model)
+    with naming("model_config"):
+        if model_config is not None and not model.startswith("tiny-"):
+            raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
+        if model_config is not None:
+            check_tiny_config(model_config)
+
+
+def _check_dataset(dataset: str) -> None:
     if dataset.endswith(".jsonl") and not os.path.isfile(dataset):
         raise ValueError(f"dataset file {shown_path(dataset)} does not exist")
     if not (dataset in DATASETS or dataset.endswith(".jsonl") or ("/" in dataset and HUB_ID_RE.match(dataset))):
@@ -37,6 +52,9 @@ def check_model_and_data(
             f"dataset {dataset!r} is unknown{did_you_mean(dataset, DATASETS)}: use one of {DATASETS}, a .jsonl file "
             "or a hub dataset owner/name"
         )
+
+
+def _check_model(model: str) -> None:
     if model.endswith(".gguf") and not os.path.isfile(model):
         raise ValueError(f"model file {shown_path(model)} does not exist")
     if model.startswith("tiny-") and model not in TINY_MODELS:
@@ -51,10 +69,6 @@ def check_model_and_data(
             f"model {shown_path(model)} does not exist ({owner}/ is a folder here, so this names a local path, not a "
             "hub model)"
         )
-    if model_config is not None and not model.startswith("tiny-"):
-        raise ValueError("model_config (overrides of the tiny model's config) only applies to a tiny-* model")
-    if model_config is not None:
-        check_tiny_config(model_config)
 
 
 def check_tiny_config(model_config: dict) -> None:

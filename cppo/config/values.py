@@ -4,11 +4,24 @@ name of a misspelt one."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import types
 import typing
 
 import yaml
+
+
+@contextlib.contextmanager
+def naming(*settings: str):
+    """Marks a ``ValueError`` raised inside as one about ``settings`` (its ``settings`` attribute, unless a deeper check
+    marked it already): :func:`cppo.config.load_config` then says where they were set without reading the message."""
+    try:
+        yield
+    except ValueError as e:
+        if not getattr(e, "settings", None):
+            e.settings = settings
+        raise
 
 
 def did_you_mean(name: str, choices) -> str:

@@ -36,7 +36,7 @@ The vocabulary is the kernels' (:data:`cppo_kernels.config.SCOPES`, :data:`cppo_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -94,21 +94,48 @@ class Pruning:
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_int(self._named("group_size"), self.group_size, low=1)
-        check_float(self._named("pruning_rate"), self.pruning_rate, low=0.0)
+        for name, check in self._checks():
+            try:
+                check()
+            except ValueError as e:  # marked with the setting (as cppo.config's checks mark theirs)
+                e.settings = (self._named(name),)
+                raise
+
+    def _checks(self) -> list[tuple[str, Callable[[], object]]]:
+        """Each field's check, in order, with the rule between the metric and the scope."""
+        return [
+            ("group_size", lambda: check_int(self._named("group_size"), self.group_size, low=1)),
+            ("pruning_rate", lambda: check_float(self._named("pruning_rate"), self.pruning_rate, low=0.0)),
+            ("pruning_rate", self._check_rate_below_one),
+            ("scope", lambda: check_choice(self._named("scope"), self.scope, SCOPES)),
+            ("metric", lambda: check_choice(self._named("metric"), self.metric, METRICS)),
+            ("metric", self._check_max_variance),
+            ("scale", lambda: check_choice(self._named("scale"), self.scale, SCALES)),
+            ("allocation", self._check_allocation),
+            (
+                "questions_per_step",
+                lambda: check_int(self._named("questions_per_step"), self.questions_per_step, low=1),
+            ),
+        ]
+
+    def _check_rate_below_one(self) -> None:
         if not self.pruning_rate < 1.0:
             raise ValueError(f"{self._named('pruning_rate')} must be in [0, 1), got {self.pruning_rate}")
-        check_choice(self._named("scope"), self.scope, SCOPES)
-        check_choice(self._named("metric"), self.metric, METRICS)
-        if self.metric == "max-variance" and self.scope != "group":  # PODS' rule is per question
+
+    def _check_max_variance(self) -> None:
+        """PODS' rule keeps each question's subset of largest variance: a per-question rule."""
+        if self.metric == "max-variance" and self.scope != "group":
             raise ValueError(
                 f"{self._named('metric')}='max-variance' keeps each question's subset of largest variance, which "
                 f"needs {self._named('scope')}='group', got {self.scope!r}: set {self._named('scope')}='group'"
             )
-        check_choice(self._named("scale"), self.scale, SCALES)
+
+    def _check_questions(self) -> None:
+        check_int(self._named("questions_per_step"), self.questions_per_step, low=1)
+
+    def _check_allocation(self) -> None:
         if not isinstance(self.allocation, bool):
             raise ValueError(f"{self._named('allocation')} must be true or false, got {self.allocation!r}")
-        check_int(self._named("questions_per_step"), self.questions_per_step, low=1)
 
     def _named(self, name: str) -> str:
         """The setting a field of this policy came from, as its config names it."""
