@@ -1,12 +1,55 @@
-"""The checks of a :class:`~cppo.config.settings.TrainConfig` beyond each setting's type: each component's check of its
-own settings (the engines, the sinks, the loss, pruning while generating, LoRA, ...), imported as it runs (they import
-torch, the settings do not), every refusal marked with the setting it is about (:func:`~cppo.config.values.naming`),
-so that :func:`~cppo.config.load_config` says where that setting was set without reading the message."""
+"""A :class:`~cppo.config.settings.TrainConfig` checked as a whole (:func:`check_config`): each setting's type and
+range, then each component's check of its own settings (the engines, the sinks, the loss, pruning while generating,
+LoRA, ...), imported as it runs (they import torch, the settings do not), every refusal marked with the setting it is
+about (:func:`~cppo.config.values.naming`), so that :func:`~cppo.config.load_config` says where that setting was set
+without reading the message."""
 
 from __future__ import annotations
 
 from .choices import DTYPES, KERNEL_BACKENDS, LR_SCHEDULES, MAX_SEED
-from .values import naming
+from .values import check_type, naming
+
+
+def check_config(cfg, types: dict) -> None:
+    """A :class:`~cppo.config.settings.TrainConfig` checked as a whole (``types``: each setting's type): each
+    setting's type and range, the pruning policy built (:class:`cppo.step.Pruning` checks its settings and their
+    rule), then each component's own check (:func:`check_components`). ``ValueError`` naming the first bad setting,
+    marked with it (:func:`naming`)."""
+    from cppo_kernels.config import check_float
+
+    for name, hint in types.items():
+        with naming(name):
+            check_type(name, getattr(cfg, name), hint)
+            if isinstance(getattr(cfg, name), float):
+                check_float(name, getattr(cfg, name))  # no inf or nan reaches the run
+    positive(cfg, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
+    positive(cfg, "micro_batch_tokens", "num_epochs", "log_every")
+    for name in ("num_steps", "max_questions", "eval_limit"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            with naming(name):
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(cfg, name)}")
+    for name in ("save_every", "eval_every"):
+        if getattr(cfg, name) < 0:
+            with naming(name):
+                raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(cfg, name)}")
+    with naming("group_size"):
+        if cfg.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {cfg.group_size}")
+    with naming("micro_batch_tokens"):
+        if cfg.micro_batch_tokens < cfg.max_prompt_length + cfg.max_completion_length:
+            raise ValueError(
+                f"micro_batch_tokens={cfg.micro_batch_tokens} must be >= max_prompt_length + "
+                f"max_completion_length = {cfg.max_prompt_length + cfg.max_completion_length} (one sequence must "
+                "fit a micro-batch)"
+            )
+    cfg.pruning  # noqa: B018  pruning_rate, selection_scope, selection_metric, allocation, questions_per_step
+    with naming("max_num_gen_batches"):
+        if cfg.max_num_gen_batches < 1:
+            raise ValueError(
+                f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
+                f"unbounded 0 as in verl), got {cfg.max_num_gen_batches}"
+            )
+    check_components(cfg)
 
 
 def loss_refusal(build, flat: dict, extra: dict, refusal: ValueError) -> ValueError:

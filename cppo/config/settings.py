@@ -9,7 +9,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from .checks import check_components, loss_refusal, positive
+from .checks import check_config, loss_refusal
 from .choices import LORA_TARGET_MODULES, RESUMABLE
 from .pruning import HoldsPruning, pruning_setting
 from .values import check_type, did_you_mean, naming
@@ -245,46 +245,10 @@ class TrainConfig(HoldsPruning):
             raise loss_refusal(LossConfig, flat, extra, e) from None
 
     def validate(self) -> None:
-        """Raises ``ValueError`` naming the first bad setting (and marked with it: :func:`naming`): each setting's type
-        and range here, then each component's own check of its settings (:mod:`cppo.config.checks`, imported as it
-        runs)."""
-        from cppo_kernels.config import check_float
-
-        for name, hint in field_types().items():
-            with naming(name):
-                check_type(name, getattr(self, name), hint)
-                if isinstance(getattr(self, name), float):
-                    check_float(name, getattr(self, name))  # no inf or nan reaches the run
-        positive(self, "group_size", "max_prompt_length", "max_completion_length", "questions_per_step", "mu")
-        positive(self, "micro_batch_tokens", "num_epochs", "log_every")
-        for name in ("num_steps", "max_questions", "eval_limit"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                with naming(name):
-                    raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every"):
-            if getattr(self, name) < 0:
-                with naming(name):
-                    raise ValueError(f"{name} must be >= 0 (0 = never), got {getattr(self, name)}")
-        with naming("group_size"):
-            if self.group_size < 2:
-                raise ValueError(
-                    f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}"
-                )
-        with naming("micro_batch_tokens"):
-            if self.micro_batch_tokens < self.max_prompt_length + self.max_completion_length:
-                raise ValueError(
-                    f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_prompt_length + "
-                    f"max_completion_length = {self.max_prompt_length + self.max_completion_length} (one sequence must "
-                    "fit a micro-batch)"
-                )
-        self.pruning  # noqa: B018  pruning_rate, selection_scope, selection_metric, allocation, questions_per_step
-        with naming("max_num_gen_batches"):
-            if self.max_num_gen_batches < 1:
-                raise ValueError(
-                    f"max_num_gen_batches must be >= 1 (generation calls per step with filter_groups; there is no "
-                    f"unbounded 0 as in verl), got {self.max_num_gen_batches}"
-                )
-        check_components(self)
+        """Raises ``ValueError`` naming the first bad setting (and marked with it): the config checked as a whole
+        (:func:`~cppo.config.checks.check_config`: each setting's type and range, then each component's own check of
+        its settings, imported as it runs)."""
+        check_config(self, field_types())
 
     @property
     def training_question_seed(self) -> int:
