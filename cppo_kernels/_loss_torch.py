@@ -378,6 +378,53 @@ def _entropy_block(
     q.scatter_(1, col, torch.where(hit, at - g.unsqueeze(1), at))
 
 
+class _Backward:
+    """The blocks of :func:`logprobs_bwd`: the fp32 head, the scratch blocks it reuses for every ``[n, Vb]`` block
+    (logits, the entropy path's softmax, the cap's slope, the block's dhidden) and the gradients it adds into."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias, f: LogitFactors, grads: tuple, *, entropy: bool):
+        num_tokens, dim = hidden.shape
+        self.hidden, self.f = hidden, f
+        self.w = _fp32(weight)  # [V, H]
+        self.b = None if bias is None else _fp32(bias)  # [V]
+        self.dhidden, self.dweight, self.dbias = grads  # [T, H] in hidden's dtype, fp32 [V, H], fp32 [V] (or None)
+        rows, device = min(BWD_TOKENS, num_tokens), hidden.device
+        self.zbuf = torch.empty(rows * min(BWD_VOCAB, weight.shape[0]), dtype=torch.float32, device=device)  # [Tb*Vb]
+        self.pbuf = torch.empty_like(self.zbuf) if entropy else None  # [Tb * Vb] the entropy path's softmax
+        self.sbuf = None if f.cap_out is None else torch.empty_like(self.zbuf)  # [Tb * Vb] the cap's slope
+        self.dh = None if self.dhidden is None else torch.empty(rows, dim, dtype=torch.float32, device=device)
+
+    def rows(self, start: int, stop: int, tgt: Tensor, lse: Tensor, g: Tensor, ent: tuple | None = None) -> None:
+        """Adds the gradients of the tokens ``start:stop`` (targets ``tgt [n]``, log-sum-exps ``lse [n, 1]``,
+        upstream ``g [n]``; with the entropy's gradient, ``ent``: its upstream and the entropies, ``[n, 1]`` each)."""
+        n, f, w, b, dh = stop - start, self.f, self.w, self.b, self.dh
+        h = _fp32(self.hidden[start:stop])  # [n, H]
+        # with the entropy the block holds the whole -dz: scale by -logit_scale / temperature only
+        neg_g = g * -f.grad_scale if ent is None else torch.full_like(g, -f.grad_scale)  # [n]
+        hs = h * neg_g.unsqueeze(1)  # [n, H]
+        if dh is not None:
+            dh[:n].zero_()
+        for v0 in range(0, w.shape[0], BWD_VOCAB):
+            v1 = min(v0 + BWD_VOCAB, w.shape[0])
+            w_b = w[v0:v1]  # [Vb, H]
+            q = _logits_into(self.zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], f)
+            slope = None if self.sbuf is None else _cap_slope(q, f, self.sbuf[: q.numel()].view_as(q))  # [n, Vb]
+            if ent is None:
+                _softmax_minus_onehot(q, lse, tgt, v0)  # [n, Vb]
+            else:
+                _entropy_block(q, self.pbuf[: q.numel()].view_as(q), lse, tgt, v0, g, *ent)
+            if slope is not None:
+                q.mul_(slope)
+            if dh is not None:
+                dh[:n].addmm_(q, w_b)
+            if self.dweight is not None:
+                self.dweight[v0:v1].addmm_(q.t(), hs)
+            if self.dbias is not None:
+                self.dbias[v0:v1].addmv_(q.t(), neg_g)
+        if dh is not None:
+            self.dhidden[start:stop].copy_(dh[:n].mul_(neg_g.unsqueeze(1)))
+
+
 def logprobs_bwd(
     hidden: Tensor,
     weight: Tensor,
@@ -409,49 +456,17 @@ def logprobs_bwd(
     device = hidden.device
     f = logit_factors(temperature, logit_scale, softcap)
     needs_bias_grad = needs_bias_grad and bias is not None
-    w = _fp32(weight)  # [V, H]
-    b = None if bias is None else _fp32(bias)  # [V]
     dhidden = torch.empty_like(hidden) if needs_hidden_grad else None  # [T, H]
     dweight = torch.zeros(vocab, dim, dtype=torch.float32, device=device) if needs_weight_grad else None  # [V, H]
     dbias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs_bias_grad else None  # [V]
     if num_tokens > 0 and (needs_hidden_grad or needs_weight_grad or needs_bias_grad):
-        rows = min(BWD_TOKENS, num_tokens)
-        zbuf = torch.empty(rows * min(BWD_VOCAB, vocab), dtype=torch.float32, device=device)  # [Tb * Vb]
-        pbuf = None if grad_entropy is None else torch.empty_like(zbuf)  # [Tb * Vb] the entropy path's softmax
-        sbuf = None if f.cap_out is None else torch.empty_like(zbuf)  # [Tb * Vb] the cap's slope
-        dh = torch.empty(rows, dim, dtype=torch.float32, device=device) if needs_hidden_grad else None  # [Tb, H]
+        blocks = _Backward(hidden, weight, bias, f, (dhidden, dweight, dbias), entropy=grad_entropy is not None)
         for start in range(0, num_tokens, BWD_TOKENS):
             stop = min(start + BWD_TOKENS, num_tokens)
-            n = stop - start
-            h = _fp32(hidden[start:stop])  # [n, H]
-            tgt = targets[start:stop].long()  # [n]
             g = grad_logp[start:stop].float()  # [n]
-            if pbuf is not None:  # the block holds the whole -dz: scale by -logit_scale / temperature only
-                g_ent, ent = grad_entropy[start:stop].unsqueeze(1), entropy[start:stop].unsqueeze(1)  # [n, 1]
-                neg_g = torch.full_like(g, -f.grad_scale)
+            if grad_entropy is not None:
+                ent = (grad_entropy[start:stop].unsqueeze(1), entropy[start:stop].unsqueeze(1))  # [n, 1] each
+                blocks.rows(start, stop, targets[start:stop].long(), lse[start:stop].unsqueeze(1), g, ent)
             else:
-                neg_g = g * -f.grad_scale  # [n]
-            hs = h * neg_g.unsqueeze(1)  # [n, H]
-            lse_c = lse[start:stop].unsqueeze(1)  # [n, 1]
-            if dh is not None:
-                dh[:n].zero_()
-            for v0 in range(0, vocab, BWD_VOCAB):
-                v1 = min(v0 + BWD_VOCAB, vocab)
-                w_b = w[v0:v1]  # [Vb, H]
-                q = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h, w_b, None if b is None else b[v0:v1], f)
-                slope = None if sbuf is None else _cap_slope(q, f, sbuf[: q.numel()].view_as(q))  # [n, Vb]
-                if pbuf is None:
-                    _softmax_minus_onehot(q, lse_c, tgt, v0)  # [n, Vb]
-                else:
-                    _entropy_block(q, pbuf[: q.numel()].view_as(q), lse_c, tgt, v0, g, g_ent, ent)
-                if slope is not None:
-                    q.mul_(slope)
-                if dh is not None:
-                    dh[:n].addmm_(q, w_b)
-                if dweight is not None:
-                    dweight[v0:v1].addmm_(q.t(), hs)
-                if dbias is not None:
-                    dbias[v0:v1].addmv_(q.t(), neg_g)
-            if dh is not None:
-                dhidden[start:stop].copy_(dh[:n].mul_(neg_g.unsqueeze(1)))
+                blocks.rows(start, stop, targets[start:stop].long(), lse[start:stop].unsqueeze(1), g)
     return dhidden, *_cast_grads(dweight, dbias, weight, bias)
