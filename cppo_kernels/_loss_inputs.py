@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._carriers import LossInputs
+from ._policy import Batch, batch_constants
 from .config import LossConfig, check_float
 
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -169,65 +171,50 @@ def _layout(xname: str, x: Tensor, cu_seqlens, mask, checks: Checks) -> _Layout:
 
 
 class Packed(NamedTuple):
-    """The inputs in the packed layout: rows ``x`` and their per-token / per-sequence tensors."""
+    """The inputs in the packed layout: rows ``x`` and the packed :class:`LossInputs` (``cu_seqlens`` set, ``mask``
+    None, every per-token tensor ``[T]``)."""
 
     x: Tensor  # [T, D] ([B*L, D] with gather_rows=False)
-    targets: Tensor  # [T] ([B*L] with gather_rows=False)
-    advantages: Tensor  # [S]
-    cu_seqlens: Tensor  # [S+1] int64
-    old_logprobs: Tensor | None  # [T]
-    ref_logprobs: Tensor | None  # [T]
+    inputs: LossInputs  # targets [T] ([B*L] with gather_rows=False), cu_seqlens [S+1] int64
     flat: Tensor | None  # [T] indices of the valid rows of the flattened [B*L] padded layout; None when packed
-    importance_weights: Tensor | None = None  # [T] per token or [S] per sequence
-    sampling_logprobs: Tensor | None = None  # [T]
     weights_per_seq: bool = False  # importance_weights is [S]
 
+    def batch(self, num_tokens: int) -> Batch:
+        """The fp32 per-token constants of the policy math (:func:`cppo_kernels._policy.batch_constants`)."""
+        return batch_constants(self.inputs, num_tokens, weights_per_seq=self.weights_per_seq)
 
-def pack(
-    xname: str,
-    x,
-    targets,
-    advantages,
-    *,
-    cu_seqlens,
-    mask,
-    old_logprobs,
-    ref_logprobs,
-    cfg: LossConfig,
-    gather_rows: bool,
-    importance_weights=None,
-    sampling_logprobs=None,
-) -> tuple[Packed, Checks]:
-    """Validates the per-token arguments of a loss over rows ``x`` (``hidden`` or ``logits``, named ``xname``) and
-    converts the padded layout to the packed one.
+
+def pack(xname: str, x, inputs: LossInputs, *, cfg: LossConfig, gather_rows: bool) -> tuple[Packed, Checks]:
+    """Validates the per-token arguments ``inputs`` of a loss over rows ``x`` (``hidden`` or ``logits``, named
+    ``xname``) and converts the padded layout to the packed one.
 
     Shapes and dtypes are checked here; value checks go into the returned :class:`Checks` (the caller adds its
     own and raises them). With ``gather_rows=False`` the rows of ``x`` stay in the padded layout (``[B*L, D]``).
     """
-    if cfg.beta > 0 and ref_logprobs is None:
+    if cfg.beta > 0 and inputs.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
     checks = Checks()
     x = check_tensor(xname, x)
     if not x.is_floating_point():
         raise ValueError(f"{xname} must have a floating dtype, got {x.dtype}")
-    layout = _layout(xname, x, cu_seqlens, mask, checks)
-    targets = check_targets(targets, layout.lead, x.device, layout.what)
-    advantages = check_tensor("advantages", advantages, device=x.device)
+    layout = _layout(xname, x, inputs.cu_seqlens, inputs.mask, checks)
+    targets = check_targets(inputs.targets, layout.lead, x.device, layout.what)
+    advantages = check_tensor("advantages", inputs.advantages, device=x.device)
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must have a floating dtype, got {advantages.dtype}")
     num_seqs = layout.cu_seqlens.numel() - 1
     _shape("advantages", advantages, (num_seqs,), "[S]" if layout.flat is None else "[B]")
     checks.finite("advantages", advantages)
     logprobs = {}
-    for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        lp = _per_token(name, lp, layout, x.device)
+    for name in ("old_logprobs", "ref_logprobs"):
+        lp = _per_token(name, getattr(inputs, name), layout, x.device)
         if lp is not None:
             checks.finite(name, lp)
         logprobs[name] = lp
-    sampling = _per_token("sampling_logprobs", sampling_logprobs, layout, x.device)
+    sampling = _per_token("sampling_logprobs", inputs.sampling_logprobs, layout, x.device)
     if sampling is not None and sampling.numel():  # NaN marks a token the sampler did not score (TRL's rule)
         checks.add(torch.isinf(sampling).any(), lambda: "sampling_logprobs must not hold inf (NaN: not scored)")
-    weights, per_seq = _importance_weights(importance_weights, layout, num_seqs, x.device)
+    weights, per_seq = _importance_weights(inputs.importance_weights, layout, num_seqs, x.device)
     if weights is not None and weights.numel():
         checks.add(
             ~(torch.isfinite(weights) & (weights >= 0)).all(),
@@ -238,9 +225,11 @@ def pack(
         x = x.reshape(-1, x.shape[-1])
         if gather_rows:
             x, targets = x[layout.flat], targets[layout.flat]
-    lps = logprobs.values()
-    packed = Packed(x, targets, advantages, layout.cu_seqlens, *lps, layout.flat, weights, sampling, per_seq)
-    return packed, checks
+    packed = LossInputs(
+        targets, advantages, cu_seqlens=layout.cu_seqlens, importance_weights=weights, sampling_logprobs=sampling,
+        **logprobs,
+    )  # fmt: skip
+    return Packed(x, packed, layout.flat, per_seq), checks
 
 
 def _per_token(name: str, x, layout: _Layout, device: torch.device) -> Tensor | None:

@@ -10,7 +10,7 @@ from torch import Tensor
 from ._dispatch import use_triton
 from .config import LossConfig, check_choice
 
-__all__ = ["MODES", "MODE_RULES", "resolve_mode", "check_mode", "call_mode", "wants_grad"]
+__all__ = ["MODES", "MODE_RULES", "resolve_mode", "check_mode", "call_mode", "whole_sequence_tokens", "wants_grad"]
 
 # --------------------------------------------------------------------------------------------
 # Execution modes
@@ -75,9 +75,7 @@ def call_mode(
         return "two-pass"
     if cfg.sequence_rule is None:
         return "grad-in-forward"
-    from ._loss_torch import chunk_tokens
-
-    chunk = chunk_tokens(hidden.device)
+    chunk = whole_sequence_tokens(hidden.device)
     cpu = hidden.device.type == "cpu"  # (the lengths are read back only there: no device sync on an accelerator)
     longest = int(lengths.max()) if cpu and lengths is not None and lengths.numel() else 0
     if cpu and longest <= chunk:
@@ -86,9 +84,21 @@ def call_mode(
         got = f"a sequence of {longest} tokens" if cpu else f"a {hidden.device.type} call"
         raise ValueError(
             f"mode='grad-in-forward' runs {cfg.sequence_rule} in chunks of whole sequences, on the CPU only, each "
-            f"sequence at most {chunk} tokens: got {got} (mode='auto' or 'two-pass')"
+            f"sequence at most {whole_sequence_tokens(torch.device('cpu'))} tokens: got {got} (mode='auto' or "
+            "'two-pass')"
         )
     return "two-pass"
+
+
+def whole_sequence_tokens(device: torch.device) -> int:
+    """The longest sequence gradient-in-forward takes whole on ``device``, for the options of
+    :attr:`LossConfig.sequence_rule`: on the CPU the forward's chunk (:func:`cppo_kernels._loss_torch.chunk_tokens`);
+    0 elsewhere (there those options run two-pass). A benchmark sizes its sequences with it."""
+    if torch.device(device).type != "cpu":
+        return 0
+    from ._loss_torch import chunk_tokens
+
+    return chunk_tokens(torch.device(device))
 
 
 def wants_grad(*tensors: Tensor | None) -> bool:

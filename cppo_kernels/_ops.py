@@ -13,7 +13,10 @@ Three ops (``torch.ops.cppo_kernels.*``), each with a fake (meta) implementation
 
 Schemas are stable under new options: the loss and head options travel as one string and one tensor
 (:func:`encode`; :func:`decode` reads them back), so a new scalar option (a :class:`cppo_kernels.LossConfig` field,
-a head transform's float) needs no schema change; a new optional tensor is one more ``Tensor?`` argument. The string
+a head transform's float) needs no schema change; the loss's tensors are the LM head's and the fields of
+:class:`cppo_kernels._carriers.LossInputs`, so a new input (a field there) is one more ``Tensor?`` argument of the
+schema built from them (:func:`_loss_schema`), flattened and read back by one helper pair (:func:`_loss_args`,
+:func:`_loss_call`). The string
 holds the options that choose code (names, bools, None) as ``name=repr(value)``; every number (a float or int
 option) travels as data, in a float64 CPU tensor, and is never formatted into the string. Dynamo traces a number
 that can change as a symbol (every number under ``dynamic=True``; under the default ``dynamic=None``, one whose
@@ -42,6 +45,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ._carriers import LossInputs
 from .config import LOSS_OPTIONS, LossConfig
 
 #: The eager functions behind the ops, registered by the modules that define them (:func:`implements`): this module
@@ -178,8 +182,10 @@ def _metric_names(key: str) -> tuple[str, ...]:
 def _probe_metric_names(cfg: LossConfig) -> tuple[str, ...]:
     one = torch.zeros(1, 1)
     zero = torch.zeros(1)
-    kwargs = dict(cu_seqlens=torch.tensor([0, 1]), mask=None, old_logprobs=zero, ref_logprobs=zero, bias=None)
-    _, metrics = _EAGER["loss"](one, one, torch.zeros(1, dtype=torch.long), zero, **kwargs, cfg=cfg, mode="two-pass")
+    inputs = LossInputs(
+        torch.zeros(1, dtype=torch.long), zero, cu_seqlens=torch.tensor([0, 1]), old_logprobs=zero, ref_logprobs=zero
+    )
+    _, metrics = _EAGER["loss"](one, one, inputs, bias=None, cfg=cfg, mode="two-pass")
     return tuple(metrics)
 
 
@@ -200,33 +206,40 @@ def _autograd_dispatch() -> Iterator[None]:
         yield
 
 
-@torch.library.custom_op(f"{_NS}::fused_cppo_loss", mutates_args=())
-def _loss_op(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    advantages: Tensor,
-    cu_seqlens: Tensor | None,
-    mask: Tensor | None,
-    old_logprobs: Tensor | None,
-    ref_logprobs: Tensor | None,
-    bias: Tensor | None,
-    importance_weights: Tensor | None,
-    sampling_logprobs: Tensor | None,
-    options: str,
-    numbers: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+#: The loss op's arguments: the LM head's tensors (their gradients are the op's outputs), the fields of
+#: :class:`LossInputs` in their order, then :func:`encode`'s ``(options, numbers)``.
+_HEAD = ("hidden", "weight", "bias")
+
+
+def _loss_schema() -> str:
+    """The op's schema, from :class:`LossInputs`: a field with a default is an optional tensor (``Tensor?``)."""
+    optional = {"bias", *LossInputs._field_defaults}
+    tensors = [f"Tensor{'?' if name in optional else ''} {name}" for name in (*_HEAD, *LossInputs._fields)]
+    return f"({', '.join(tensors)}, str options, Tensor numbers) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+def _loss_args(head: tuple[Tensor, Tensor, Tensor | None], inputs: LossInputs, options: str, numbers: Tensor) -> tuple:
+    """The op's flat arguments of ``(hidden, weight, bias)``, the carrier and the encoded options."""
+    return (*head, *inputs, options, numbers)
+
+
+def _loss_call(args: tuple) -> tuple[tuple[Tensor, Tensor, Tensor | None], LossInputs, str, Tensor]:
+    """:func:`_loss_args` read back: ``((hidden, weight, bias), inputs, options, numbers)``."""
+    head, tensors, (options, numbers) = args[:3], args[3:-2], args[-2:]
+    return head, LossInputs(*tensors), options, numbers
+
+
+@torch.library.custom_op(f"{_NS}::fused_cppo_loss", mutates_args=(), schema=_loss_schema())
+def _loss_op(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, metrics [M], dhidden, dweight, dbias)``: the eager loss and its gradients (an empty tensor for a
-    gradient not wanted), computed here; the metrics in the order of :func:`metric_names`. ``options``,
-    ``numbers``: :func:`encode`'s of the loss options, the mode, ``needs`` and ``head.*`` (:func:`compiled_loss`)."""
+    gradient not wanted), computed here; the metrics in the order of :func:`metric_names`. Arguments:
+    :func:`_loss_args` (``options``, ``numbers``: :func:`encode`'s of the loss options, the mode, ``needs`` and
+    ``head.*``, :func:`compiled_loss`)."""
+    params, inputs, options, numbers = _loss_call(args)
     cfg, mode, needs, head = _split(decode(options, numbers))
     with _autograd_dispatch(), torch.enable_grad():
-        leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip((hidden, weight, bias), needs)]
-        loss, metrics = _EAGER["loss"](
-            leaves[0], leaves[1], targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=leaves[2], importance_weights=importance_weights,
-            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
-        )  # fmt: skip
+        leaves = [None if x is None else x.detach().requires_grad_(n) for x, n in zip(params, needs)]
+        loss, metrics = _EAGER["loss"](leaves[0], leaves[1], inputs, bias=leaves[2], cfg=cfg, mode=mode, **head)
         wanted = [x for x, n in zip(leaves, needs) if n and x is not None]
         grads = [None] * len(wanted)
         if wanted and loss.requires_grad:
@@ -234,7 +247,7 @@ def _loss_op(
     grads, out = iter(grads), []
     for x, n in zip(leaves, needs):
         if not n or x is None:
-            out.append(hidden.new_empty(0))  # not wanted: the fake's empty tensor
+            out.append(params[0].new_empty(0))  # not wanted: the fake's empty tensor
             continue
         g = next(grads)
         out.append(torch.zeros_like(x, memory_format=torch.contiguous_format) if g is None else g.detach())
@@ -242,23 +255,22 @@ def _loss_op(
 
 
 @_loss_op.register_fake
-def _loss_fake(
-    hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
-    sampling_logprobs, options, numbers,
-):  # fmt: skip
+def _loss_fake(*args):
+    params, _, options, _ = _loss_call(args)
     decoded = decode(options)  # the constants: the numbers are data, not read here
     needs, num_metrics = _needs(decoded), len(_metric_names(decoded["metrics"]))
+    hidden = params[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     grads = [
         torch.empty_like(x, memory_format=torch.contiguous_format) if n and x is not None else hidden.new_empty(0)
-        for x, n in zip((hidden, weight, bias), needs)
+        for x, n in zip(params, needs)
     ]
     return (torch.empty((), **f32), torch.empty(num_metrics, **f32), *grads)
 
 
 def _loss_setup(ctx, inputs, output) -> None:
-    needs = _needs(decode(inputs[-2]))
-    ctx.needs = [n and x is not None for x, n in zip((inputs[0], inputs[1], inputs[8]), needs)]
+    params, _, options, _ = _loss_call(inputs)
+    ctx.needs = [n and x is not None for x, n in zip(params, _needs(decode(options)))]
     ctx.save_for_backward(*output[2:])
 
 
@@ -273,16 +285,16 @@ def _loss_backward(ctx, grad_loss, *_unused):
             "fused_cppo_loss does not support double backward (create_graph=True): its backward is not "
             "differentiable; for second derivatives use cppo_loss_from_logits on materialised logits"
         )
-    dhidden, dweight, dbias = (g * grad_loss if n else None for g, n in zip(ctx.saved_tensors, ctx.needs))
-    return dhidden, dweight, None, None, None, None, None, None, dbias, None, None, None, None
+    grads = (g * grad_loss if n else None for g, n in zip(ctx.saved_tensors, ctx.needs))
+    return *grads, *(None,) * (len(LossInputs._fields) + 2)  # the head's gradients; none for the rest
 
 
 _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup)
 
 
-def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias,
-                  importance_weights=None, sampling_logprobs=None, cfg: LossConfig, mode: str,
-                  **head) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+def compiled_loss(
+    hidden, weight, inputs: LossInputs, *, bias, cfg: LossConfig, mode: str, **head
+) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`cppo_kernels.fused_cppo_loss` as one ``cppo_kernels::fused_cppo_loss`` node (its compiled path).
 
     ``head``: scalar keywords of the LM head's logit transform, handed to :func:`cppo_kernels.loss.eager_loss` as
@@ -294,10 +306,7 @@ def compiled_loss(hidden, weight, targets, advantages, *, cu_seqlens, mask, old_
         **{k: getattr(cfg, k) for k in LOSS_OPTIONS}, mode=mode, needs=needs, metrics=key,
         **{f"head.{k}": v for k, v in head.items()},
     )  # fmt: skip
-    loss, metrics, *_ = _loss_op(
-        hidden, weight, targets, advantages, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, importance_weights,
-        sampling_logprobs, options, numbers,
-    )  # fmt: skip
+    loss, metrics, *_ = _loss_op(*_loss_args((hidden, weight, bias), inputs, options, numbers))
     names = metric_names(key).split(",")
     metrics = metrics.detach()  # as the eager metrics: no gradient
     return loss, {name: metrics[i] for i, name in enumerate(names)}

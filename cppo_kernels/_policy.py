@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._carriers import LossInputs
 from .config import LossConfig
 
 #: ``entropy_threshold_fn``: the call's detached fp32 token entropies ``[T]`` -> the entropy mask's cut.
@@ -72,22 +73,13 @@ class Batch(NamedTuple):
     sampling: Tensor | None = None  # [T] log-probs of the sampler (the off-policy mask; default: old)
 
 
-def batch_constants(
-    advantages: Tensor,
-    cu_seqlens: Tensor,
-    old_logprobs: Tensor | None,
-    ref_logprobs: Tensor | None,
-    num_tokens: int,
-    *,
-    importance_weights: Tensor | None = None,
-    weights_per_seq: bool = False,
-    sampling_logprobs: Tensor | None = None,
-) -> Batch:
-    """The :class:`Batch` of packed per-sequence ``advantages [S]`` / ``cu_seqlens [S+1]``, per-token
-    ``old_logprobs`` / ``ref_logprobs`` / ``sampling_logprobs [T]`` and ``importance_weights`` (``[T]`` per token,
-    or ``[S]`` per sequence with ``weights_per_seq``), in fp32."""
-    num_seqs = advantages.numel()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)  # [S]
+def batch_constants(inputs: LossInputs, num_tokens: int, *, weights_per_seq: bool = False) -> Batch:
+    """The :class:`Batch` of the packed ``inputs`` (:class:`cppo_kernels._carriers.LossInputs`: per-sequence
+    ``advantages [S]`` / ``cu_seqlens [S+1]``, per-token ``old_logprobs`` / ``ref_logprobs`` / ``sampling_logprobs
+    [T]`` and ``importance_weights``, ``[T]`` per token or ``[S]`` per sequence with ``weights_per_seq``; the targets
+    are not read), in fp32."""
+    num_seqs = inputs.advantages.numel()
+    lengths = (inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).to(torch.long)  # [S]
     # output_size: no device sync to size the result (this runs on the training hot path).
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=lengths.device), lengths, output_size=num_tokens)
 
@@ -95,18 +87,18 @@ def batch_constants(
         return None if x is None else x.detach().to(torch.float32)
 
     weight = log_sums = None
-    if importance_weights is not None:
-        w = fp32(importance_weights)  # [T] or [S]
+    if inputs.importance_weights is not None:
+        w = fp32(inputs.importance_weights)  # [T] or [S]
         log_w = torch.log(w).clamp(VESPO_LOG_W_MIN, LOG_RATIO_BOUND)
         if not weights_per_seq:
             weight = w
             log_sums = torch.zeros(num_seqs, device=w.device).index_add(0, seq_of, log_w)  # [S]
         else:
             weight, log_sums = w[seq_of], log_w
-    adv = fp32(advantages)  # [S]
+    adv = fp32(inputs.advantages)  # [S]
     return Batch(
-        adv[seq_of], adv, fp32(old_logprobs), fp32(ref_logprobs), seq_of, lengths, num_seqs,
-        weight, log_sums, fp32(sampling_logprobs),
+        adv[seq_of], adv, fp32(inputs.old_logprobs), fp32(inputs.ref_logprobs), seq_of, lengths, num_seqs,
+        weight, log_sums, fp32(inputs.sampling_logprobs),
     )  # fmt: skip
 
 
@@ -398,34 +390,23 @@ def sequence_slice(batch: Batch, s0: int, s1: int, start: int, stop: int) -> Bat
 
 def policy_loss(
     logp: Tensor,
-    advantages: Tensor,
-    cu_seqlens: Tensor,
+    batch: Batch,
     *,
-    old_logprobs: Tensor | None,
-    ref_logprobs: Tensor | None,
     entropy: Tensor | None,
     config: LossConfig,
-    importance_weights: Tensor | None = None,
-    weights_per_seq: bool = False,
-    sampling_logprobs: Tensor | None = None,
     entropy_threshold_fn: ThresholdFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The CPPO/GRPO policy loss from per-token log-probs in the packed layout (inputs already validated), with
     gradients by autograd to ``logp`` (and to ``entropy`` with ``entropy_coef``) only.
 
-    ``logp [T]`` fp32 (differentiable), ``advantages [S]``, ``cu_seqlens [S+1]`` int64, ``old_logprobs`` /
-    ``ref_logprobs`` / ``sampling_logprobs`` / ``entropy [T]`` (``entropy`` given when ``config.needs_entropy``),
-    ``importance_weights [T]`` (``[S]`` with ``weights_per_seq``): the per-token terms of :func:`token_terms` (with
+    ``logp [T]`` fp32 (differentiable), ``batch`` the per-token constants of :func:`batch_constants`, ``entropy
+    [T]`` (given when ``config.needs_entropy``): the per-token terms of :func:`token_terms` (with
     ``importance_sampling="sequence"`` every token of s uses the mean log-ratio of s) times the masks and weights of
     :func:`token_mask`, aggregated by :func:`aggregate`, minus the :func:`entropy_bonus`.
 
     Returns ``(loss, metrics)``: the fp32 scalar loss and the detached fp32 scalars of :func:`metrics`.
     """
     cfg = config
-    batch = batch_constants(
-        advantages, cu_seqlens, old_logprobs, ref_logprobs, logp.numel(),
-        importance_weights=importance_weights, weights_per_seq=weights_per_seq, sampling_logprobs=sampling_logprobs,
-    )  # fmt: skip
     per_token, ratio, kl, phi, ent_mask = policy_terms(logp, batch, cfg, entropy, entropy_threshold_fn)
     loss = aggregate(per_token, batch, cfg)
     out = metrics(logp, ratio, batch, kl, entropy, cfg, policy=loss, phi=phi, ent_mask=ent_mask)

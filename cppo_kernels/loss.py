@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._carriers import LossInputs, takes_loss_inputs
 from ._dispatch import backend_module
 from ._loss_autograd import FusedLogProbs, GradInForward
 from ._loss_inputs import (
     Checks,
+    HeadTransform,
     Packed,
     check_head,
     check_logit_transform,
@@ -45,29 +47,26 @@ from ._loss_modes import (
     check_mode,
     resolve_mode,
     wants_grad,
+    whole_sequence_tokens,
 )
 from ._ops import compiled_logprobs, compiled_loss, implements
-from ._policy import ThresholdFn, batch_constants, check_threshold_fn, metrics, policy_loss
-from .config import LossConfig, check_choice, loss_config
+from ._policy import ThresholdFn, check_threshold_fn, metrics, policy_loss
+from .config import LossConfig, loss_config
 
-__all__ = ["fused_cppo_loss", "fused_logprobs", "cppo_loss_from_logits", "FusedCPPOLoss", "MODES", "MODE_RULES"]
+__all__ = [
+    "fused_cppo_loss",
+    "fused_logprobs",
+    "cppo_loss_from_logits",
+    "FusedCPPOLoss",
+    "MODES",
+    "MODE_RULES",
+    "whole_sequence_tokens",
+]
 
 
 def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfig, threshold_fn=None):
     """:func:`cppo_kernels._policy.policy_loss` on the packed per-token log-probs."""
-    return policy_loss(
-        logp,
-        p.advantages,
-        p.cu_seqlens,
-        old_logprobs=p.old_logprobs,
-        ref_logprobs=p.ref_logprobs,
-        entropy=entropy,
-        config=cfg,
-        importance_weights=p.importance_weights,
-        weights_per_seq=p.weights_per_seq,
-        sampling_logprobs=p.sampling_logprobs,
-        entropy_threshold_fn=threshold_fn,
-    )
+    return policy_loss(logp, p.batch(logp.numel()), entropy=entropy, config=cfg, entropy_threshold_fn=threshold_fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,19 +74,13 @@ def _policy_loss(p: Packed, logp: Tensor, entropy: Tensor | None, cfg: LossConfi
 # --------------------------------------------------------------------------------------------
 
 
+@takes_loss_inputs
 def fused_cppo_loss(
     hidden: Tensor,
     weight: Tensor,
-    targets: Tensor,
-    advantages: Tensor,
+    inputs: LossInputs,
     *,
-    cu_seqlens: Tensor | None = None,
-    mask: Tensor | None = None,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
     bias: Tensor | None = None,
-    importance_weights: Tensor | None = None,
-    sampling_logprobs: Tensor | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_threshold_fn: ThresholdFn | None = None,
@@ -180,56 +173,48 @@ def fused_cppo_loss(
     cfg = loss_config("fused_cppo_loss", config, options)
     check_mode(mode, cfg)
     check_threshold_fn(entropy_threshold_fn, cfg)
-    head = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)._asdict()
+    head = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
+    return _loss(hidden, weight, inputs, bias=bias, cfg=cfg, mode=mode, head=head, threshold_fn=entropy_threshold_fn)
+
+
+def _loss(
+    hidden, weight, inputs: LossInputs, *, bias, cfg: LossConfig, mode: str, head: HeadTransform,
+    threshold_fn: ThresholdFn | None,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """:func:`fused_cppo_loss` with its options checked: the eager body, or the one custom-op node when compiling."""
     if torch.compiler.is_compiling():  # one cppo_kernels::fused_cppo_loss node, validated inside (cppo_kernels._ops)
-        if entropy_threshold_fn is not None:
+        if threshold_fn is not None:
             raise ValueError(
                 "entropy_threshold_fn is not supported under torch.compile (a Python callable cannot enter the "
                 "cppo_kernels::fused_cppo_loss op): call the loss eagerly, or leave the cut to the call's quantile"
             )
-
-        return compiled_loss(
-            hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
-            sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, **head,
-        )  # fmt: skip
+        return compiled_loss(hidden, weight, inputs, bias=bias, cfg=cfg, mode=mode, **head._asdict())
     return eager_loss(
-        hidden, weight, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, bias=bias, importance_weights=importance_weights,
-        sampling_logprobs=sampling_logprobs, cfg=cfg, mode=mode, entropy_threshold_fn=entropy_threshold_fn, **head,
-    )  # fmt: skip
+        hidden, weight, inputs, bias=bias, cfg=cfg, mode=mode, entropy_threshold_fn=threshold_fn, **head._asdict()
+    )
 
 
 @implements("loss")
 def eager_loss(
-    hidden, weight, targets, advantages, *, cu_seqlens, mask, old_logprobs, ref_logprobs, bias, cfg: LossConfig,
-    mode: str, logit_scale: float = 1.0, logit_softcap: float | None = None,
-    importance_weights: Tensor | None = None, sampling_logprobs: Tensor | None = None,
-    entropy_threshold_fn: ThresholdFn | None = None,
+    hidden, weight, inputs: LossInputs, *, bias, cfg: LossConfig, mode: str, logit_scale: float = 1.0,
+    logit_softcap: float | None = None, entropy_threshold_fn: ThresholdFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The body of :func:`fused_cppo_loss` after its options are checked (``cfg``, ``mode``, the head's transform
     ``logit_scale`` / ``logit_softcap``): validation, packing, the mode's autograd Function. Also the real
     implementation of the ``cppo_kernels::fused_cppo_loss`` op."""
     transform = (logit_scale, logit_softcap)
-    p, checks = pack(
-        "hidden", hidden, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=True, importance_weights=importance_weights,
-        sampling_logprobs=sampling_logprobs,
-    )  # fmt: skip
+    p, checks = pack("hidden", hidden, inputs, cfg=cfg, gather_rows=True)
     check_head(p.x, weight, bias)
-    checks.in_range(p.targets, weight.shape[0])
+    checks.in_range(p.inputs.targets, weight.shape[0])
     checks.raise_first()
     h = p.x.contiguous()  # [T, H]
     head = (weight.contiguous(), None if bias is None else bias.contiguous())  # [V, H], [V]
-    tgt = p.targets.to(torch.int64).contiguous()  # [T]
-    run = call_mode(mode, cfg, h, head, p.cu_seqlens[1:] - p.cu_seqlens[:-1])
+    tgt = p.inputs.targets.to(torch.int64).contiguous()  # [T]
+    cu = p.inputs.cu_seqlens  # [S+1]
+    run = call_mode(mode, cfg, h, head, cu[1:] - cu[:-1])
     backend = backend_module("loss", h, mode=run)
     if run == "grad-in-forward":
-        batch = batch_constants(
-            p.advantages, p.cu_seqlens, p.old_logprobs, p.ref_logprobs, h.shape[0],
-            importance_weights=p.importance_weights, weights_per_seq=p.weights_per_seq,
-            sampling_logprobs=p.sampling_logprobs,
-        )  # fmt: skip
+        batch = p.batch(h.shape[0])
         loss, logp, ratio, kl, entropy, phi = GradInForward.apply(h, *head, tgt, batch, cfg, backend, transform)
         return loss, metrics(logp, ratio, batch, kl, entropy, cfg, policy=loss, phi=phi)
     entropy_grad = cfg.entropy_coef != 0.0 and wants_grad(h, *head)
@@ -312,17 +297,11 @@ def eager_logprobs(
     return (logp, entropy.reshape(lead)) if cfg.compute_entropy else logp
 
 
+@takes_loss_inputs
 def cppo_loss_from_logits(
     logits: Tensor,
-    targets: Tensor,
-    advantages: Tensor,
+    inputs: LossInputs,
     *,
-    cu_seqlens: Tensor | None = None,
-    mask: Tensor | None = None,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    importance_weights: Tensor | None = None,
-    sampling_logprobs: Tensor | None = None,
     entropy_threshold_fn: ThresholdFn | None = None,
     config: LossConfig | None = None,
     **options: Any,
@@ -341,11 +320,7 @@ def cppo_loss_from_logits(
         ``(loss, metrics)`` as :func:`fused_cppo_loss`, the loss with gradients to ``logits``.
     """
     cfg = loss_config("cppo_loss_from_logits", config, options)
-    p, checks = pack(
-        "logits", logits, targets, advantages, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, cfg=cfg, gather_rows=False, importance_weights=importance_weights,
-        sampling_logprobs=sampling_logprobs,
-    )  # fmt: skip
+    p, checks = pack("logits", logits, inputs, cfg=cfg, gather_rows=False)
     check_threshold_fn(entropy_threshold_fn, cfg)
     logp, entropy = _logits_logprobs(p, checks, cfg)
     return _policy_loss(p, logp, entropy, cfg, entropy_threshold_fn)
@@ -358,7 +333,8 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
     vocab = p.x.shape[-1]
     if vocab == 0:
         raise ValueError("logits must have a non-empty last dimension (V >= 1)")
-    checks.in_range(p.targets if p.flat is None else p.targets[p.flat], vocab)
+    targets = p.inputs.targets  # [T] or [B*L]
+    checks.in_range(targets if p.flat is None else targets[p.flat], vocab)
     z = p.x.float()  # [N, V]
     if cfg.temperature != 1.0:
         z = z / cfg.temperature
@@ -366,7 +342,7 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
     checks.finite_lse((lse if p.flat is None else lse[p.flat]).detach(), p.x, cfg.temperature)
     checks.raise_first()
     # Targets at padding (any value) are clamped into range; their rows are dropped below.
-    targets = p.targets if p.flat is None else p.targets.clamp(0, vocab - 1)
+    targets = targets if p.flat is None else targets.clamp(0, vocab - 1)
     logp = z.gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1) - lse  # [N]
     counted = logp.detach() if p.flat is None else logp.detach()[p.flat]
     if not torch.isfinite(counted).all():  # a target at a -inf logit: probability 0, log-prob -inf
@@ -386,19 +362,22 @@ def _logits_logprobs(p: Packed, checks: Checks, cfg: LossConfig) -> tuple[Tensor
 
 
 class FusedCPPOLoss(nn.Module):
-    """:func:`fused_cppo_loss` as a module that holds the options (the Liger-Kernel habit).
+    """:func:`fused_cppo_loss` as a module that holds the options (the Liger-Kernel habit): the constructor takes
+    every option of :func:`fused_cppo_loss`, ``forward`` every tensor (tests/kernels/test_carriers.py checks
+    that the two together take what the function takes).
 
     Args:
         config: the loss options as a :class:`LossConfig` (default: ``LossConfig(**options)``).
         mode: the execution mode of :func:`fused_cppo_loss` (``"auto"``, ``"two-pass"``, ``"grad-in-forward"``).
         logit_scale, logit_softcap: the model's own logit transform (:func:`fused_cppo_loss`), held with the
             options.
+        entropy_threshold_fn: the entropy mask's cut from the call's entropies, as in :func:`fused_cppo_loss`.
         **options: any :class:`LossConfig` field by name (``beta=0.04, ...``), as in :func:`fused_cppo_loss`:
             another name is a ``TypeError``; next to ``config``, one away from its default a ``ValueError``.
 
     ``forward(hidden, weight, targets, advantages, *, cu_seqlens=None, mask=None, old_logprobs=None,
-    ref_logprobs=None, bias=None)`` takes the tensors of :func:`fused_cppo_loss` (same shapes and layouts) and
-    returns its ``(loss, metrics)``.
+    ref_logprobs=None, importance_weights=None, sampling_logprobs=None, bias=None)`` takes the tensors of
+    :func:`fused_cppo_loss` (same shapes and layouts) and returns its ``(loss, metrics)``.
     """
 
     def __init__(
@@ -408,43 +387,29 @@ class FusedCPPOLoss(nn.Module):
         mode: str = "auto",
         logit_scale: float = 1.0,
         logit_softcap: float | None = None,
+        entropy_threshold_fn: ThresholdFn | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         cfg = self.config = loss_config("FusedCPPOLoss", config, options)
-        self.mode = check_choice("mode", mode, MODES)
+        check_mode(mode, cfg)
+        check_threshold_fn(entropy_threshold_fn, cfg)
+        self.mode = mode
         self.logit_scale, self.logit_softcap = check_logit_transform(logit_scale, logit_softcap, cfg.temperature)
+        self.entropy_threshold_fn = entropy_threshold_fn
 
+    @takes_loss_inputs
     def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        targets: Tensor,
-        advantages: Tensor,
-        *,
-        cu_seqlens: Tensor | None = None,
-        mask: Tensor | None = None,
-        old_logprobs: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
-        bias: Tensor | None = None,
+        self, hidden: Tensor, weight: Tensor, inputs: LossInputs, *, bias: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        return fused_cppo_loss(
-            hidden,
-            weight,
-            targets,
-            advantages,
-            cu_seqlens=cu_seqlens,
-            mask=mask,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            bias=bias,
-            logit_scale=self.logit_scale,
-            logit_softcap=self.logit_softcap,
-            config=self.config,
-            mode=self.mode,
-        )
+        head = HeadTransform(self.logit_scale, self.logit_softcap)
+        return _loss(
+            hidden, weight, inputs, bias=bias, cfg=self.config, mode=self.mode, head=head,
+            threshold_fn=self.entropy_threshold_fn,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         head = f", logit_scale={self.logit_scale!r}, logit_softcap={self.logit_softcap!r}"
         plain = (self.logit_scale, self.logit_softcap) == (1.0, None)
-        return f"{self.config!r}, mode={self.mode!r}" + ("" if plain else head)
+        fn = "" if self.entropy_threshold_fn is None else f", entropy_threshold_fn={self.entropy_threshold_fn!r}"
+        return f"{self.config!r}, mode={self.mode!r}" + ("" if plain else head) + fn

@@ -3,7 +3,8 @@
 Nothing here is on a production path and nothing here is imported by one: an oracle that shares code with what it
 checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in exact rational arithmetic
 (``fractions``), the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
-inputs are assumed valid. The loss oracles compute in the dtype of their inputs, so pass float64 tensors.
+inputs are assumed valid. The loss oracles compute in the dtype of their inputs, so pass float64 tensors. Shared
+with the production code: a declaration, no logic (the loss's tensors, ``cppo_kernels._carriers.LossInputs``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._carriers import LossInputs, takes_loss_inputs
 from .config import MAX_VARIANCE_RTOL, LossConfig, loss_config
 
 __all__ = [
@@ -470,28 +472,29 @@ def _packed(mask: Tensor, *per_position: Tensor | None) -> tuple[Tensor, list[Te
     return cu, packed
 
 
+@takes_loss_inputs
 def fused_cppo_loss(
-    hidden: Tensor, weight: Tensor, targets: Tensor, advantages: Tensor, *, cu_seqlens: Tensor | None = None,
-    mask: Tensor | None = None, old_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
-    bias: Tensor | None = None, importance_weights: Tensor | None = None, weights_per_seq: bool = False,
-    sampling_logprobs: Tensor | None = None, logit_scale: float = 1.0, logit_softcap: float | None = None,
-    config: LossConfig | None = None, entropy_threshold: float | None = None, **options: Any,
+    hidden: Tensor, weight: Tensor, inputs: LossInputs, *, bias: Tensor | None = None, weights_per_seq: bool = False,
+    logit_scale: float = 1.0, logit_softcap: float | None = None, config: LossConfig | None = None,
+    entropy_threshold: float | None = None, **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`token_logprobs` (full logits, the model's ``logit_scale`` and ``logit_softcap``) then
     :func:`policy_loss`, in the packed (``cu_seqlens``) or padded (``mask [B, L]``) layout of
-    :func:`cppo_kernels.fused_cppo_loss` (``importance_weights`` per token, or per sequence with
-    ``weights_per_seq``); the loss options as ``config`` (a :class:`LossConfig`) or ``**options``, as there."""
+    :func:`cppo_kernels.fused_cppo_loss`, whose tensors it takes (``importance_weights`` per token, or per sequence
+    with ``weights_per_seq``); the loss options as ``config`` (a :class:`LossConfig`) or ``**options``, as there."""
     config = loss_config("fused_cppo_loss", config, options)
-    if mask is not None:
-        per_token_weights = None if weights_per_seq else importance_weights
-        cu_seqlens, (hidden, targets, old_logprobs, ref_logprobs, sampling_logprobs, per_token_weights) = _packed(
-            mask.bool(), hidden, targets, old_logprobs, ref_logprobs, sampling_logprobs, per_token_weights
-        )
-        importance_weights = importance_weights if weights_per_seq else per_token_weights
+    targets, cu_seqlens, weights = inputs.targets, inputs.cu_seqlens, inputs.importance_weights
+    per_token = (inputs.old_logprobs, inputs.ref_logprobs, inputs.sampling_logprobs)
+    if inputs.mask is not None:  # each per-token tensor (the weights too when per token) at the mask's positions
+        token_weights = None if weights_per_seq else weights
+        packed = _packed(inputs.mask.bool(), hidden, targets, *per_token, token_weights)
+        cu_seqlens, (hidden, targets, *per_token, token_weights) = packed
+        weights = weights if weights_per_seq else token_weights
+    old, ref, sampling = per_token
     head = dict(bias=bias, logit_scale=logit_scale, logit_softcap=logit_softcap)
     logp, entropy = token_logprobs(hidden, weight, targets, config=config, **head)
     return policy_loss(
-        logp, advantages, cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-        config=config, importance_weights=importance_weights, weights_per_seq=weights_per_seq,
-        sampling_logprobs=sampling_logprobs, entropy_threshold=entropy_threshold,
+        logp, inputs.advantages, cu_seqlens, old_logprobs=old, ref_logprobs=ref, entropy=entropy, config=config,
+        importance_weights=weights, weights_per_seq=weights_per_seq, sampling_logprobs=sampling,
+        entropy_threshold=entropy_threshold,
     )  # fmt: skip

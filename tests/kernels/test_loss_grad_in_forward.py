@@ -16,6 +16,7 @@ from loss_cases import assert_close, cu_seqlens, hypothesis_settings
 
 from cppo_kernels import LossConfig, _loss_gemm, _loss_torch, _policy, fused_cppo_loss, reference
 from cppo_kernels import loss as loss_module
+from cppo_kernels._carriers import LossInputs
 
 #: Special log-ratios: the clamp's bounds (and just past them), the clip bounds of eps 0.2 / 0.28, far outside.
 SPECIAL = [0.0, 20.0, -20.0, 20.5, -20.5, 1000.0, -1000.0, math.log(0.8), math.log(1.2), math.log(1.28), 0.1, -0.1]
@@ -71,7 +72,7 @@ def test_analytic_token_gradient_equals_autograd(data, epsilons, dual_clip, kl, 
 def test_token_weights_are_the_aggregation_gradient(loss_agg):
     lengths = [3, 0, 7, 1]
     cu = cu_seqlens(lengths)
-    batch = _policy.batch_constants(torch.randn(4), cu, None, None, sum(lengths))
+    batch = _policy.batch_constants(LossInputs(None, torch.randn(4), cu_seqlens=cu), sum(lengths))
     cfg = LossConfig(loss_agg=loss_agg, max_completion_length=9)
     per_token = torch.randn(sum(lengths), requires_grad=True)
     (want,) = torch.autograd.grad(_policy.aggregate(per_token, batch, cfg), per_token)

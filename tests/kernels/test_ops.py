@@ -59,7 +59,7 @@ def _loss_args(mode: str, padded: bool, needs: str, new_options: bool = False):
         cfg = LossConfig(beta=0.04, surrogate="vespo", use_bias_correction_kl=True, off_policy_mask_threshold=0.1,
                          top_entropy_quantile=0.5, entropy_coef=0.01)  # fmt: skip
         weights, sampling = torch.rand(3, generator=g), old + 0.2 * torch.randn(lead, generator=g)
-    return (hidden, weight, targets, adv, cu, mask, old, ref, bias, weights, sampling,
+    return (hidden, weight, bias, targets, adv, cu, mask, old, ref, weights, sampling,
             *_loss_options(cfg, mode=mode, needs=needs))  # fmt: skip
 
 
@@ -173,15 +173,15 @@ def test_the_loss_op_called_directly_scales_its_gradients_and_refuses_double_bac
     """The op's backward scales the gradients of its forward by the incoming gradient (also on a second backward
     through a retained graph); create_graph=True is a clear error, as on the eager path."""
     args = _loss_args("two-pass", False, "111")
-    params = args[0], args[1], args[8]
+    params = args[0], args[1], args[2]
     loss = OPS.fused_cppo_loss(*args)[0]
     first = torch.autograd.grad(loss * 2.0, params, retain_graph=True)
     second = torch.autograd.grad(loss * -0.5, params, retain_graph=True)
     for a, b in zip(first, second):
         assert_close("grad", a * -0.25, b, 1e-6)
     cfg = LossConfig(**{k: v for k, v in decode(*args[-2:]).items() if k not in ("mode", "needs", "metrics")})
-    want, _ = fused_cppo_loss(*args[:4], cu_seqlens=args[4], old_logprobs=args[6], ref_logprobs=args[7],
-                              bias=args[8], config=cfg)  # fmt: skip
+    want, _ = fused_cppo_loss(*params[:2], *args[3:5], cu_seqlens=args[5], old_logprobs=args[7], ref_logprobs=args[8],
+                              bias=args[2], config=cfg)  # fmt: skip
     assert_close("loss", loss, want, 1e-6)
     for a, b in zip(first, torch.autograd.grad(want * 2.0, params)):
         assert_close("grad", a, b, 1e-5)
@@ -198,13 +198,14 @@ def test_the_backend_is_read_when_the_op_runs(monkeypatch):
     real = _loss_triton.logprobs_fwd
     monkeypatch.setattr(_loss_triton, "logprobs_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
     args = _loss_args("two-pass", False, "000")
-    options = dict(cu_seqlens=args[4], old_logprobs=args[6], ref_logprobs=args[7], bias=args[8], beta=0.04)
+    options = dict(cu_seqlens=args[5], old_logprobs=args[7], ref_logprobs=args[8], bias=args[2], beta=0.04)
+    tensors = (*args[:2], *args[3:5])  # hidden, weight, targets, advantages
     compiled = torch.compile(lambda *a: fused_cppo_loss(*a, **options)[0], backend="aot_eager", fullgraph=True)
     for backend, ran in (("torch", []), ("triton", [1]), ("torch", [])):
         with use_backend(backend):
-            got = compiled(*args[:4])
+            got = compiled(*tensors)
             assert calls == ran
-            want, _ = fused_cppo_loss(*args[:4], **options)
+            want, _ = fused_cppo_loss(*tensors, **options)
         assert_close("loss", got, want, 1e-6)
         calls.clear()
 
@@ -214,14 +215,14 @@ def test_compiled_loss_with_the_new_options_equals_eager():
     weights, sampling log-probs) through the compiled op: one graph, the eager loss and gradients."""
     args = _loss_args("auto", True, "111", new_options=True)
     cfg = LossConfig(**{k: v for k, v in decode(*args[-2:]).items() if k not in ("mode", "needs", "metrics")})
-    tensors = dict(mask=args[5], old_logprobs=args[6], ref_logprobs=args[7], importance_weights=args[9],
+    tensors = dict(mask=args[6], old_logprobs=args[7], ref_logprobs=args[8], importance_weights=args[9],
                    sampling_logprobs=args[10])  # fmt: skip
 
     def step(hidden, weight, bias):
-        return fused_cppo_loss(hidden, weight, args[2], args[3], bias=bias, config=cfg, **tensors)
+        return fused_cppo_loss(hidden, weight, args[3], args[4], bias=bias, config=cfg, **tensors)
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    params = (args[0], args[1], args[8])
+    params = (args[0], args[1], args[2])
     got, got_metrics = compiled(*params)
     want, want_metrics = step(*params)
     assert_close("loss", got, want, 1e-6)
