@@ -55,23 +55,37 @@ from benchkit.args import check_output_file, count
 from benchkit.out import out_file
 
 from cppo.fileio import atomic_path, run_metadata, write_json
-from cppo_kernels import chunk_tokens, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
+from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
+from cppo_kernels.config import LOSS_TYPES as TRL_LOSS_TYPES
+from cppo_kernels.loss import whole_sequence_tokens
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
-#: TRL 1.16's loss types on the fused loss: the options each sets beyond :data:`OPTIONS` (dapo: none).
+#: CISPO's cap of the ratio (its ``epsilon_high``, TRL's recipe value): the one option a timed loss type sets
+#: beyond its surrogate and aggregation.
+CISPO_EPSILON_HIGH = 5.0
+#: TRL 1.16's loss types timed on the fused loss (grpo, bnpo and dr_grpo are dapo's surrogate with another
+#: aggregation): the options each sets beyond :data:`OPTIONS`, its surrogate and aggregation from the one table of
+#: loss types, :data:`cppo_kernels.config.LOSS_TYPES`.
 LOSS_TYPES = {
-    "dapo": {},
-    "cispo": dict(surrogate="cispo", epsilon_high=5.0),
-    "sapo": dict(surrogate="sapo", loss_agg="seq-mean-token-mean"),
-    "luspo": dict(loss_agg="seq-mean-token-sum"),
-    "vespo": dict(surrogate="vespo"),
+    name: dict(
+        surrogate=TRL_LOSS_TYPES[name][0],
+        loss_agg=TRL_LOSS_TYPES[name][1],
+        **({"epsilon_high": CISPO_EPSILON_HIGH} if name == "cispo" else {}),
+    )
+    for name in ("dapo", "cispo", "sapo", "luspo", "vespo")
 }
 #: The new loss type :func:`build_methods` times beside dapo on each fused path (the GPU kit's ``loss`` part too).
 KIT_LOSS_TYPE = "sapo"
 
 
+def method_name(path: str, loss_type: str) -> str:
+    """The name of a fused method: its path, with ``-<type>`` for a loss type other than dapo."""
+    return path if loss_type == "dapo" else f"{path}-{loss_type}"
+
+
 def loss_type_of(name: str) -> str:
-    """The loss type of a method named by :func:`build_methods` / :func:`loss_type_methods` (dapo unless named)."""
+    """The loss type of a method in a result (:func:`method_name`'s, or the GPU kit's, named alike; dapo unless
+    named). This module's own methods carry theirs (``Method.loss_type``)."""
     suffix = name.rsplit("-", 1)[-1]
     return suffix if suffix in LOSS_TYPES else "dapo"
 
@@ -146,12 +160,14 @@ def naive_loss(hidden, weight, targets, advantages, cu_seqlens, old, ref):
 class Method(NamedTuple):
     run: Callable[[], torch.Tensor]  # the forward: returns the scalar loss
     grads_in_forward: bool  # allocates the returned gradients in its forward
+    path: str | None = None  # a fused method's path (its dapo method's name); None for the others
+    loss_type: str = "dapo"
 
 
 def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...]) -> dict[str, Method]:
     """``fused_cppo_loss`` on each path (gradient-in-forward: on CUDA the GEMM path of the Triton backend and the
-    torch backend's cuBLAS code; two-pass), once per loss type: dapo named as the path, the others ``<path>-<type>``
-    (VESPO gradient-in-forward only where its sequences fit a chunk)."""
+    torch backend's cuBLAS code; two-pass), once per loss type, named by :func:`method_name` (VESPO
+    gradient-in-forward only where the library runs its sequences whole)."""
     h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
 
     def fused(backend: str, mode: str, loss_type: str) -> Callable[[], torch.Tensor]:
@@ -172,14 +188,13 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
     }
     # VESPO's weight needs its whole sequence: gradient-in-forward runs it in chunks of whole sequences, on the CPU
     # when a sequence fits one chunk (--seq-len at most the chunk: 192 on the CPU), else only two-pass
-    whole = not cuda and SEQ_LEN <= chunk_tokens(device)
+    whole = SEQ_LEN <= whole_sequence_tokens(device)
     methods = {}
-    for name, (backend, mode, in_forward) in paths.items():
+    for path, (backend, mode, in_forward) in paths.items():
         for loss_type in loss_types:
             if loss_type == "vespo" and mode == "grad-in-forward" and not whole:
                 continue
-            label = name if loss_type == "dapo" else f"{name}-{loss_type}"
-            methods[label] = Method(fused(backend, mode, loss_type), in_forward)
+            methods[method_name(path, loss_type)] = Method(fused(backend, mode, loss_type), in_forward, path, loss_type)
     return methods
 
 
@@ -366,7 +381,7 @@ def run_config(
                 if naive[key] > 0:
                     row[name] = row[key] / naive[key]
     for name, row in rows.items():  # each loss type over dapo on the same path
-        dapo = rows.get(name.removesuffix(f"-{loss_type_of(name)}")) if name.startswith("fused") else None
+        dapo = rows.get(chosen[name].path) if chosen[name].path is not None else None
         if dapo is not None and loss_types:
             row["vs_dapo"] = {k: row[k] / dapo[k] for k in ("fwd_bwd_s", "fwd_bwd_cpu_s", "workspace_bytes")}
             row["vs_dapo"]["peak_extra_bytes"] = row["peak_extra_bytes"] / dapo["peak_extra_bytes"]

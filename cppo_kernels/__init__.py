@@ -17,7 +17,6 @@ per-shape-class default).
 
 from . import _ops  # noqa: E402, F401  (registers the torch.library ops: torch.ops.cppo_kernels.*)
 from ._dispatch import use_backend
-from ._loss_torch import chunk_tokens  # the CPU / CUDA forward's chunk of tokens (benchmarks size runs with it)
 from .advantages import cppo_select, group_advantages, select_completions
 from .config import LossConfig
 from .loss import FusedCPPOLoss, cppo_loss_from_logits, fused_cppo_loss, fused_logprobs
@@ -34,6 +33,5 @@ __all__ = [
     "FusedCPPOLoss",
     "LossConfig",
     "use_backend",
-    "chunk_tokens",
     "__version__",
 ]
