@@ -60,20 +60,12 @@ from cppo_kernels.config import LOSS_TYPES as TRL_LOSS_TYPES
 from cppo_kernels.loss import whole_sequence_tokens
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
-#: CISPO's cap of the ratio (its ``epsilon_high``, TRL's recipe value): the one option a timed loss type sets
-#: beyond its surrogate and aggregation.
-CISPO_EPSILON_HIGH = 5.0
-#: TRL 1.16's loss types timed on the fused loss (grpo, bnpo and dr_grpo are dapo's surrogate with another
-#: aggregation): the options each sets beyond :data:`OPTIONS`, its surrogate and aggregation from the one table of
-#: loss types, :data:`cppo_kernels.config.LOSS_TYPES`.
-LOSS_TYPES = {
-    name: dict(
-        surrogate=TRL_LOSS_TYPES[name][0],
-        loss_agg=TRL_LOSS_TYPES[name][1],
-        **({"epsilon_high": CISPO_EPSILON_HIGH} if name == "cispo" else {}),
-    )
-    for name in ("dapo", "cispo", "sapo", "luspo", "vespo")
-}
+#: TRL 1.16's loss types timed on the fused loss (grpo, bnpo and dr_grpo are dapo's surrogate with other aggregations):
+#: the options each sets beyond :data:`OPTIONS`, its surrogate and aggregation from the one table of loss types,
+#: :data:`cppo_kernels.config.LOSS_TYPES`, and CISPO's cap of the ratio (its ``epsilon_high``, TRL's recipe value).
+TIMED_LOSS_TYPES = ("dapo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES = {name: dict(zip(("surrogate", "loss_agg"), TRL_LOSS_TYPES[name])) for name in TIMED_LOSS_TYPES}
+LOSS_TYPES["cispo"]["epsilon_high"] = 5.0
 #: The new loss type :func:`build_methods` times beside dapo on each fused path (the GPU kit's ``loss`` part too).
 KIT_LOSS_TYPE = "sapo"
 
