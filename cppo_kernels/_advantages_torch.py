@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._carriers import SelectOptions
 from .config import MAX_VARIANCE_RTOL
 
 __all__ = ["group_advantages", "select_completions", "cppo_select"]
@@ -18,13 +19,15 @@ FP32_MAX = torch.finfo(torch.float32).max
 MIN_NORMAL = torch.finfo(torch.float64).tiny
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> Tensor:
-    """fp32 ``[N]`` advantages of ``rewards [N]`` (see :func:`cppo_kernels.group_advantages`).
+def group_advantages(rewards: Tensor, group_size: int, options: SelectOptions) -> Tensor:
+    """fp32 ``[N]`` advantages of ``rewards [N]`` (see :func:`cppo_kernels.group_advantages`; of ``options``, its
+    ``scale``, ``unbiased`` and ``eps``).
 
     Each group (the whole batch for ``scale="batch"``) is divided by the power of two :func:`pow2_scale` of its
     largest |reward| first (exact, and no square or sum can overflow whatever the finite input), then shifted by
     its first reward (exact differences for clustered rewards), as the Triton kernels do.
     """
+    scale, unbiased, eps = options.scale, options.unbiased, options.eps
     r = rewards.detach().to(torch.float64).reshape(-1, group_size)  # [Q, G]
     if r.numel() == 0:
         return torch.empty(0, dtype=torch.float32, device=r.device)
@@ -62,14 +65,14 @@ def _std(x: Tensor, *, unbiased: bool) -> Tensor:
 
 
 def select_completions(
-    advantages: Tensor, group_size: int, count: int, *, scope: str, metric: str, draws: Tensor | None
+    advantages: Tensor, group_size: int, count: int, options: SelectOptions, draws: Tensor | None
 ) -> Tensor:
     """Ascending int64 indices of the kept completions (see :func:`cppo_kernels.select_completions`): ``count`` per
-    group (``scope="group"``) or over the whole batch (``"batch"``).
+    group (``options.scope="group"``) or over the whole batch (``"batch"``), by ``options.metric``.
 
     ``draws``: fp32 ``[N]`` uniform scores for ``metric="random"`` (drawn by the public layer), else None.
     """
-    device = advantages.device
+    device, scope, metric = advantages.device, options.scope, options.metric
     num_groups = advantages.numel() // group_size
     if count == 0 or num_groups == 0:
         return torch.empty(0, dtype=torch.long, device=device)
@@ -139,17 +142,8 @@ def _best_candidate(values: Tensor, keep: int) -> Tensor:
 
 
 def cppo_select(
-    rewards: Tensor,
-    group_size: int,
-    count: int,
-    *,
-    scale: str,
-    unbiased: bool,
-    eps: float,
-    scope: str,
-    metric: str,
-    draws: Tensor | None,
+    rewards: Tensor, group_size: int, count: int, options: SelectOptions, draws: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """:func:`group_advantages` then :func:`select_completions` on those advantages."""
-    adv = group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)  # [N]
-    return adv, select_completions(adv, group_size, count, scope=scope, metric=metric, draws=draws)
+    adv = group_advantages(rewards, group_size, options)  # [N]
+    return adv, select_completions(adv, group_size, count, options, draws)

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._carriers import SelectOptions
 from .config import MAX_VARIANCE_RTOL
 
 # Compile-time codes of the options, read by name inside the kernels (launches pass their ``.value``).
@@ -541,19 +542,18 @@ def _launch_max_variance(x: torch.Tensor, idx: torch.Tensor, num_groups: int, gr
     )
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str, unbiased: bool, eps: float) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, options: SelectOptions) -> torch.Tensor:
     """The advantages of :func:`cppo_select` keeping nothing: one launch (two for ``scale="batch"``)."""
-    adv, _ = cppo_select(
-        rewards, group_size, 0, scale=scale, unbiased=unbiased, eps=eps, scope="group", metric="smallest", draws=None
-    )
+    adv, _ = cppo_select(rewards, group_size, 0, options._replace(scope="group", metric="smallest"), None)
     return adv
 
 
 def select_completions(
-    advantages: torch.Tensor, group_size: int, count: int, *, scope: str, metric: str, draws: torch.Tensor | None
+    advantages: torch.Tensor, group_size: int, count: int, options: SelectOptions, draws: torch.Tensor | None
 ) -> torch.Tensor:
-    """Ascending int64 indices of the kept completions, ``count`` per group (``scope="group"``) or over the batch
-    (``"batch"``): one launch. ``draws``: fp32 ``[N]`` for "random"."""
+    """Ascending int64 indices of the kept completions, ``count`` per group (``options.scope="group"``) or over the
+    batch (``"batch"``), by ``options.metric``: one launch. ``draws``: fp32 ``[N]`` for "random"."""
+    scope, metric = options.scope, options.metric
     x = advantages.detach().contiguous()  # [N]
     num_groups = x.numel() // group_size
     rand = draws if metric == "random" else x  # [N]
@@ -574,26 +574,18 @@ def _num_out(count: int, num_groups: int, scope: str) -> int:
 
 
 def cppo_select(
-    rewards: torch.Tensor,
-    group_size: int,
-    count: int,
-    *,
-    scale: str,
-    unbiased: bool,
-    eps: float,
-    scope: str,
-    metric: str,
-    draws: torch.Tensor | None,
+    rewards: torch.Tensor, group_size: int, count: int, options: SelectOptions, draws: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages fp32 [N], kept indices)``, ``count`` kept per group (``scope="group"``) or over the batch
-    (``"batch"``): one fused launch, plus a batch-std launch for ``scale="batch"`` with ``scope="group"``."""
+    """``(advantages fp32 [N], kept indices)``, ``count`` kept per group (``options.scope="group"``) or over the
+    batch (``"batch"``): one fused launch, plus a batch-std launch for ``scale="batch"`` with ``scope="group"``."""
+    scale, eps, scope, metric = options.scale, options.eps, options.scope, options.metric
     x = rewards.detach().contiguous()  # [N]
     num_groups = x.numel() // group_size
     rand = draws if metric == "random" else x  # [N]
     adv = torch.empty(x.numel(), dtype=torch.float32, device=x.device)  # [N]
     if num_groups == 0:
         return adv, torch.empty(0, dtype=torch.long, device=x.device)
-    ddof = int(unbiased)
+    ddof = int(options.unbiased)
     idx = torch.empty(_num_out(count, num_groups, scope), dtype=torch.long, device=x.device)  # [K]
     if scope == "batch" and count > 0:
         src = rand if metric == "random" else adv

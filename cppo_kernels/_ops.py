@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ._carriers import LossInputs
+from ._carriers import LossInputs, SelectOptions
 from .config import LOSS_OPTIONS, LossConfig
 
 #: The eager functions behind the ops, registered by the modules that define them (:func:`implements`): this module
@@ -354,14 +354,19 @@ def compiled_logprobs(hidden, weight, targets, *, bias, cfg: LossConfig, **head)
 # --------------------------------------------------------------------------------------------
 
 
+#: The :class:`SelectOptions` fields that travel in the options string: ``keep`` and ``num_kept`` are ints of the
+#: schema, and the generator does not travel (its draws do, as a tensor).
+_SELECT_ENCODED = tuple(name for name in SelectOptions._fields if name not in ("keep", "num_kept", "generator"))
+
+
 @torch.library.custom_op(f"{_NS}::cppo_select", mutates_args=())
 def _select_op(
     rewards: Tensor, draws: Tensor | None, group_size: int, keep: int, num_kept: int, options: str, numbers: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, kept)`` of the eager function, with the ``metric="random"`` draws given (``keep`` or
     ``num_kept`` is -1 when not given); ``options``, ``numbers``: :func:`encode`'s of the other options."""
-    return _EAGER["select"](rewards, group_size, None if keep < 0 else keep, None if num_kept < 0 else num_kept,
-                            draws=draws, **decode(options, numbers))  # fmt: skip
+    given = SelectOptions(None if keep < 0 else keep, None if num_kept < 0 else num_kept, **decode(options, numbers))
+    return _EAGER["select"](rewards, group_size, given, draws=draws)
 
 
 @_select_op.register_fake
@@ -371,7 +376,9 @@ def _select_fake(rewards, draws, group_size, keep, num_kept, options, numbers):
     return rewards.new_empty(n, dtype=torch.float32), rewards.new_empty(count, dtype=torch.long)
 
 
-def compiled_select(rewards, group_size, keep, num_kept, draws, **options) -> tuple[Tensor, Tensor]:
+def compiled_select(rewards, group_size, options: SelectOptions, draws) -> tuple[Tensor, Tensor]:
     """:func:`cppo_kernels.cppo_select` as one ``cppo_kernels::cppo_select`` node (options validated already)."""
-    return _select_op(rewards, draws, group_size, -1 if keep is None else keep,
-                      -1 if num_kept is None else num_kept, *encode(**options))  # fmt: skip
+    keep = -1 if options.keep is None else options.keep
+    num_kept = -1 if options.num_kept is None else options.num_kept
+    encoded = encode(**{name: getattr(options, name) for name in _SELECT_ENCODED})
+    return _select_op(rewards, draws, group_size, keep, num_kept, *encoded)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _advantages_torch
+from ._carriers import SelectOptions, takes_advantage_options, takes_cppo_select_options, takes_select_options
 from ._dispatch import backend_module
 from ._ops import compiled_select, implements
 from .config import METRICS, SCALES, SCOPES, check_choice, check_float, check_int
@@ -53,16 +54,17 @@ def _check_grouped_shape(name: str, x, group_size: int) -> None:
         raise ValueError(f"{name} has {x.numel()} elements, not divisible by group_size={group_size}")
 
 
-def _check_advantage_options(scale: str, unbiased: bool, eps: float) -> None:
-    check_choice("scale", scale, SCALES)
-    if not isinstance(unbiased, bool):
-        raise ValueError(f"unbiased must be a bool, got {type(unbiased).__name__}")
-    check_float("eps", eps, low=0.0)
+def _check_advantage_options(options: SelectOptions) -> None:
+    check_choice("scale", options.scale, SCALES)
+    if not isinstance(options.unbiased, bool):
+        raise ValueError(f"unbiased must be a bool, got {type(options.unbiased).__name__}")
+    check_float("eps", options.eps, low=0.0)
 
 
-def _kept_count(n: int, group_size: int, keep, num_kept, scope: str, metric: str, generator) -> int:
+def _kept_count(n: int, group_size: int, options: SelectOptions) -> int:
     """Validates the selection options; returns the backends' count: kept per group (``scope="group"``) or over the
     whole batch (``"batch"``)."""
+    keep, num_kept, scope, metric = options.keep, options.num_kept, options.scope, options.metric
     check_choice("scope", scope, SCOPES)
     check_choice("metric", metric, METRICS)
     if metric == "max-variance" and (scope != "group" or num_kept is not None):
@@ -70,8 +72,8 @@ def _kept_count(n: int, group_size: int, keep, num_kept, scope: str, metric: str
             "metric='max-variance' (the keep-subset of largest variance of each group) needs scope='group' and "
             f"keep, got scope={scope!r}, num_kept={num_kept!r}"
         )
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if options.generator is not None and not isinstance(options.generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(options.generator).__name__}")
     if (keep is None) == (num_kept is None):
         raise ValueError(
             "give exactly one of keep (completions kept per group) and num_kept (kept over the batch, "
@@ -85,12 +87,12 @@ def _kept_count(n: int, group_size: int, keep, num_kept, scope: str, metric: str
     return check_int("num_kept", num_kept, low=0, high=n)
 
 
-def _draws(x: Tensor, metric: str, generator: torch.Generator | None) -> Tensor | None:
+def _draws(x: Tensor, options: SelectOptions) -> Tensor | None:
     """fp32 ``[N]`` uniform scores for ``metric="random"`` (drawn here, after validation, so both backends consume
     the generator alike), else None."""
-    if metric != "random":
+    if options.metric != "random":
         return None
-    return torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return torch.rand(x.shape, generator=options.generator, device=x.device, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,9 +100,8 @@ def _draws(x: Tensor, metric: str, generator: torch.Generator | None) -> Tensor 
 # --------------------------------------------------------------------------------------------
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
-) -> Tensor:
+@takes_advantage_options
+def group_advantages(rewards: Tensor, group_size: int, *, options: SelectOptions) -> Tensor:
     """Group-normalised advantages ``A_i = (r_i - mean_g) / (std + eps)``.
 
     Args:
@@ -118,21 +119,12 @@ def group_advantages(
         with ``eps=0``). Group sizes above :data:`TRITON_MAX_GROUP_SIZE` run the PyTorch backend.
     """
     _check_grouped_vector("rewards", rewards, group_size)
-    _check_advantage_options(scale, unbiased, eps)
-    backend = _backend(rewards, group_size)
-    return backend.group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
+    _check_advantage_options(options)
+    return _backend(rewards, group_size).group_advantages(rewards, group_size, options)
 
 
-def select_completions(
-    advantages: Tensor,
-    group_size: int,
-    keep: int | None = None,
-    *,
-    num_kept: int | None = None,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
-) -> Tensor:
+@takes_select_options
+def select_completions(advantages: Tensor, group_size: int, options: SelectOptions) -> Tensor:
     """Indices of the completions kept by CPPO's pruning.
 
     Each completion gets a score and the highest scores are kept, ties going to the lower index: ``|A|`` (in fp32)
@@ -167,25 +159,14 @@ def select_completions(
         takes the count at run time, so a new count compiles nothing).
     """
     _check_grouped_vector("advantages", advantages, group_size)
-    count = _kept_count(advantages.numel(), group_size, keep, num_kept, scope, metric, generator)
+    count = _kept_count(advantages.numel(), group_size, options)
     backend = _backend(advantages, group_size)
-    draws = _draws(advantages, metric, generator)  # [N] or None
-    return backend.select_completions(advantages, group_size, count, scope=scope, metric=metric, draws=draws)
+    draws = _draws(advantages, options)  # [N] or None
+    return backend.select_completions(advantages, group_size, count, options, draws)
 
 
-def cppo_select(
-    rewards: Tensor,
-    group_size: int,
-    keep: int | None = None,
-    *,
-    num_kept: int | None = None,
-    scale: str = "group",
-    unbiased: bool = True,
-    eps: float = 1e-4,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor]:
+@takes_cppo_select_options
+def cppo_select(rewards: Tensor, group_size: int, options: SelectOptions) -> tuple[Tensor, Tensor]:
     """:func:`group_advantages` then :func:`select_completions` on those advantages, fused.
 
     On the Triton path this is one kernel launch (advantages, rank selection and compaction), plus a batch-std
@@ -205,43 +186,24 @@ def cppo_select(
     """
     if torch.compiler.is_compiling():  # one cppo_kernels::cppo_select node; the value check runs inside it
         _check_grouped_shape("rewards", rewards, group_size)
-        _check_advantage_options(scale, unbiased, eps)
-        _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
-        draws = _draws(rewards, metric, generator)
-        options = dict(scale=scale, unbiased=unbiased, eps=eps, scope=scope, metric=metric)
-        return compiled_select(rewards, group_size, keep, num_kept, draws, **options)
+        _check_advantage_options(options)
+        _kept_count(rewards.numel(), group_size, options)
+        return compiled_select(rewards, group_size, options, _draws(rewards, options))
     _check_grouped_vector("rewards", rewards, group_size)
-    _check_advantage_options(scale, unbiased, eps)
-    _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, generator)
-    draws = _draws(rewards, metric, generator)
-    return select_impl(
-        rewards, group_size, keep, num_kept, draws=draws, scale=scale, unbiased=unbiased, eps=eps, scope=scope,
-        metric=metric, checked=True,
-    )  # fmt: skip
+    _check_advantage_options(options)
+    _kept_count(rewards.numel(), group_size, options)
+    return select_impl(rewards, group_size, options, draws=_draws(rewards, options), checked=True)
 
 
 @implements("select")
 def select_impl(
-    rewards: Tensor,
-    group_size: int,
-    keep: int | None,
-    num_kept: int | None,
-    *,
-    draws: Tensor | None,
-    scale: str,
-    unbiased: bool,
-    eps: float,
-    scope: str,
-    metric: str,
-    checked: bool = False,
+    rewards: Tensor, group_size: int, options: SelectOptions, *, draws: Tensor | None, checked: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """:func:`cppo_select` with the ``metric="random"`` draws given (``[N]`` fp32, or None): validates (unless
-    ``checked``), then runs the backend. The real implementation of the ``cppo_kernels::cppo_select`` op."""
+    """:func:`cppo_select` with the ``metric="random"`` draws given (``[N]`` fp32, or None; ``options.generator``
+    is not read): validates (unless ``checked``), then runs the backend. The real implementation of the
+    ``cppo_kernels::cppo_select`` op."""
     if not checked:
         _check_grouped_vector("rewards", rewards, group_size)
-        _check_advantage_options(scale, unbiased, eps)
-    count = _kept_count(rewards.numel(), group_size, keep, num_kept, scope, metric, None)
-    backend = _backend(rewards, group_size)
-    return backend.cppo_select(
-        rewards, group_size, count, scale=scale, unbiased=unbiased, eps=eps, scope=scope, metric=metric, draws=draws
-    )
+        _check_advantage_options(options)
+    count = _kept_count(rewards.numel(), group_size, options._replace(generator=None))
+    return _backend(rewards, group_size).cppo_select(rewards, group_size, count, options, draws)

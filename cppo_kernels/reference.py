@@ -4,7 +4,8 @@ Nothing here is on a production path and nothing here is imported by one: an ora
 checks cannot catch that code's bugs. Plain loops over groups and sequences, statistics in exact rational arithmetic
 (``fractions``), the loss from the full ``[T, V]`` logits. No input validation (that is the public ops' job): the
 inputs are assumed valid. The loss oracles compute in the dtype of their inputs, so pass float64 tensors. Shared
-with the production code: a declaration, no logic (the loss's tensors, ``cppo_kernels._carriers.LossInputs``).
+with the production code: declarations, no logic (the loss's tensors and the selection's options, of
+``cppo_kernels._carriers``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._carriers import LossInputs, takes_loss_inputs
+from ._carriers import (
+    ADVANTAGE_FIELDS,
+    SELECT_FIELDS,
+    LossInputs,
+    SelectOptions,
+    takes_advantage_options,
+    takes_cppo_select_options,
+    takes_loss_inputs,
+    takes_select_options,
+)
 from .config import MAX_VARIANCE_RTOL, LossConfig, loss_config
 
 __all__ = [
@@ -52,9 +62,8 @@ def _std(values: list[Fraction], ddof: int) -> float:
     return math.sqrt(float(sum((v - mean) ** 2 for v in values) / (len(values) - ddof)))
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, *, scale: str = "group", unbiased: bool = True, eps: float = 1e-4
-) -> Tensor:
+@takes_advantage_options
+def group_advantages(rewards: Tensor, group_size: int, *, options: SelectOptions) -> Tensor:
     """fp32 ``[N]``: ``(r - mean_g) / (std + eps)`` group by group.
 
     ``std`` is the group's (``scale="group"``), the whole batch's (``"batch"``), or the division is skipped
@@ -62,8 +71,8 @@ def group_advantages(
     ``unbiased``. A group of equal rewards gets exactly 0. Exact rational arithmetic (``fractions``), in units of a
     power of two (the group's largest magnitude, the batch's for ``"batch"``) so that every float conversion fits.
     """
+    scale, eps, ddof = options.scale, options.eps, 1 if options.unbiased else 0
     values = rewards.detach().to(torch.float64).tolist()
-    ddof = 1 if unbiased else 0
     fp32_max = float(torch.finfo(torch.float32).max)
     if scale == "batch" and values:
         unit = _pow2(values)
@@ -86,16 +95,8 @@ def group_advantages(
     return torch.tensor(out, dtype=torch.float64).to(torch.float32).to(rewards.device)
 
 
-def select_completions(
-    advantages: Tensor,
-    group_size: int,
-    keep: int | None = None,
-    *,
-    num_kept: int | None = None,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
-) -> Tensor:
+@takes_select_options
+def select_completions(advantages: Tensor, group_size: int, options: SelectOptions) -> Tensor:
     """Ascending int64 indices of the ``keep`` best completions of each group (``scope="group"``) or the
     ``keep * num_groups`` (else ``num_kept``) best of the batch (``"batch"``); best = highest score, then lowest
     index.
@@ -104,14 +105,14 @@ def select_completions(
     completion from ``generator`` on the advantages' device (``"random"``, drawn even when nothing is kept).
     ``"max-variance"`` (``scope="group"``): :func:`max_variance_subset` of each group's advantages.
     """
-    n = advantages.numel()
+    n, keep, metric = advantages.numel(), options.keep, options.metric
     if metric == "max-variance":
         values = _fp32_values(advantages)
         starts = range(0, n, group_size)
         kept = [q + i for q in starts for i in max_variance_subset(values[q : q + group_size], keep)]
         return torch.tensor(kept, dtype=torch.long, device=advantages.device)
     if metric == "random":
-        scores = torch.rand(n, generator=generator, device=advantages.device, dtype=torch.float32).tolist()
+        scores = torch.rand(n, generator=options.generator, device=advantages.device, dtype=torch.float32).tolist()
     else:
         sign = 1.0 if metric == "smallest" else -1.0
         scores = [sign * abs(a) for a in advantages.detach().to(torch.float32).tolist()]
@@ -120,10 +121,10 @@ def select_completions(
         return sorted(indices, key=lambda i: (-scores[i], i))
 
     num_groups = n // group_size
-    if scope == "group":
+    if options.scope == "group":
         kept = [i for q in range(num_groups) for i in best(range(q * group_size, (q + 1) * group_size))[:keep]]
     else:
-        kept = best(range(n))[: keep * num_groups if num_kept is None else num_kept]
+        kept = best(range(n))[: keep * num_groups if options.num_kept is None else options.num_kept]
     return torch.tensor(sorted(kept), dtype=torch.long, device=advantages.device)
 
 
@@ -171,23 +172,11 @@ def max_variance_subset(values: list[float], keep: int, *, exhaustive: bool = Fa
     return kept
 
 
-def cppo_select(
-    rewards: Tensor,
-    group_size: int,
-    keep: int | None = None,
-    *,
-    num_kept: int | None = None,
-    scale: str = "group",
-    unbiased: bool = True,
-    eps: float = 1e-4,
-    scope: str = "group",
-    metric: str = "smallest",
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor]:
+@takes_cppo_select_options
+def cppo_select(rewards: Tensor, group_size: int, options: SelectOptions) -> tuple[Tensor, Tensor]:
     """``(group_advantages(rewards, ...), select_completions(those fp32 advantages, ...))``."""
-    adv = group_advantages(rewards, group_size, scale=scale, unbiased=unbiased, eps=eps)
-    sel = {"num_kept": num_kept, "scope": scope, "metric": metric, "generator": generator}
-    return adv, select_completions(adv, group_size, keep, **sel)
+    adv = group_advantages(rewards, group_size, **{name: getattr(options, name) for name in ADVANTAGE_FIELDS})
+    return adv, select_completions(adv, group_size, **{name: getattr(options, name) for name in SELECT_FIELDS})
 
 
 # --------------------------------------------------------------------------------------------

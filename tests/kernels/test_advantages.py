@@ -20,6 +20,7 @@ from cppo_kernels import (
     select_completions,
     use_backend,
 )
+from cppo_kernels._carriers import SelectOptions
 from cppo_kernels.advantages import TRITON_MAX_GROUP_SIZE
 from cppo_kernels.config import MAX_VARIANCE_RTOL
 
@@ -169,7 +170,7 @@ def test_selection_stores_are_bounded_whatever_the_scores(scope, metric):
     count, K = (keep, keep * Q) if scope == "group" else (7, 7)  # the backends' count: per group, or in all
     for name, impl in (("torch", _advantages_torch), ("triton", _advantages_triton)):
         if name == "torch":
-            idx = impl.select_completions(adv, G, count, scope=scope, metric=metric, draws=None)
+            idx = impl.select_completions(adv, G, count, SelectOptions(scope=scope, metric=metric), None)
         else:
             buf = torch.full((K + 64,), -7, dtype=torch.long)  # the output, then a guard region
             launch = impl._launch_batch if scope == "batch" else functools.partial(impl._launch_group, std=adv)

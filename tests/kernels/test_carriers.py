@@ -1,7 +1,8 @@
 """What the ops take is declared once (issue 50, part 2), in :mod:`cppo_kernels._carriers`: the loss's tensors
 (:class:`LossInputs`: the public loss functions, the module, the float64 oracle and the custom op take its fields, so
 the copies cannot drift again: ``FusedCPPOLoss.forward`` once lacked ``importance_weights`` and
-``sampling_logprobs``, its constructor ``entropy_threshold_fn``)."""
+``sampling_logprobs``, its constructor ``entropy_threshold_fn``), and the selection's options (:class:`SelectOptions`:
+the public selection functions and their oracles take its fields, the backends one SelectOptions)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 from loss_cases import cu_seqlens, grads, problem
 
+import cppo_kernels
 from cppo_kernels import FusedCPPOLoss, cppo_loss_from_logits, fused_cppo_loss, reference
-from cppo_kernels._carriers import LossInputs
+from cppo_kernels._carriers import ADVANTAGE_FIELDS, SELECT_FIELDS, LossInputs, SelectOptions
 
 FIELDS = LossInputs._fields
 LENGTHS = [4, 0, 5]
@@ -111,3 +113,39 @@ def test_the_tensors_bind_as_the_signature_says():
         fused_cppo_loss(h, w, targets, cu_seqlens=tensors["cu_seqlens"])
     by_name, _ = fused_cppo_loss(hidden=h, weight=w, targets=targets, advantages=adv, bias=b, **tensors)
     assert torch.equal(by_name, fused_cppo_loss(h, w, targets, adv, bias=b, **tensors)[0])
+
+
+SELECTION = {"group_advantages": ADVANTAGE_FIELDS, "select_completions": SELECT_FIELDS}
+SELECTION["cppo_select"] = SelectOptions._fields
+
+
+@pytest.mark.parametrize("name", list(SELECTION))
+def test_the_selection_functions_take_the_fields_of_select_options(name):
+    """Each public selection function and its oracle: the input and ``group_size`` positional, then the fields of
+    SelectOptions it uses, with SelectOptions' defaults (``keep`` positional, the others keyword-only): one
+    signature, the same for both."""
+    fns = getattr(cppo_kernels, name), getattr(reference, name)
+    params = [_parameters(fn) for fn in fns]
+    assert [list(p) for p in params] == [list(params[0])] * 2
+    assert [(p.name, p.kind, p.default) for p in params[0].values()] == [
+        (p.name, p.kind, p.default) for p in params[1].values()
+    ]
+    names = list(params[0])
+    assert names[1] == "group_size" and set(names[2:]) == set(SELECTION[name])
+    for field in SELECTION[name]:
+        p = params[0][field]
+        assert p.default == SelectOptions._field_defaults[field], field
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if field == "keep" else inspect.Parameter.KEYWORD_ONLY
+        assert p.kind is kind, field
+
+
+def test_the_selection_binds_as_the_signature_says():
+    """keep positionally or by name, the other options by keyword only; the oracle alike."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 2.0, 1.0, 0.0, 1.0])
+    for fn in (cppo_kernels.cppo_select, reference.cppo_select):
+        by_position, by_name = fn(rewards, 4, 2), fn(rewards, group_size=4, keep=2)
+        assert all(torch.equal(a, b) for a, b in zip(by_position, by_name))
+        with pytest.raises(TypeError, match=r"takes 3 positional arguments but 4 were given"):
+            fn(rewards, 4, 2, None)
+        with pytest.raises(TypeError, match="multiple values for argument 'keep'"):
+            fn(rewards, 4, 2, keep=2)
