@@ -28,7 +28,7 @@ setup(
             "peft",
         ],
         "train": ["transformers>=4.46", "accelerate", "gguf", "math-verify", "tqdm", "pyyaml", "peft>=0.15"],
-        "bench": ["matplotlib", "scipy"],  # scipy: the t tests of the accuracy sweeps (benchmarks/seeds_report.py)
+        "bench": ["matplotlib", "scipy"],  # scipy: the t tests of the accuracy sweeps (benchmarks/sweeps/report.py)
         "report": ["tensorboard", "wandb"],  # report_to: tensorboard, wandb (imported only when named)
         "hub": ["datasets"],
         "trl": ["trl>=1.16,<1.17", "peft"],  # cppo.trl: the drop-in for TRL's GRPOTrainer
