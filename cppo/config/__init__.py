@@ -10,6 +10,7 @@ from .choices import (  # noqa: I001  (grouped, as __all__)
 )  # fmt: skip
 from .pruning import PRUNING_SETTINGS, HoldsPruning, pruning_setting
 from .loading import MAX_YAML_DEPTH, PRESET_DIR, TRL_NAMES, available_presets, load_config
+from .names import Names
 from .settings import TrainConfig, setting_help
 from .sources import check_model_and_data, check_tiny_config
 from .values import did_you_mean
@@ -17,6 +18,6 @@ from .values import did_you_mean
 __all__ = [
     "DATASETS", "DTYPES", "FIXED", "HUB_ID_RE", "KERNEL_BACKENDS", "LORA_TARGET_MODULES", "LR_SCHEDULES", "MAX_SEED",
     "RESUMABLE", "TINY_MODELS", "PRUNING_SETTINGS", "HoldsPruning", "pruning_setting",
-    "MAX_YAML_DEPTH", "PRESET_DIR", "TRL_NAMES", "available_presets", "load_config",
+    "MAX_YAML_DEPTH", "PRESET_DIR", "TRL_NAMES", "available_presets", "load_config", "Names",
     "TrainConfig", "setting_help", "check_model_and_data", "check_tiny_config", "did_you_mean",
 ]  # fmt: skip

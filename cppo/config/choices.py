@@ -4,7 +4,8 @@ settings a resume may change (:data:`RESUMABLE`) or never (:data:`FIXED`)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+
+from .names import Names
 
 #: Models built in code (no download).
 TINY_MODELS = ("tiny-qwen2",)
@@ -16,39 +17,16 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 
-class _TaskDatasets(Sequence):
-    """The dataset names the task kinds provide, read from :data:`cppo.tasks.DATASETS` each time it is used (imported
-    then: the task kinds import torch, the settings do not); compares and prints as the tuple."""
+def _task_datasets() -> tuple[str, ...]:
+    """The dataset names the task kinds provide (imported when used: the task kinds import torch, settings not)."""
+    from ..tasks import DATASETS as names
 
-    def _names(self) -> tuple[str, ...]:
-        from ..tasks import DATASETS as names
-
-        return tuple(names)
-
-    def __getitem__(self, index):
-        return self._names()[index]
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name) -> bool:
-        return name in self._names()
-
-    def __eq__(self, other) -> bool:
-        return self._names() == (tuple(other) if isinstance(other, Sequence) and not isinstance(other, str) else other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(self._names())
+    return tuple(names)
 
 
 #: ``dataset`` names (besides a .jsonl file and a hub dataset ``owner/name``): those the task kinds provide
 #: (:mod:`cppo.tasks.registry`; read each time, so a kind registered later adds its own), sorted.
-DATASETS = _TaskDatasets()
+DATASETS = Names(_task_datasets)
 #: A hub repository id: ``name`` or ``owner/name`` (a local path that does not exist is none).
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 #: ``lora_target_modules`` by default: the attention and MLP projections (Llama, Qwen2, Mistral, SmolLM2 names).

@@ -11,8 +11,10 @@ config's ``DATASETS``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from ..config import Names
 
 #: What :func:`grade` and :attr:`TaskKind.grade` check: the ``accuracy`` reward (floats), whether each completion is
 #: correct for the training metric, or under the evaluation's protocol (bools).
@@ -206,34 +208,6 @@ def grade(check: str, completions: list[str], *, answer: list[str], kind: list[s
         for i, score in zip(index, scores, strict=True):
             out[i] = score
     return out
-
-
-class Names(Sequence):
-    """A tuple of names read from the registry each time it is used: :data:`KINDS` and :data:`DATASETS` name the
-    kinds registered after import too (compares and prints as the tuple)."""
-
-    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
-        self._names = names
-
-    def __getitem__(self, index):
-        return self._names()[index]
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name) -> bool:
-        return name in self._names()
-
-    def __eq__(self, other) -> bool:
-        return self._names() == (tuple(other) if isinstance(other, Names) else other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(self._names())
 
 
 class SystemPrompts(Mapping):
