@@ -57,3 +57,22 @@ def test_every_unit_ran_at_the_plans_commit_after_it(path):
     assert meta["git_commit"] == PLAN_COMMIT and meta["git_dirty"] is False
     started = datetime.datetime.fromisoformat(meta["date"])
     assert started > datetime.datetime.fromisoformat(PLAN_TIME), meta["date"]
+
+
+def test_the_agreement_check_accepts_the_new_units_beside_the_committed_ones():
+    """The sweep's agreement check (settings and environment) accepts every finished unit of the new arm beside sweep
+    41's grpo and cppo-pooled units of the same seeds, which the plan compares them with."""
+    from sweeps import files
+
+    new = sorted((SWEEP52 / "units").glob("seed*-cppo-pooled-2epochs/result.json"))
+    assert new, "no finished unit of the arm committed yet"
+    seeds = [p.parent.name.split("-")[0] for p in new]
+    old = [SWEEP41 / f"{seed}-{arm}" / "result.json" for seed in seeds for arm in ("grpo", "cppo-pooled")]
+    files.check_agree([(p, *files.read_result(p, "unit")) for p in [*old, *new]])
+    # and refuses the same units where a compared setting or a library differs (its negative control)
+    meta, rows = files.read_result(new[0], "unit")
+    for key, value in (("beta", 0.0), ("transformers", "5.24.0")):
+        with pytest.raises(ValueError, match=key):
+            files.check_agree(
+                [(p, *files.read_result(p, "unit")) for p in old] + [(new[0], {**meta, key: value}, rows)]
+            )
