@@ -26,15 +26,14 @@ fp32 value), outside the ledger, which records the cuBLAS call they stand for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from . import _loss_triton
 from ._ledger import record
-from ._loss_inputs import LogitFactors, logit_factors
+from ._loss_inputs import LogitFactors
 from ._loss_rows_triton import row_pass
+from ._loss_torch import entry_points, zeroed_unless
 
 __all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens", "CHUNK_BUDGET_BYTES"]
 
@@ -117,11 +116,9 @@ class _Chunked:
         self.written = True
 
     def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if not self.written:
-            for g in (self.dweight, self.dbias):
-                if g is not None:
-                    g.zero_()
-        return self.dhidden, self.dweight, None if self.dbias is None else self.dbias.view(-1)
+        """``(dhidden, dweight, dbias)`` in fp32, zeros where no chunk wrote (an empty call)."""
+        dweight, dbias = zeroed_unless(self.written, self.dweight, self.dbias)
+        return self.dhidden, dweight, None if dbias is None else dbias.view(-1)
 
 
 def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bool, upstream, needs, bounds=None):
@@ -157,41 +154,9 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
     return logp, lse, entropy, work
 
 
-def logprobs_fwd(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None, *, temperature: float = 1.0,
-    compute_entropy: bool = False, logit_scale: float = 1.0, softcap: float | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """``(logp [T], lse [T], entropy [T] or None)``, fp32: the logits GEMM and the row pass (no factors written),
-    chunk by chunk; the same log-probs as :func:`logprobs_fwd_grads` bit for bit."""
-    f = logit_factors(temperature, logit_scale, softcap)
-    logp, lse, entropy, _ = _forward(hidden, weight, targets, bias, f, compute_entropy, None, None)
-    return logp, lse, entropy
-
-
-def logprobs_fwd_grads(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None,
-    upstream: Callable[[int, int, Tensor], Tensor],
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    needs_hidden_grad: bool = True,
-    needs_weight_grad: bool = True,
-    needs_bias_grad: bool = False,
-    chunks: list[tuple[int, int]] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """:func:`logprobs_fwd` and, in the same pass, the fp32 gradients of ``sum_t g_t * logp_t`` w.r.t. hidden, weight
-    and bias (``g = upstream(start, stop, logp[start:stop])`` per chunk): the contract of
-    :func:`cppo_kernels._loss_torch.logprobs_fwd_grads`. ``chunks``: the chunks' ``(start, stop)``, each at most
-    :func:`chunk_tokens` tokens."""
-    needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad and bias is not None)
-    f = logit_factors(temperature, logit_scale, softcap)
-    logp, lse, entropy, work = _forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs, chunks)
-    return logp, lse, entropy, *work.result()
+#: The chunked backends' interface (:func:`cppo_kernels._loss_torch.entry_points`) over this path's forward: the
+#: log-probs alone (no factors written; bit-identical to those of the gradient pass) and with the fp32 gradients.
+logprobs_fwd, logprobs_fwd_grads = entry_points(_forward)
 
 
 #: A second backward through a retained graph recomputes the gradients with the Triton two-pass backward.

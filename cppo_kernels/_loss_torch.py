@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ._loss_inputs import LogitFactors, logit_factors
 
-__all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens", "sequence_chunks"]
+__all__ = ["logprobs_fwd", "logprobs_fwd_grads", "logprobs_bwd", "chunk_tokens", "sequence_chunks", "entry_points"]
 
 # Block sizes: constants (never derived from T), so results do not depend on batch composition.
 #: Tokens per forward chunk on the CPU (workspace ``FWD_TOKENS x V`` fp32: 117 MB at V = 151,936, under a tenth
@@ -234,11 +234,16 @@ class _Grads:
 
     def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``(dhidden, dweight, dbias)``, zeros where no chunk wrote (an empty call)."""
-        if not self.written:
-            for g in (self.dweight, self.dbias):
-                if g is not None:
-                    g.zero_()
-        return self.dhidden, self.dweight, self.dbias
+        return self.dhidden, *zeroed_unless(self.written, self.dweight, self.dbias)
+
+
+def zeroed_unless(written: bool, *accumulators: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The accumulators a first chunk writes (no memset), zeroed when no chunk wrote them (an empty call)."""
+    if not written:
+        for g in accumulators:
+            if g is not None:
+                g.zero_()
+    return accumulators
 
 
 def _cast_grads(dweight: Tensor | None, dbias: Tensor | None, weight: Tensor, bias: Tensor | None):
@@ -295,58 +300,67 @@ def _forward(hidden, weight, targets, bias, f: LogitFactors, compute_entropy: bo
     return logp, lse, entropy, grads
 
 
-def logprobs_fwd(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Log-prob of each target under ``softmax(z)``, ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) /
-    temperature`` (``(h W^T + b) * logit_scale / temperature`` without a cap), chunked over tokens.
+def entry_points(forward: Callable) -> tuple[Callable, Callable]:
+    """``(logprobs_fwd, logprobs_fwd_grads)`` of a chunked backend over its ``forward(hidden, weight, targets, bias,
+    factors, compute_entropy, upstream, needs, bounds) -> (logp, lse, entropy, grads)`` (``grads.result()``: the
+    fp32 gradients): the one interface this module and :mod:`cppo_kernels._loss_gemm` implement."""
 
-    ``hidden [T, H]``, ``weight [V, H]``, ``targets [T]`` int, ``bias [V]``. Returns
-    ``(logp [T], lse [T], entropy [T] or None)``, all fp32; lse is the logsumexp of ``z``.
-    """
-    f = logit_factors(temperature, logit_scale, softcap)
-    logp, lse, entropy, _ = _forward(hidden, weight, targets, bias, f, compute_entropy, None, None)
-    return logp, lse, entropy
+    def logprobs_fwd(
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Log-prob of each target under ``softmax(z)``, ``z = softcap * tanh((h W^T + b) * logit_scale / softcap) /
+        temperature`` (``(h W^T + b) * logit_scale / temperature`` without a cap), chunked over tokens.
+
+        ``hidden [T, H]``, ``weight [V, H]``, ``targets [T]`` int, ``bias [V]``. Returns
+        ``(logp [T], lse [T], entropy [T] or None)``, all fp32; lse is the logsumexp of ``z``.
+        """
+        f = logit_factors(temperature, logit_scale, softcap)
+        logp, lse, entropy, _ = forward(hidden, weight, targets, bias, f, compute_entropy, None, None)
+        return logp, lse, entropy
+
+    def logprobs_fwd_grads(
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None,
+        upstream: Callable[[int, int, Tensor], Tensor],
+        *,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        needs_hidden_grad: bool = True,
+        needs_weight_grad: bool = True,
+        needs_bias_grad: bool = False,
+        chunks: list[tuple[int, int]] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """:func:`logprobs_fwd` and, in the same pass, the gradients of ``sum_t g_t * logp_t`` w.r.t. hidden, weight and
+        bias, where ``g = upstream(start, stop, logp[start:stop])`` (fp32 ``[stop - start]``) is asked for each chunk of
+        tokens once its log-probs are known.
+
+        Returns ``(logp, lse, entropy, dhidden, dweight, dbias)``: fp32 ``[T]`` (entropy None unless
+        ``compute_entropy``), then the gradients in fp32 (the caller scales them, then rounds them to the inputs'
+        dtypes once: an fp16 gradient could overflow before its scaling), None where not needed (``needs_bias_grad``
+        only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s. ``chunks``: the chunks'
+        ``(start, stop)``, each at most the backend's chunk (:func:`sequence_chunks`: whole sequences), else fixed.
+        """
+        needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad and bias is not None)
+        f = logit_factors(temperature, logit_scale, softcap)
+        logp, lse, entropy, grads = forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs, chunks)
+        return logp, lse, entropy, *grads.result()
+
+    return logprobs_fwd, logprobs_fwd_grads
 
 
-def logprobs_fwd_grads(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None,
-    upstream: Callable[[int, int, Tensor], Tensor],
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    needs_hidden_grad: bool = True,
-    needs_weight_grad: bool = True,
-    needs_bias_grad: bool = False,
-    chunks: list[tuple[int, int]] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """:func:`logprobs_fwd` and, in the same pass, the gradients of ``sum_t g_t * logp_t`` w.r.t. hidden, weight and
-    bias, where ``g = upstream(start, stop, logp[start:stop])`` (fp32 ``[stop - start]``) is asked for each chunk of
-    tokens once its log-probs are known.
-
-    Returns ``(logp, lse, entropy, dhidden, dweight, dbias)``: fp32 ``[T]`` (entropy None unless
-    ``compute_entropy``), then the gradients in fp32 (the caller scales them, then rounds them to the inputs'
-    dtypes once: an fp16 gradient could overflow before its scaling), None where not needed (``needs_bias_grad``
-    only with a bias). The log-probs are bit-identical to :func:`logprobs_fwd`'s. ``chunks``: the chunks'
-    ``(start, stop)``, each at most :func:`chunk_tokens` (:func:`sequence_chunks`: whole sequences), else fixed.
-    """
-    needs = (needs_hidden_grad, needs_weight_grad, needs_bias_grad)
-    f = logit_factors(temperature, logit_scale, softcap)
-    logp, lse, entropy, grads = _forward(hidden, weight, targets, bias, f, compute_entropy, upstream, needs, chunks)
-    return logp, lse, entropy, *grads.result()
+logprobs_fwd, logprobs_fwd_grads = entry_points(_forward)
 
 
 def _softmax_minus_onehot(q: Tensor, lse: Tensor, targets: Tensor, v0: int) -> None:
