@@ -210,3 +210,21 @@ def roofline(names, T: int, H: int, V: int, dtype: torch.dtype, *, gemm_ms: floa
 def floor_ratio(predicted_ms: float, gemm_ms: float) -> float:
     """A prediction over the 3-GEMM floor."""
     return predicted_ms / (3 * gemm_ms) if gemm_ms > 0 else math.nan
+
+
+def prediction_file(T: int, H: int, V: int, dtype: torch.dtype, *, gemm_ms: float, bandwidth: float) -> dict:
+    """The predictions the docs quote for a shape (``benchmarks/results/gpu/roofline-*.json``): every method's
+    roofline ms and its ratio to the 3-GEMM floor, and the GEMM path's working buffers (the fp32 ``[C, V]`` block,
+    the fp32 weight gradient and the fp32 hidden gradient) in GB."""
+    from cppo_kernels import _loss_gemm
+
+    names = list(ledgers(T, H, V, dtype))
+    rows = roofline(names, T, H, V, dtype, gemm_ms=gemm_ms, bandwidth=bandwidth)
+    buffers = 4 * (_loss_gemm.chunk_tokens(V) * V + V * H + T * H)
+    return {
+        "shape": {"T": T, "H": H, "V": V, "dtype": str(dtype).removeprefix("torch.")},
+        "gemm_ms": gemm_ms, "bandwidth_tbs": bandwidth / 1e12,
+        "methods": {n: {"predicted_ms": round(r["predicted_ms"], 2),
+                        "x_floor": round(floor_ratio(r["predicted_ms"], gemm_ms), 3)} for n, r in rows.items()},
+        "gemm_path_buffers_gb": round(buffers / 1e9, 2),
+    }  # fmt: skip

@@ -85,3 +85,21 @@ def test_the_loss_summary_and_report_carry_the_roofline():
     assert "| roofline ms | x roofline |" in text and "| liger-chunked (comparison) |" in text
     assert "| - | - |" in text and "roofline at 4.80 TB/s" in text
     assert math.isfinite(gemm["x_gemm_floor"])
+
+
+def test_the_committed_predictions_are_the_rooflines_and_the_docs_quote_them():
+    """benchmarks/results/gpu/roofline-2026-12-07.json is what prediction_file gives now, and the README's CUDA row
+    and gpu-kit.md quote its numbers (rounded as written there)."""
+    saved = json.loads((REPO / "benchmarks" / "results" / "gpu" / "roofline-2026-12-07.json").read_text())
+    got = roofline.prediction_file(*KIT_SHAPE, torch.bfloat16, gemm_ms=_measured()["gemm"]["ms"],
+                                   bandwidth=roofline.PEAK_BANDWIDTH["H200"])  # fmt: skip
+    assert {k: v for k, v in saved.items() if k != "source"} == got
+    gemm, old = saved["methods"]["fused-grad-in-forward-gemm"], saved["methods"]["fused-grad-in-forward-cublas"]
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| CUDA, one H200"))
+    for text in (f"{gemm['predicted_ms']:.1f} ms", f"{gemm['x_floor']:.2f}x", f"{old['predicted_ms']:.1f} ms",
+                 f"~{saved['gemm_path_buffers_gb']:.1f} GB"):  # fmt: skip
+        assert text in row, text
+    kit = (REPO / "docs" / "gpu-kit.md").read_text()
+    for name, m in saved["methods"].items():
+        assert f"{m['predicted_ms']:.1f} ms" in kit, name
