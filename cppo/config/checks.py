@@ -83,6 +83,7 @@ def check_components(cfg) -> None:
     with naming("greso_target_skip_rate", "greso_min_explore", "greso_adjust_step"):  # each named in its message
         check_greso(cfg.greso_target_skip_rate, cfg.greso_min_explore, cfg.greso_adjust_step)
     _check_rollout_stop(cfg)
+    _check_overlap(cfg)
     _named_checks(
         parallelism=lambda: check_choice("parallelism", cfg.parallelism, PARALLELISMS),
         lr_schedule=lambda: check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES),
@@ -194,6 +195,46 @@ def _check_stop_rate(cfg) -> None:
             f"rollout_stop_rate > 0: rollout_backend={cfg.rollout_backend!r} cannot stop completions mid-generation; "
             "set rollout_backend=hf"
         )
+
+
+def _check_overlap(cfg) -> None:
+    """``max_staleness`` and ``steps_per_generation`` (generation ahead of training: :mod:`cppo.overlap`): each one's
+    range, their rule (one call's last step trains its rollouts ``steps_per_generation - 1`` updates late), and with
+    generation ahead of training what it composes with."""
+    from cppo_kernels.config import check_int
+
+    from ..engines import engine_supports
+
+    _named_checks(
+        max_staleness=lambda: check_int("max_staleness", cfg.max_staleness, low=0),
+        steps_per_generation=lambda: check_int("steps_per_generation", cfg.steps_per_generation, low=1),
+    )
+    if cfg.steps_per_generation - 1 > cfg.max_staleness:
+        with naming("steps_per_generation"):
+            raise ValueError(
+                f"steps_per_generation={cfg.steps_per_generation} trains the last step of a generation call on "
+                f"rollouts {cfg.steps_per_generation - 1} optimizer steps old, past max_staleness={cfg.max_staleness}: "
+                f"set max_staleness >= {cfg.steps_per_generation - 1} (or {cfg.steps_per_generation} to generate the "
+                "next call while these steps train)"
+            )
+    if cfg.max_staleness == 0:
+        return
+    with naming("max_staleness"):
+        if cfg.rollout_stop_rate > 0:
+            raise ValueError(
+                "max_staleness > 0 with rollout_stop_rate > 0: pruning while generating reads the policy's hidden "
+                "states mid-generation, which the step training beside it changes; set one of them to 0"
+            )
+        if cfg.parallelism == "fsdp2":
+            raise ValueError(
+                "max_staleness > 0 with parallelism fsdp2: a sharded policy generates with every rank gathering its "
+                "shards in step, which a step training beside it cannot share; use parallelism ddp"
+            )
+        if not engine_supports(cfg.rollout_backend, "supports_overlap"):
+            raise ValueError(
+                f"max_staleness > 0: rollout_backend={cfg.rollout_backend!r} cannot generate while the policy trains "
+                "(it needs weights of its own, synced when a step ends); set rollout_backend to vllm or hf"
+            )
 
 
 def positive(cfg, *names: str) -> None:

@@ -163,6 +163,16 @@ class TrainConfig(HoldsPruning):
     )
     vllm_importance_sampling_clip_max: float | None = setting(3.0, "upper bound C_max of the IS ratio (null: none)")
     vllm_importance_sampling_clip_min: float | None = setting(None, "lower bound C_min of the IS ratio (null: none)")
+    # generation ahead of training (TRL's names: AsyncGRPOTrainer's max_staleness, GRPOConfig's steps_per_generation)
+    max_staleness: int = setting(
+        0, "generate the next step's rollouts while this step trains (0: off, today's run): rollouts are trained at "
+        "most N optimizer steps after the weights that sampled them, the stale behaviour corrected by the importance "
+        "weights (vllm_importance_sampling_*)",
+    )  # fmt: skip
+    steps_per_generation: int = setting(
+        1, "steps whose questions one generation call draws (TRL's name; each step then trains its own share); "
+        "needs max_staleness >= steps_per_generation - 1",
+    )  # fmt: skip
     report_to: list[str] = setting(
         None, "metric sinks: jsonl (metrics.jsonl), tensorboard, wandb, or none", factory=lambda: ["jsonl"]
     )

@@ -182,6 +182,7 @@ class VLLMEngine(RolloutEngine):
     supports_stopping = True  # decoded to the checkpoint, the survivors continued (see generate)
     reads_model_folder = True  # vLLM loads the weights from model_name itself (then takes the policy's on sync)
     supports_greedy = True  # greedy evaluation decodes through the engine, on the synced weights (temperature 0)
+    supports_overlap = True  # generates from weights of its own (synced when a step ends) while the policy trains
 
     #: Share of the GPU's memory the colocated engine may take (the policy's training shares the rest).
     gpu_memory_utilization = 0.3
