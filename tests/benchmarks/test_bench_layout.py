@@ -1,6 +1,6 @@
 """The benchmarks' layout (docs/development.md, *The benchmarks*): the commands at ``benchmarks/*.py``, the code behind
-the multi-module ones in rooms (``endtoend/``, ``sweeps/``, ``gpukit/``, ``benchkit/`` for what they all share), and
-functions a reader can hold (issue 50, part 4)."""
+them in rooms (``endtoend/``, ``sweeps/``, ``gpukit/``, ``components/`` for the ``bench_*.py`` ones, ``benchkit/`` for
+what they all share), and functions a reader can hold (issue 50, part 4)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 MAX_BODY = 60
-ROOMS = ("benchkit", "endtoend", "gpukit", "sweeps")
+ROOMS = ("benchkit", "components", "endtoend", "gpukit", "sweeps")
 #: The commands users and the docs call, at their documented paths.
 COMMANDS = (
     "accuracy_arm.py",
@@ -79,3 +79,15 @@ def test_every_command_runs_as_a_script(command):
         isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and getattr(n.test.left, "id", "") == "__name__"
         for n in tree.body
     ), f"{command} has no `if __name__ == '__main__':`"
+
+
+@pytest.mark.parametrize(
+    "command,module",
+    [("bench_generate", "generation"), ("bench_loss", "loss"), ("bench_select", "selection"), ("bench_trl", "trainer")],
+)
+def test_a_thin_command_imported_is_its_rooms_module(command, module):
+    """``import bench_loss`` (the GPU kit, the tests) gives ``components.loss`` itself, so that what is patched on the
+    one is seen by the other."""
+    import importlib
+
+    assert importlib.import_module(command) is importlib.import_module(f"components.{module}")

@@ -1,0 +1,4 @@
+"""The component benchmarks behind ``benchmarks/bench_*.py``, one module each: ``loss`` (the fused loss's time and
+working memory, ``bench_loss.py``), ``selection`` (the advantage and selection ops, ``bench_select.py``),
+``generation`` (the vllm engine against the hf engine, ``bench_generate.py``) and ``trainer`` (stock TRL against
+``CPPOTrainer``, ``bench_trl.py``)."""
