@@ -130,9 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"meta.compare gives their train / total seconds and tokens ratios (once; not {', '.join(PLANNED)}, which "
         "each run's plan sets)",
     )
+    add_whole_run_flags(ap)
     add("--schedule", choices=["interleaved", "sequential"], help="default: interleaved on CPU, else sequential")
-    add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
-    add("--warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed step first")
     add(
         "--out",
         type=pathlib.Path,
@@ -144,6 +143,38 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-progress", action="store_true", help="no progress bar")
     add("--dry-run", action="store_true", help="validate the whole plan: no model built, nothing trained or written")
     return ap
+
+
+def add_whole_run_flags(ap: argparse.ArgumentParser) -> None:
+    """How the arms run (``--threads``, ``--warmup``) and the whole-run table's flags (issue 51): ``--batched-grpo``
+    arms and ``--rounds``."""
+    add = ap.add_argument
+    add("--threads", type=int, help="torch.set_num_threads (default: 1 on CPU, else torch's choice)")
+    add(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one untimed step per arm first, each on questions outside the measured set (once per process)",
+    )
+    add(
+        "--batched-grpo",
+        dest="batched",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="Q",
+        help="GRPO arms generating Q steps' questions in one call, training unchanged (P = 0 with "
+        "steps_per_generation=Q, max_staleness=Q-1), e.g. 2 4 8 beside P = 0.5 0.75 0.875 with allocation: pruning "
+        "against batching",
+    )
+    add(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="run every arm N times (rounds), each round written to --out as NAME-roundK.json as it ends; a rerun "
+        "with the same --out and settings runs only the missing rounds; NAME.json combines them (means, 95%% t "
+        "intervals)",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

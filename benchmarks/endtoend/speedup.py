@@ -19,9 +19,12 @@ What is timed (wall clock, summed over every measured step of a rate):
 - ``other``: the rest of each ``Trainer.train_step`` call (advantages, packing, bookkeeping), measured as
   the step's wall clock minus the phases above.
 
-``total_seconds`` is the sum of the ``train_step`` wall clocks. Building the model (``setup_seconds``) and
-one warm-up step on questions outside the measured set (``meta.warmup_seconds``) are reported but excluded.
-``cpu_seconds`` (this process's CPU time over the steps) is a check on a shared machine. On CPU the rates run
+``total_seconds`` is the sum of the ``train_step`` wall clocks. Building the model (``setup_seconds``), one
+untimed warm-up step per arm on questions outside the measured set (``meta.warmup``, ``meta.warmup_seconds``: every
+arm's engine has run before any timed step) and the weight reloads a vLLM engine shared by interleaved arms needs
+(``reload_seconds``, done before the step: a run of one arm never pays it; ``endtoend/runner.py``) are reported
+but excluded. ``cpu_seconds`` (the CPU time of this process and its finished children over the steps) is a check
+on a shared machine; ``phase_cpu_seconds`` splits it by phase. On CPU the rates run
 interleaved by default (``--schedule``) on one torch thread: all of them step through the questions together, so
 load from other processes falls on every rate alike; on a GPU they run one after another (one model in memory).
 
@@ -42,32 +45,33 @@ and the software), ``NAME.png`` (stacked phase bars) and with ``--eval`` ``NAME-
 training wall clock) to ``--out`` (``--name``, default ``speedup``), and prints Markdown tables and the files it
 wrote. Without ``--out`` they go to a new folder of the run's own, ``benchmarks/runs/NAME-<UTC time>[-N]/`` (ignored
 by git): the committed reference results in ``benchmarks/results/`` change only with ``--out benchmarks/results``.
-This file plans and runs; the command line is ``benchmarks/endtoend/args.py``, and the rows, tables, JSON, PNGs and
-metadata are pure functions in ``benchmarks/endtoend/report.py``.
+Batched GRPO (``--batched-grpo Q ...``): GRPO arms generating Q steps' questions in one call, training as GRPO
+(``steps_per_generation`` Q, ``max_staleness`` Q - 1), beside CPPO's arms drawing as many questions per step: how much
+of CPPO's speedup is pruning and how much batching. Rounds (``--rounds N``): every arm N times, each round its own
+file, resumed across sessions, combined with 95% t intervals (``endtoend/wholerun.py``, ``endtoend/rounds.py``).
+
+This file plans; ``benchmarks/endtoend/runner.py`` runs the arms, the command line is ``benchmarks/endtoend/args.py``,
+and the rows, tables, JSON, PNGs and metadata are pure functions in ``benchmarks/endtoend/report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
 import pathlib
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from benchkit.out import new_run_folder
 from tqdm.auto import tqdm
 
-import cppo
 from cppo import TrainConfig
-from cppo.tasks import count_local_problems, dataset_source, load_problems, question_id
+from cppo.tasks import count_local_problems, dataset_source, load_problems
 from endtoend.args import (
     base_config,
     check_out,
@@ -80,7 +84,6 @@ from endtoend.args import (
 from endtoend.report import (
     EvalPoint,
     RateRun,
-    accumulate,
     build_rows,
     collect_meta,
     compare_rows,
@@ -90,9 +93,18 @@ from endtoend.report import (
     plot_accuracy,
     write_json,
 )
-
-#: ``on_step(plan, metrics)`` after every measured step (progress).
-OnStep = Callable[[TrainConfig, dict[str, float]], None] | None
+from endtoend.runner import (  # noqa: F401  (step_order, run_plans, timed_step, planned_steps: this module's API too)
+    EvalPlan,
+    eval_steps,
+    planned_steps,
+    run_label,
+    run_plans,
+    step_order,
+    thread_record,
+    timed_step,
+    warm_up,
+)
+from endtoend.wholerun import run_rounds
 
 
 def plan_schedule(
@@ -100,23 +112,50 @@ def plan_schedule(
     pruning_rates: Sequence[float],
     *,
     ablations: Sequence[tuple[str, float]] = (),
+    batched: Sequence[int] = (),
     questions: int | None = None,
     least_times: int = 1,
 ) -> list[TrainConfig]:
-    """One trainer config per rate, then one per ablation ``(selection_metric, P)``: ``base`` at ``pruning_rate`` P
-    (and that metric) with ``max_questions = questions`` (default: ``least_times`` x the least count every run
-    divides) and ``num_steps`` steps of its ``questions_drawn``.
+    """One trainer config per rate, then one per ablation ``(selection_metric, P)``, then one per ``batched`` Q (GRPO
+    generating Q steps' questions in one call: P = 0 with ``steps_per_generation`` Q and ``max_staleness`` Q - 1,
+    training as GRPO's): ``base`` at ``pruning_rate`` P (and that metric) with ``max_questions = questions``
+    (default: ``least_times`` x the least count every run divides) and ``num_steps`` steps of its
+    ``questions_drawn``.
 
     ValueError naming the argument unless the rates are distinct and start with 0 (the GRPO baseline), the runs are
     distinct, each makes a valid trainer config (keep >= 1), and ``questions`` is a multiple of every run's
-    questions per step.
+    questions per generation call.
     """
+    configs = _arm_configs(base, pruning_rates, ablations=ablations, batched=batched)
+    per_call = {run_label(c): c.pruning.questions_drawn * c.steps_per_generation for c in configs}
+    least = math.lcm(*per_call.values())
+    questions = least * least_times if questions is None else questions
+    if questions < 1:
+        raise ValueError(f"--questions must be >= 1, got {questions}")
+    if questions % least:
+        raise ValueError(
+            f"--questions must be a multiple of {least} (the questions one generation call draws in each run: "
+            f"{per_call}) so that every rate processes the same questions; got {questions}, e.g. use "
+            f"{-(-questions // least) * least}"
+        )
+    return [
+        dataclasses.replace(c, num_steps=questions // c.pruning.questions_drawn, max_questions=questions)
+        for c in configs
+    ]
+
+
+def _arm_configs(
+    base: TrainConfig, pruning_rates: Sequence[float], *, ablations: Sequence[tuple[str, float]], batched: Sequence[int]
+) -> list[TrainConfig]:
+    """:func:`plan_schedule`'s configs before their questions and steps, each checked (ValueError naming its flag)."""
     rates = [float(p) for p in pruning_rates]
     if not rates or rates[0] != 0.0 or len(set(rates)) != len(rates):
         raise ValueError(f"--pruning-rates must be distinct and start with 0 (the GRPO baseline), got {rates}")
     runs = [(base.selection_metric, p) for p in rates] + [(m, float(p)) for m, p in ablations]
     if len(set(runs)) != len(runs):
         raise ValueError(f"--selection-metric repeats a run: {[f'{m}@{p:g}' for m, p in ablations]}")
+    if len(set(batched)) != len(batched) or any(q < 2 for q in batched):
+        raise ValueError(f"--batched-grpo takes distinct Q >= 2 (steps' questions per generation call), got {batched}")
     configs = []
     for i, (metric, p) in enumerate(runs):
         try:
@@ -125,180 +164,12 @@ def plan_schedule(
         except ValueError as e:
             flag = f"--pruning-rates {p:g}" if i < len(rates) else f"--selection-metric {metric}@{p:g}"
             raise ValueError(f"{flag}: {e}") from None
-    per_step = [c.pruning.questions_drawn for c in configs]
-    least = math.lcm(*per_step)
-    questions = least * least_times if questions is None else questions
-    if questions < 1:
-        raise ValueError(f"--questions must be >= 1, got {questions}")
-    if questions % least:
-        drawn = {run_label(c): c.pruning.questions_drawn for c in configs}
-        raise ValueError(
-            f"--questions must be a multiple of {least} (the questions one step draws in each run: {drawn}) so that "
-            f"every rate processes the same questions; got {questions}, e.g. use {-(-questions // least) * least}"
-        )
-    return [
-        dataclasses.replace(c, num_steps=questions // c.pruning.questions_drawn, max_questions=questions)
-        for c in configs
-    ]
-
-
-def run_label(config: TrainConfig) -> str:
-    """``P=0.75``, or ``P=0.75 random`` for a run that does not prune the smallest |A|."""
-    metric = config.selection_metric
-    return f"P={config.pruning_rate:g}" + ("" if metric == "smallest" else f" {metric}")
-
-
-def eval_steps(num_steps: int, points: int) -> list[int]:
-    """The steps after which a run of ``num_steps`` steps is evaluated: ``points`` evenly spaced ones, the k-th after
-    ``ceil(k * num_steps / points)`` steps (the same share of the questions in every run), the last one the end.
-    ValueError when ``points`` is not in [1, num_steps]."""
-    if not 1 <= points <= num_steps:
-        raise ValueError(f"--eval-points must be in [1, {num_steps}] (a run of {num_steps} steps), got {points}")
-    return [-(-k * num_steps // points) for k in range(1, points + 1)]
-
-
-def planned_steps(plan: TrainConfig) -> int:
-    """The steps ``plan`` plans: ``num_steps``, else ``num_epochs`` over its ``max_questions`` (a run bounded by the
-    data's epochs, which :func:`run_plans` ends as early as the trainer does: ``Trainer.stop_reason``)."""
-    return plan.num_steps or plan.steps_for(plan.max_questions)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed_step(trainer: Any, *, device: str) -> tuple[dict[str, float], float, float]:
-    """One ``train_step``, the GPU synchronised around it: ``(metrics, wall seconds, this process's CPU seconds)``."""
-    _sync(device)
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    metrics = trainer.train_step()
-    _sync(device)
-    return metrics, time.perf_counter() - wall0, time.process_time() - cpu0
-
-
-def measure_accuracy(trainer: Any, *, problems: int, device: str, train_seconds: float, step: int) -> EvalPoint:
-    """Greedy accuracy of the trainer's policy now on the first ``problems`` test problems (``Trainer.evaluate``:
-    the dataset's official protocol, the run's completion length), timed apart from the training steps."""
-    _sync(device)
-    wall0 = time.perf_counter()
-    result = trainer.evaluate(limit=problems)
-    _sync(device)
-    if result["total"] != problems:
-        raise RuntimeError(f"--eval {problems}: the test split gave {result['total']} problems")
-    return EvalPoint(
-        train_seconds=train_seconds,
-        step=step,
-        correct=int(result["correct"]),
-        total=int(result["total"]),
-        format_rate=float(result["format_rate"]),
-        eval_seconds=time.perf_counter() - wall0,
-        distinct=result.get("distinct_problems"),
-        per_problem=result.get("per_problem"),
-    )
-
-
-def step_order(plans: Sequence[TrainConfig], *, interleave: bool) -> list[tuple[int, int]]:
-    """``(rate index, step index)`` of every step of every rate (``num_steps`` each), in the order they run.
-
-    Sequential: rate after rate. Interleaved: all rates advance together through the questions (steps sorted by
-    the middle of the question range they cover, ties by rate), so a shared machine's changing load falls on
-    every rate alike. Each rate's own steps keep their order, and every step reseeds, so the results are the same.
-    """
-    order = [(i, k) for i, plan in enumerate(plans) for k in range(planned_steps(plan))]
-    return sorted(order, key=lambda ik: ((ik[1] + 0.5) / planned_steps(plans[ik[0]]), ik[0])) if interleave else order
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalPlan:
-    """``--eval N --eval-points K``: N test problems, K points per run (see :func:`eval_steps`)."""
-
-    problems: int
-    points: int
-
-
-def run_plans(
-    plans: Sequence[TrainConfig],
-    *,
-    device: str,
-    interleave: bool,
-    on_step: OnStep = None,
-    evaluation: EvalPlan | None = None,
-    on_eval: Callable[[TrainConfig, EvalPoint], None] | None = None,
-    before: EvalPoint | None = None,
-) -> list[RateRun]:
-    """Trains every planned config from a fresh model (same seed for all) in :func:`step_order`; a RateRun each.
-
-    A rate's trainer is built before its first step (``setup_seconds``, not timed as a step) and freed after its
-    last. With ``evaluation`` the first trainer built is evaluated before its first step (every run starts from
-    that model: the first point of every curve; ``before``: that measurement, made earlier on the same model and
-    problems, is used instead) and each run after its :func:`eval_steps`. RuntimeError when a
-    trainer draws other questions than its ``max_questions`` (the rates would not compare; None: not checked).
-    """
-    records: list[list[tuple[dict[str, float], float, float]]] = [[] for _ in plans]
-    curves: list[list[EvalPoint]] = [[] for _ in plans]
-    at = [set(eval_steps(planned_steps(p), evaluation.points)) if evaluation else set() for p in plans]
-    setup, trainers, ids, ended = [0.0] * len(plans), {}, [None] * len(plans), set()
-
-    def evaluate(i: int, step: int) -> EvalPoint:
-        seconds = sum(w for _, w, _ in records[i])
-        point = measure_accuracy(
-            trainers[i], problems=evaluation.problems, device=device, train_seconds=seconds, step=step
-        )
-        if on_eval is not None:
-            on_eval(plans[i], point)
-        return point
-
-    with tempfile.TemporaryDirectory(prefix="cppo-speedup-") as tmp:
-        for i, k in step_order(plans, interleave=interleave):
-            if i in ended:  # a run bounded by epochs that the trainer ended before its planned steps
-                continue
-            if k == 0:
-                t0 = time.perf_counter()
-                trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
-                setup[i] = time.perf_counter() - t0
-                ids[i] = [question_id(p) for p in trainers[i].problems]
-                if evaluation is not None:  # the first run's model before training is every run's
-                    curves[i].append(next((c[0] for c in curves if c), before) or evaluate(i, 0))
-            records[i].append(timed_step(trainers[i], device=device))
-            if on_step is not None:
-                on_step(plans[i], records[i][-1][0])
-            last = k == planned_steps(plans[i]) - 1 or (plans[i].num_steps is None and trainers[i].stop_reason())
-            if k + 1 in at[i] or (last and evaluation is not None):  # the end is always evaluated
-                curves[i].append(evaluate(i, k + 1))
-            if last:
-                ended.add(i)
-                del trainers[i]
-                gc.collect()
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-    return [
-        _finish(plan, steps, setup=t, curve=curve, question_ids=q)
-        for plan, steps, t, curve, q in zip(plans, records, setup, curves, ids)
-    ]
-
-
-def _finish(
-    plan: TrainConfig,
-    steps: list[tuple[dict[str, float], float, float]],
-    *,
-    setup: float,
-    curve: list[EvalPoint],
-    question_ids: list[str] | None = None,
-) -> RateRun:
-    """A run's :class:`RateRun` from its steps' ``(metrics, wall, cpu)``; RuntimeError when it drew other questions
-    than planned."""
-    sums = accumulate([m for m, _, _ in steps], [w for _, w, _ in steps])
-    sums["steps"] = len(steps)
-    if plan.num_steps is not None and plan.max_questions is not None and sums["questions"] != plan.max_questions:
-        raise RuntimeError(
-            f"P={plan.pruning_rate}: the trainer drew {sums['questions']} questions in {plan.num_steps} step(s), "
-            f"not the planned {plan.max_questions}: the rates would not see the same questions"
-        )
-    cpu = sum(c for _, _, c in steps)
-    return RateRun(
-        config=plan, sums=sums, setup_seconds=setup, cpu_seconds=cpu, curve=curve, train_question_ids=question_ids
-    )
+    for q in batched:
+        try:
+            configs.append(dataclasses.replace(base, pruning_rate=0.0, steps_per_generation=q, max_staleness=q - 1))
+        except ValueError as e:
+            raise ValueError(f"--batched-grpo {q}: {e}") from None
+    return configs
 
 
 def check_eval(args: argparse.Namespace, plans: Sequence[TrainConfig]) -> EvalPlan | None:
@@ -357,7 +228,8 @@ def dry_run(
         "schedule": schedule,
         "steps": len(order),
         "rates": [
-            {"pruning_rate": c.pruning_rate, "selection_metric": c.selection_metric, "keep": c.pruning.keep,
+            {"arm": run_label(c), "pruning_rate": c.pruning_rate, "selection_metric": c.selection_metric,
+             "steps_per_generation": c.steps_per_generation, "max_staleness": c.max_staleness, "keep": c.pruning.keep,
              "questions_per_step": c.pruning.questions_drawn, "steps": c.num_steps, "questions": c.max_questions,
              "eval_steps": eval_steps(c.num_steps, evaluation.points) if evaluation else []}
             for c in plans
@@ -389,57 +261,89 @@ def eval_meta(evaluation: EvalPlan | None, runs: Sequence[RateRun], config: Trai
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/NAME.json`` (with
-    ``--dry-run``: the validated plan, see :func:`dry_run`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+@dataclasses.dataclass
+class Planned:
+    """What :func:`plan` made of the command line: the base config, every arm's config, the ``--compare`` variant,
+    the torch threads, the schedule, the evaluation and the files."""
+
+    config: TrainConfig
+    plans: list[TrainConfig]
+    variant: TrainConfig | None
+    threads: int | None
+    schedule: str
+    evaluation: EvalPlan | None
+    files: dict[str, str]
+
+
+def plan(args: argparse.Namespace) -> Planned:
+    """The arms of ``args`` (:func:`plan_schedule`; with ``--compare`` each rate twice), checked."""
     config = base_config(args, need_cuda=not args.dry_run)
     on_cpu = config.device == "cpu"
     ablations = [parse_ablation(a) for a in args.ablations]
-    plans = plan_schedule(
-        config, args.pruning_rates, ablations=ablations, questions=args.questions, least_times=2 if on_cpu else 1
-    )
+    plans = plan_schedule(config, args.pruning_rates, ablations=ablations, batched=args.batched,
+                          questions=args.questions, least_times=2 if on_cpu else 1)  # fmt: skip
     variant = compare_config(args, config, need_cuda=not args.dry_run)
     if variant is not None:  # each rate's run, then the same rate with the setting changed
-        if ablations:
-            raise ValueError("--compare runs every --pruning-rates rate twice; it takes no --selection-metric")
+        if ablations or args.batched:
+            raise ValueError("--compare runs every --pruning-rates rate twice; it takes no --selection-metric or "
+                             "--batched-grpo")  # fmt: skip
         others = plan_schedule(variant, args.pruning_rates, questions=plans[0].max_questions)
         plans = [c for pair in zip(plans, others) for c in pair]
     threads = args.threads if args.threads is not None else (1 if on_cpu else None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    if args.rounds is not None and (args.rounds < 1 or variant is not None or args.eval is not None):
+        raise ValueError(f"--rounds must be >= 1 and takes no --compare or --eval, got --rounds {args.rounds}")
     schedule = args.schedule or ("interleaved" if on_cpu else "sequential")
     evaluation = check_eval(args, plans)
     files = output_files(args, accuracy=evaluation is not None)
+    return Planned(config, plans, variant, threads, schedule, evaluation, files)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark; returns ``{"meta": ..., "rows": [...]}`` as written to ``--out/NAME.json`` (with
+    ``--dry-run``: the validated plan, see :func:`dry_run`; with ``--rounds``: :func:`endtoend.wholerun.run_rounds`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    p = plan(args)
     if args.dry_run:
-        return dry_run(args, plans, schedule=schedule, evaluation=evaluation)
+        return dry_run(args, p.plans, schedule=p.schedule, evaluation=p.evaluation)
     if args.out is None:  # a new folder of this run's own: never the committed benchmarks/results
         args.out = new_run_folder(args.name)
-        files = output_files(args, accuracy=evaluation is not None)
+        p.files = output_files(args, accuracy=p.evaluation is not None)
     check_out(args.out, create=True)  # before the run, not after it
-    if config.kernel_backend == "triton" and on_cpu:
+    if p.config.kernel_backend == "triton" and p.config.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first (lazy) import
-    if threads is not None:
-        torch.set_num_threads(threads)
-    meta = collect_meta(config, argv=argv)
-    meta.update(preset=args.preset, config=args.config, schedule=schedule, questions=plans[0].max_questions)
-    meta["ablations"] = list(args.ablations)
-    runs, meta["warmup_seconds"] = measure(args, plans, schedule=schedule, evaluation=evaluation)
-    meta["eval"] = eval_meta(evaluation, runs, config)
-    if variant is None:
+    if p.threads is not None:
+        torch.set_num_threads(p.threads)
+    meta = collect_meta(p.config, argv=argv)
+    meta.update(preset=args.preset, config=args.config, schedule=p.schedule, questions=p.plans[0].max_questions)
+    meta["ablations"], meta["batched_grpo"] = list(args.ablations), list(args.batched)
+    meta["threads_before_engine_start"] = thread_record(p.threads)
+    if args.rounds is not None:
+        return run_rounds(args, p, meta, measure=measure)
+    return run_once(args, p, meta)
+
+
+def run_once(args: argparse.Namespace, p: Planned, meta: dict[str, Any]) -> dict[str, Any]:
+    """One run of every arm: ``NAME.json``, the PNGs and the tables (the run without ``--rounds``)."""
+    runs, info = measure(args, p.plans, schedule=p.schedule, evaluation=p.evaluation, threads=p.threads)
+    meta.update(info)
+    meta["eval"] = eval_meta(p.evaluation, runs, p.config)
+    if p.variant is None:
         rows = build_rows(runs)
     else:  # the base runs and the changed ones, each against its own P = 0
         rows = [{**r, "variant": None} for r in build_rows(runs[0::2])]
         rows += [{**r, "variant": args.compare} for r in build_rows(runs[1::2])]
         meta["compare"] = compare_rows(rows, args.compare)
+    files = p.files
     write_json(pathlib.Path(files["json"]), rows, meta)
     if "png" in files:
         plot(pathlib.Path(files["png"]), rows, meta)
     if "accuracy_png" in files:
         plot_accuracy(pathlib.Path(files["accuracy_png"]), rows, meta)
     print(format_table(rows))
-    if evaluation is not None:
+    if p.evaluation is not None:
         print("\n" + format_accuracy_table(rows))
     for pair in meta.get("compare", {}).get("pairs", []):
         print(
@@ -452,17 +356,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, plans: Sequence[TrainConfig], *, schedule: str, evaluation: EvalPlan | None
-) -> tuple[list[RateRun], float | None]:
-    """The warm-up step (unless ``--no-warmup``: its seconds, else None), then :func:`run_plans` with a progress
-    bar; an accuracy point is written out as soon as it is measured."""
+    args: argparse.Namespace,
+    plans: Sequence[TrainConfig],
+    *,
+    schedule: str,
+    evaluation: EvalPlan | None,
+    threads: int | None = None,
+    warm: bool = True,
+) -> tuple[list[RateRun], dict[str, Any]]:
+    """The warm-up (with ``--warmup`` and ``warm``: one untimed step per arm, :func:`endtoend.runner.warm_up`), then
+    :func:`run_plans` with a progress bar; an accuracy point is written out as soon as it is measured. Returns the
+    runs and ``{"warmup_seconds", "warmup": per arm, "threads_after_engine_start"}`` (:func:`thread_record` once the
+    first measured trainer, and so its engine, is built)."""
     device = plans[0].device
     bar = tqdm(total=sum(p.num_steps for p in plans), unit="step", desc="speedup", disable=args.no_progress)
-    warmup = None
-    if args.warmup:  # one P = 0 step with another seed (another model, other questions), not counted
+    info: dict[str, Any] = {"warmup_seconds": None, "warmup": None}
+    if args.warmup and warm:
         bar.set_postfix_str("warm-up")
-        warm = dataclasses.replace(plans[0], num_steps=1, max_questions=None, seed=plans[0].seed + 1)
-        warmup = run_plans([warm], device=device, interleave=False)[0].sums["total_seconds"]
+        info["warmup"] = warm_up(plans, device=device)
+        info["warmup_seconds"] = sum(w["seconds"] for w in info["warmup"])
 
     def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
         bar.set_postfix_str(f"{run_label(plan)} keep {plan.pruning.keep}/{plan.group_size}", refresh=False)
@@ -477,12 +389,13 @@ def measure(
         )
         sys.stdout.flush()  # a long run's log shows each point when it is measured
 
-    interleave = schedule == "interleaved"
-    runs = run_plans(
-        plans, device=device, interleave=interleave, on_step=on_step, evaluation=evaluation, on_eval=on_eval
-    )
+    def on_built(trainer: Any) -> None:
+        info.setdefault("threads_after_engine_start", thread_record(threads))
+
+    runs = run_plans(plans, device=device, interleave=schedule == "interleaved", on_step=on_step,
+                     evaluation=evaluation, on_eval=on_eval, on_built=on_built)  # fmt: skip
     bar.close()
-    return runs, warmup
+    return runs, info
 
 
 def cli() -> None:

@@ -271,7 +271,9 @@ def test_run_plans_evaluates_before_and_at_the_points_on_the_training_clock(repo
     import cppo
 
     monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
-    monkeypatch.setattr(speedup, "timed_step", lambda trainer, device: (trainer.train_step(), 1.5, 1.0))
+    from endtoend import runner  # where run_plans times its steps
+
+    monkeypatch.setattr(runner, "timed_step", lambda trainer, device: (trainer.train_step(), 1.5, 1.0))
     _FakeTrainer.calls = []
     plans = speedup.plan_schedule(_config("group_size=8"), [0, 0.75], ablations=[("random", 0.75)], questions=8)
     seen = []
