@@ -60,18 +60,19 @@ class StepRollouts:
 
     def draw_step(
         self, timer: PhaseTimer, generate: Callable, reward: Callable, *, pruning, stopping, filter_groups: bool,
-        max_calls: int, seed: int,
+        max_calls: int, seed: int, questions: int | None = None,
     ):  # fmt: skip
         """The step's generation calls, each through ``generate(num_questions)`` and ``reward(problems, prompts,
         rollout)`` (the trainer's stages: :meth:`generate`, :meth:`reward`): one call of ``generate()`` without
         ``filter_groups`` or GRESO; else :func:`cppo.step.fill_step` (with ``filter_groups``, at most ``max_calls``,
-        ``pruning``'s budget, ``seed`` the same on every rank) or one call of ``pruning``'s question count. Returns
+        ``pruning``'s budget, ``seed`` the same on every rank) or one call of ``questions`` (default ``pruning``'s
+        question count: a step's; several steps' with ``steps_per_generation``). Returns
         what ``train_step`` reads, concatenated: problems, prompts, rollout, rewards, scores, correct, dynamic
         sampling's selection (``filled``; ``None``: the plain rule's to make) and both features' and ``stopping``'s
         metrics."""
         if not (filter_groups or self.greso is not None):
             with timer("generate"):
-                problems, prompts, rollout = generate()
+                problems, prompts, rollout = generate(questions)
             with timer("reward"):
                 rewards, scores, correct = reward(problems, prompts, rollout)  # rewards [Q * G]
             extra = stopping.observe(rollout, correct, rewards) if stopping is not None else {}
@@ -92,7 +93,7 @@ class StepRollouts:
             zero, extra = filled.zero_variance, filled.metrics()
         else:  # GRESO alone: one call, selected by the plain rule (train_step's select stage)
             filled, extra = None, {}
-            first, stopped = draw(pruning.questions_drawn)
+            first, stopped = draw(questions or pruning.questions_drawn)
             zero = step.zero_variance_groups(first, self.group_size, stopped)
         drawn, problems, prompts, rollouts, rewards, scores, correct = (list(x) for x in zip(*parts))
         rollout = concatenate(rollouts)

@@ -12,6 +12,10 @@ the loss is normalised by the global token / sequence counts and the gradients a
 Precision: parameters and AdamW state are fp32 whatever ``dtype`` says; ``dtype`` is the compute dtype of the
 forward and backward passes (``torch.autocast``; under FSDP2 a mixed-precision policy with fp32 gradient reduction)
 and of the rollouts. The frozen reference model is stored in the compute dtype.
+
+Generation ahead of training (``steps_per_generation``, ``max_staleness``) is :mod:`cppo.overlap`'s queue, which
+:meth:`Trainer.train_step` takes its draw from. Over 500 lines: the step's stages, the loop, evaluation and
+checkpoints read here as one story of one step; each stage's work lives in :mod:`cppo.step`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .config import TrainConfig
 from .distributed import autocast, resolve_device
 from .engines import EngineSettings, Rollout, RolloutEngine, make_engine
 from .evaluate import evaluate_model, evaluate_split
+from .overlap import RolloutQueue, make_queue
 from .rollouts import StepRollouts
 from .run import (
     TRAINER_KEYS,
@@ -110,6 +115,7 @@ class Trainer:
             system_prompt=config.system_prompt, reward_fns=self.reward_fns, group_size=config.group_size,
             device=self.device,
         )  # fmt: skip
+        self.queue = self._make_queue()  # generation ahead of training (None: each step generates its own)
         self.stopping = None if not config.rollout_stop_rate else step.RolloutStopping(  # pruning while generating
             config, hidden_size=self.model.config.hidden_size, tokenizer=self.tokenizer, info=self.info)  # fmt: skip
         self.loss_config = config.loss_config
@@ -159,8 +165,26 @@ class Trainer:
             model_name=cfg.model, max_prompt_length=cfg.max_prompt_length,
             max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
             compute_dtype=self._autocast_dtype, sharded=self._sharded, prefill_once=cfg.prefill_once,
+            own_weights=cfg.steps_per_generation > 1 or cfg.max_staleness > 0,
         )  # fmt: skip
         return make_engine(cfg.rollout_backend, self.model, self.tokenizer, settings)
+
+    def _make_queue(self) -> RolloutQueue | None:
+        """The queue of draws ahead of training (:func:`cppo.overlap.make_queue`; None: each step generates its own):
+        a call of ``steps`` steps' questions whose first trains at step ``first``, seeded by that step."""
+        cfg = self.config
+
+        def draw_call(timer: PhaseTimer, steps: int, first: int):
+            return self.rollouts.draw_step(
+                timer, self._generate, self._reward, pruning=self.pruning, stopping=self.stopping,
+                filter_groups=cfg.filter_groups, max_calls=cfg.max_num_gen_batches, seed=self._step_seed(first, 0),
+                questions=steps * self.pruning.questions_drawn,
+            )  # fmt: skip
+
+        return make_queue(
+            cfg, draw_call, info=self.info, device=self.device, sync=self.rollout.sync_weights,
+            passed=lambda: self.sampler.passed, seed=lambda first: torch.manual_seed(self._step_seed(first)),
+        )  # fmt: skip
 
     @property
     def _sharded(self) -> bool:
@@ -179,10 +203,16 @@ class Trainer:
         """One CPPO step; returns its metrics (docs/training.md lists them)."""
         cfg = self.config
         timer, start = PhaseTimer(self.device), time.perf_counter()
-        torch.manual_seed(self._step_seed())  # sampling in generate draws from the global RNG: reproducible per step
+        if self.queue is None or not self.queue.overlap:  # generating ahead: seeded as each call is launched
+            torch.manual_seed(self._step_seed())  # sampling draws from the global RNG: reproducible per step
 
         # generate and reward (call after call with filter_groups / GRESO: cppo.step.dynamic, cppo.tasks.greso)
-        problems, prompts, rollout, rewards, scores, correct, filled, extra = self._draw_step(timer)
+        if self.queue is None:
+            problems, prompts, rollout, rewards, scores, correct, filled, extra = self._draw_step(timer)
+            ahead = {}
+        else:  # the queue's draw: generated ahead, by a call of several steps, or now
+            draw, ahead = self.queue.take(self.step, timer, more=self._trains_after)
+            problems, prompts, rollout, rewards, scores, correct, filled, extra = draw.fields()
         with timer("select"):
             batches, num_kept = self._select_and_pack(rewards, rollout, filled)
             passes = batches + self._fillers(batches)  # what every pass runs: the micro-batches, then fillers
@@ -209,7 +239,7 @@ class Trainer:
 
         self.step += 1
         record = self._step_metrics(problems, rollout, rewards, scores, correct, batches, num_kept=num_kept)
-        record.update(extra | is_metrics)
+        record.update(extra | is_metrics | ahead)
         record.update(dict(zip(("loss", "kl", "clip_fraction", "entropy"), sums.tolist())))
         record.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], skipped_updates=skipped)
         record.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -218,9 +248,18 @@ class Trainer:
 
     # Stages ---------------------------------------------------------------------------------------------------
 
-    def _step_seed(self, rank: int | None = None) -> int:
-        """This step's seed for ``rank`` (default: this rank's)."""
-        return (self.config.seed * 1_000_003 + self.step) * 64 + (self.rank if rank is None else rank)
+    def _step_seed(self, step: int | None = None, rank: int | None = None) -> int:
+        """The seed of ``step`` (default: this one) for ``rank`` (default: this rank's)."""
+        step = self.step if step is None else step
+        return (self.config.seed * 1_000_003 + step) * 64 + (self.rank if rank is None else rank)
+
+    def _trains_after(self, step: int) -> bool:
+        """Whether a step after ``step`` trains, known as ``step`` takes its draw (generating ahead launches the
+        next call only then): the planned steps, and without ``num_steps`` the epochs passed by the draws taken."""
+        cfg, n = self.config, self.sampler.num_questions
+        if step + 1 >= self.num_steps:
+            return False
+        return cfg.num_steps is not None or self.queue.taken_passed < cfg.num_epochs * n
 
     def _draw_step(self, timer: PhaseTimer):
         """The step's generation calls through :meth:`_generate` and :meth:`_reward`
@@ -338,7 +377,7 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, max_grad_norm=self.config.max_grad_norm
         )
         self.skips.record(applied, grad_norm=grad_norm, step=self.step + 1)
-        if applied:
+        if applied and self.queue is None:  # generating ahead: synced before the queue's next call (cppo.overlap)
             self.rollout.sync_weights()
         return grad_norm, applied
 
@@ -398,6 +437,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            if self.queue is not None:
+                self.queue.close()
             self.run.finish()
         if self.rank == 0:  # metrics.png over the whole run
             plot_run(cfg.output_dir, log_kept="jsonl" in self.run.sink_names, logged=logged)  # unless it failed
@@ -439,7 +480,9 @@ class Trainer:
         cfg, n = self.config, self.sampler.num_questions
         if self.step >= self.num_steps:
             return f"{self.step} of {self.num_steps} planned steps done"
-        if cfg.num_steps is None and self.sampler.passed >= cfg.num_epochs * n:
+        passed = self.sampler.passed  # generating ahead: the questions of the draws trained, not of those queued
+        passed = passed if self.queue is None or self.queue.taken_passed is None else self.queue.taken_passed
+        if cfg.num_steps is None and passed >= cfg.num_epochs * n:
             return (
                 f"num_epochs={cfg.num_epochs} epochs of the {n} questions used up after step {self.step} (planned "
                 f"{self.num_steps} steps; the learning-rate schedule is cut short there)"
@@ -456,6 +499,8 @@ class Trainer:
         problems and sum their counts; under FSDP2 every rank decodes all of them (the shards gather in step)."""
         cfg = self.config
         problems = load_problems(cfg.dataset, split="test", dataset_path=cfg.dataset_path, max_questions=limit)
+        if self.queue is not None:  # the call generating ahead waited for, the engine on this policy
+            self.queue.sync_for_use(self.step)
         rollout = self.rollout.for_evaluation()  # the engine's greedy decoder (the engine itself for hf and vllm)
         if self._sharded:
             with distributed.root_unsharded(self.policy):
@@ -468,8 +513,9 @@ class Trainer:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
-        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):  # GRESO's history, the head
-            state.update({name: part.state_dict()} if part is not None else {})  # (resumed as if never stopped)
+        parts = (("greso", self.greso), ("rollout_stop", self.stopping), ("rollout_queue", self.queue))
+        for name, part in parts:  # GRESO's history, the head, the draws generated ahead (resumed as if never stopped)
+            state.update({name: part.state_dict()} if part is not None else {})
         self.last_checkpoint = save_checkpoint(
             path, module=self.policy, tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
             state=state, info=self.info,
@@ -486,8 +532,10 @@ class Trainer:
         # lr, weight decay, schedule: this run's
         step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
-        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):
+        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping), ("rollout_queue", self.queue)):
             if part is not None and name in state:
                 part.load_state_dict(state[name])
         self.step = int(state["step"])
         self.rollout.sync_weights()
+        if self.queue is not None:
+            self.queue.engine_at(self.step)

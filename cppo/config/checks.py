@@ -217,6 +217,13 @@ def _check_overlap(cfg) -> None:
                 f"set max_staleness >= {cfg.steps_per_generation - 1} (or {cfg.steps_per_generation} to generate the "
                 "next call while these steps train)"
             )
+    with naming("steps_per_generation"):
+        if cfg.steps_per_generation > 1 and cfg.filter_groups:
+            raise ValueError(
+                "steps_per_generation > 1 with filter_groups: dynamic sampling fills one step's budget call after "
+                "call, so a call cannot serve several steps; set steps_per_generation=1 (max_staleness=1 still "
+                "generates the next step while this one trains)"
+            )
     if cfg.max_staleness == 0:
         return
     with naming("max_staleness"):

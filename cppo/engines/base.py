@@ -78,6 +78,11 @@ class EngineSettings:
     compute_dtype: torch.dtype | None = None
     sharded: bool = False
     prefill_once: bool = True
+    #: The engine generates ahead of training (``steps_per_generation`` / ``max_staleness``, :mod:`cppo.overlap`):
+    #: from weights of its own, synced when the trainer says, while the policy trains; with the sampled tokens'
+    #: log-probs under those weights (the stale behaviour's correction). An engine that always has its own (vllm)
+    #: reads nothing here.
+    own_weights: bool = False
 
 
 class RolloutEngine(ABC):

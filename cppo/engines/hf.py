@@ -1,9 +1,12 @@
 """The ``hf`` engine: transformers ``generate`` on the policy itself (CPU and GPU, batched, left-padded), in the
 compute dtype under ``torch.autocast``; under FSDP2 every rank keeps stepping until all are done (``synced_gpus``).
-With ``prefill_once`` (the default) a prompt's G completions share one prefill of it (:mod:`.prefill`)."""
+With ``prefill_once`` (the default) a prompt's G completions share one prefill of it (:mod:`.prefill`). Generating
+ahead of training (``EngineSettings.own_weights``) it samples from a copy of the policy, synced by
+:meth:`HFEngine.sync_weights`, and reports each sampled token's log-prob under that copy (:func:`sampled_logprobs`)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -21,10 +24,14 @@ class HFEngine(RolloutEngine):
     supports_lora = True  # generate runs the policy itself, adapters included
     supports_stopping = True  # generate resumed from the checkpoint's cache with the surviving rows (.resume)
     supports_greedy = True  # evaluation decodes with generate on the policy too (for_evaluation: itself)
+    supports_overlap = True  # with settings.own_weights: a copy of the policy, synced when the trainer says
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         super().__init__(model, tokenizer, settings)
         self.eos_ids = eos_ids(tokenizer, model)
+        self.policy = model
+        if settings.own_weights:  # generating ahead: sampling never reads weights the training step is changing
+            self.model = copy.deepcopy(model).requires_grad_(False).eval()
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_per_prompt: int, *, greedy: bool = False, stopper=None) -> Rollout:
@@ -71,7 +78,12 @@ class HFEngine(RolloutEngine):
         ]
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prefill = prefill_positions(prompt_ids, shared=shared)
-        return Rollout(prompt_ids, completions, texts, prefill_tokens=prefill, stopped=stopped)
+        logprobs = None
+        if s.own_weights and not greedy:  # the behaviour policy's log-probs, for the stale rollouts' correction
+            logprobs = sampled_logprobs(self.model, prompt_ids, completions, temperature=s.temperature,
+                                        compute_dtype=s.compute_dtype)  # fmt: skip
+        return Rollout(prompt_ids, completions, texts, sampling_logprobs=logprobs, prefill_tokens=prefill,
+                       stopped=stopped)  # fmt: skip
 
     def _generation_config(self, *, greedy: bool):
         from transformers import GenerationConfig
@@ -89,7 +101,35 @@ class HFEngine(RolloutEngine):
         )
 
     def sync_weights(self) -> None:
-        """Nothing to do: generate runs the policy itself."""
+        """With ``own_weights``: the policy's current weights copied into the engine's copy (LoRA adapters included);
+        otherwise nothing to do: generate runs the policy itself."""
+        if self.model is not self.policy:
+            with torch.no_grad():
+                self.model.load_state_dict(self.policy.state_dict())
+
+
+@torch.no_grad()
+def sampled_logprobs(model, prompt_ids: list[list[int]], completions: list[list[int]], *, temperature: float,
+                     compute_dtype: torch.dtype | None, rows: int = 4) -> list[list[float]]:  # fmt: skip
+    """Each completion token's log-prob under ``model`` after ``temperature`` (as vLLM's processed log-probs; top-p's
+    truncation not applied), from one teacher-forced forward per ``rows`` completions, right-padded."""
+    out: list[list[float]] = []
+    device = model.device
+    for lo in range(0, len(prompt_ids), rows):
+        batch = list(zip(prompt_ids[lo : lo + rows], completions[lo : lo + rows]))
+        width = max(len(p) + len(c) for p, c in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, c) in enumerate(batch):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            mask[i, : len(p) + len(c)] = 1
+        with autocast(device, compute_dtype):
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        for i, (p, c) in enumerate(batch):
+            scaled = logits[i, len(p) - 1 : len(p) + len(c) - 1] / temperature  # [len(c), V]
+            picked = torch.log_softmax(scaled, dim=-1).gather(-1, torch.tensor(c, device=device)[:, None])
+            out.append(picked.squeeze(-1).tolist())
+    return out
 
 
 register_engine("hf", HFEngine, auto_priority=0)  # auto: runs every model, after any engine that runs it

@@ -335,3 +335,29 @@ def test_a_vllm_run_ends_cleanly_with_vllms_warnings_only_and_its_info_log_on_re
     loud = _train_vllm(tmp_path / "loud", VLLM_LOGGING_LEVEL="INFO")
     assert loud.returncode == 0 and "Traceback" not in loud.stderr
     assert " INFO " in loud.stdout + loud.stderr
+
+
+def test_generating_ahead_with_vllm_samples_in_the_generating_thread_and_corrects_the_stale_rollouts(tmp_path):
+    """Issue 51: ``max_staleness=1`` with the real engine: step 0 generates in the training thread, every later
+    call in the generating thread (pinned to its own CPUs where there are two), one update old when trained; the
+    engine's log-probs are the stale policy's (they differ from the training pass's by more than rounding after an
+    update at lr 0.05) and the importance weights run on them."""
+    import threading
+
+    trainer = vllm_trainer(tmp_path, "num_steps=3", "lr=0.05", "max_staleness=1")
+    threads, generate = [], trainer.rollout.generate
+
+    def wrapped(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return generate(*args, **kwargs)
+
+    trainer.rollout.generate = wrapped
+    records = [trainer.train_step() for _ in range(3)]
+    assert [r["staleness"] for r in records] == [0, 1, 1]
+    assert threads[0] == threading.current_thread().name
+    assert all(t.startswith("cppo-generate") for t in threads[1:]) and len(threads) == 3
+    assert records[0]["sampling/sampling_logp_difference/max"] < 1e-3  # same weights: rounding only
+    assert records[1]["sampling/sampling_logp_difference/max"] > 1e-2  # one update old
+    assert all("sampling/importance_sampling_ratio/mean" in r for r in records)
+    trainer.queue.close()
+    trainer.rollout.close()
