@@ -168,6 +168,14 @@ def add_whole_run_flags(ap: argparse.ArgumentParser) -> None:
         "against batching",
     )
     add(
+        "--collect",
+        nargs="+",
+        type=pathlib.Path,
+        metavar="FOLDER",
+        help="no run: the whole-run table of several --rounds runs (each FOLDER/NAME.json, its speedups against its "
+        "own GRPO), written to --out/NAME.json (when all arms of one process do not fit in memory)",
+    )
+    add(
         "--rounds",
         type=int,
         metavar="N",

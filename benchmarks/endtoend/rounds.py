@@ -52,14 +52,16 @@ def round_path(out: pathlib.Path, name: str, k: int) -> pathlib.Path:
     return pathlib.Path(out) / f"{name}-round{k}.json"
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The settings that differ: top-level keys, an arm's trainer settings by name, the count of arms."""
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The settings that differ: top-level keys, an arm's trainer settings by name, the count of arms. A trainer
+    setting only one side has is left out: one added to ``TrainConfig`` between two rounds (its default is the run
+    as it was, the project's rule for a new setting); each round records its git commit."""
     found = [k for k in sorted(set(old) | set(new)) if k != "arms" and old.get(k) != new.get(k)]
     a, b = old.get("arms", []), new.get("arms", [])
     if len(a) != len(b):
         return [*found, f"arms ({len(a)} against {len(b)})"]
     for i, (x, y) in enumerate(zip(a, b)):
-        found += [f"arm {i} {k}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        found += [f"arm {i} {k}" for k in sorted(set(x) & set(y)) if x[k] != y[k]]
     return found
 
 
@@ -69,8 +71,8 @@ def finished_rounds(out: pathlib.Path, name: str, settings: dict[str, Any]) -> l
     rounds = []
     while (path := round_path(out, name, len(rounds) + 1)).exists():
         data = json.loads(path.read_text())
-        if data.get("settings") != settings:
-            differ = ", ".join(_differences(data.get("settings") or {}, settings)) or "the file's own"
+        differ = ", ".join(differences(data.get("settings") or {}, settings))
+        if differ:
             raise ValueError(
                 f"--out {out}: {path.name} was measured with other settings ({differ}); resume with the same "
                 "settings or use another --out"

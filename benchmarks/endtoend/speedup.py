@@ -104,7 +104,7 @@ from endtoend.runner import (  # noqa: F401  (step_order, run_plans, timed_step,
     timed_step,
     warm_up,
 )
-from endtoend.wholerun import run_rounds
+from endtoend.wholerun import collect, run_rounds
 
 
 def plan_schedule(
@@ -305,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ``--dry-run``: the validated plan, see :func:`dry_run`; with ``--rounds``: :func:`endtoend.wholerun.run_rounds`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.collect:
+        if args.out is None:
+            raise ValueError("--collect needs --out (the folder its NAME.json goes to)")
+        return collect(args.collect, name=str(args.name), out=args.out)
     p = plan(args)
     if args.dry_run:
         return dry_run(args, p.plans, schedule=p.schedule, evaluation=p.evaluation)

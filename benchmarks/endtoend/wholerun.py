@@ -13,6 +13,7 @@ memory of the process so far and the CPU seconds of its finished children.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import time
@@ -23,6 +24,9 @@ from cppo import fileio
 from endtoend.report import build_rows, plot, write_json
 from endtoend.rounds import combine, finished_rounds, format_rounds_table, mean_row, round_settings, write_round
 from endtoend.runner import cpu_seconds, peak_rss_gib
+
+#: Where the combined rows of one invocation are read from by :func:`collect`: ``FOLDER/NAME.json``.
+COLLECTED = "{folder}/{name}.json"
 
 
 def round_meta(info: dict[str, Any], *, started: float, load_before: list[float], cpu_before: float) -> dict[str, Any]:
@@ -81,4 +85,29 @@ def write_combined(args: argparse.Namespace, p: Any, meta: dict[str, Any], round
         plot(pathlib.Path(p.files["png"]), [mean_row(r) for r in rows], meta)
     print(format_rounds_table(rows), flush=True)
     print("\nwrote " + ", ".join(p.files.values()), flush=True)
+    return {"meta": meta, "rows": rows}
+
+
+def collect(folders: list[pathlib.Path], *, name: str, out: pathlib.Path) -> dict[str, Any]:
+    """The whole-run table of several invocations, each run apart (all arms of one process may not fit in memory):
+    every row of each ``FOLDER/NAME.json`` (:func:`write_combined`'s), its speedups against the GRPO of its own
+    invocation (interleaved with it), labelled with the folder it came from; written to ``out/NAME.json`` and printed.
+    ValueError when a folder holds no combined file, or the invocations differ in anything but their arms."""
+    rows, metas = [], []
+    for folder in folders:
+        path = pathlib.Path(COLLECTED.format(folder=folder, name=name))
+        if not path.is_file():
+            raise ValueError(f"--collect {folder}: no {path.name} there (run speedup.py --rounds with --out {folder})")
+        data = json.loads(path.read_text())
+        metas.append(data["meta"])
+        where = pathlib.Path(folder).name
+        rows += [{**r, "invocation": where, "label": r["label"] if r["arm"] else f"GRPO ({where})"}
+                 for r in data["rows"]]  # fmt: skip
+    keys = ("model", "dataset", "group_size", "max_completion_length", "rollout_backend", "questions", "seed")
+    differ = [k for k in keys if len({str(m.get(k)) for m in metas}) > 1]
+    if differ:
+        raise ValueError(f"--collect: the invocations differ in {differ}: their rows would not compare")
+    meta = {k: metas[0].get(k) for k in keys} | {"collected": [str(f) for f in folders], "invocations": metas}
+    write_json(pathlib.Path(out) / f"{name}.json", rows, meta)
+    print(format_rounds_table(rows), flush=True)
     return {"meta": meta, "rows": rows}

@@ -217,6 +217,10 @@ def test_finished_rounds_refuse_other_settings(tmp_path):
                                       threads=1, warmup=True, env={})  # fmt: skip
     with pytest.raises(ValueError, match=r"arm 1 pruning_rate"):
         rounds_mod.finished_rounds(tmp_path, "x", other)
+    newer = json.loads(json.dumps(settings))  # a trainer setting added to TrainConfig since: not a difference
+    for arm in newer["arms"]:
+        arm["a_new_setting"] = 0
+    assert len(rounds_mod.finished_rounds(tmp_path, "x", newer)) == 1
 
 
 def test_rounds_are_written_resumed_and_refused(speedup, tmp_path, capsys):
@@ -241,3 +245,24 @@ def test_rounds_are_written_resumed_and_refused(speedup, tmp_path, capsys):
     assert "nothing to run" in capsys.readouterr().out and again["meta"]["rounds_done"] == 2
     with pytest.raises(ValueError, match=r"speedup-round1.json was measured with other settings \(arms "):
         speedup.main(_tiny_argv(tmp_path, "--rounds", "3", "--no-plot"))  # without the batched arm
+
+
+def test_collect_joins_invocations_each_against_its_own_grpo(speedup, tmp_path, capsys):
+    meta = {"model": "m", "dataset": "gsm8k", "group_size": 16, "max_completion_length": 128, "questions": 8}
+    for folder, (g, c, b) in {"p0.75": (100.0, 25.0, 50.0), "p0.5": (90.0, 45.0, 60.0)}.items():
+        p = 0.75 if folder == "p0.75" else 0.5
+        per_step, q = (4, 4) if p == 0.75 else (2, 2)
+        rows = rounds_mod.combine([{"rows": [_row(0.0, g), _row(p, c, per_step=per_step), _row(0.0, b, spg=q)]}])
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "wholerun.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    folders = [str(tmp_path / "p0.75"), str(tmp_path / "p0.5")]
+    out = speedup.main(["--collect", *folders, "--name", "wholerun", "--out", str(tmp_path)])
+    labels = [r["label"] for r in out["rows"]]
+    assert labels == ["GRPO (p0.75)", "CPPO P=0.75", "GRPO batched 4", "GRPO (p0.5)", "CPPO P=0.5", "GRPO batched 2"]
+    assert out["rows"][4]["speedup_total"]["mean"] == 2.0  # against the GRPO of its own invocation
+    assert json.loads((tmp_path / "wholerun.json").read_text())["meta"]["collected"] == folders
+    assert "| GRPO (p0.5) |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no wholerun.json there"):
+        speedup.main(["--collect", str(tmp_path / "nowhere"), "--name", "wholerun", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--collect needs --out"):
+        speedup.main(["--collect", *folders])
