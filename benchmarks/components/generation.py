@@ -16,16 +16,18 @@ in this one process (vLLM's engine core in-process, as the trainer runs it), so 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 from benchkit.args import check_output_file, count
 from benchkit.out import out_file
 
+from components.usage import Clock, VllmLog, machine, thread_state
 from cppo.engines import EngineSettings, Stopper, check_engine_installed, checkpoint_tokens, make_engine
 from cppo.fileio import run_metadata
 from cppo.step import choose_stops, load_model_and_tokenizer, stops_per_group
@@ -59,12 +61,20 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-prompt-length", type=count(1), default=512)
     p.add_argument("--out", type=pathlib.Path, default=None, help="the JSON file (a PNG beside it)")
+    p.add_argument("--previous", type=pathlib.Path, default=None,
+                   help="a result file this run replaces: its meta and summary kept in meta.previous")  # fmt: skip
     args = p.parse_args(argv)
     unknown = [e for e in args.engines if e not in ("hf", "hf-noprefill", "vllm")]
     if unknown:
         p.error(f"argument --engines: hf, hf-noprefill or vllm, got {unknown[0]!r}")
     if args.out is not None:
         check_output_file(p, "--out", args.out)
+    if args.previous is not None:
+        try:
+            old = json.loads(args.previous.read_text())
+            old["meta"], old["summary"]  # noqa: B018 - what meta.previous keeps
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"argument --previous: not a result file of this benchmark ({type(e).__name__}: {e})")
     if args.stop is not None:
         rate, at = args.stop
         if not 0.0 < rate < 1.0:
@@ -88,6 +98,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     out = out_file(args.out, benchmark="generate", filename="generate.json", prog="bench_generate.py")
+    machine_before, threads_before = machine(), thread_state()
     model, tok = load_model_and_tokenizer(args.model)
     model.eval()
     problems = load_problems("gsm8k", dataset_path=args.dataset_path, max_questions=args.questions, question_seed=0)
@@ -100,6 +111,28 @@ def main(argv=None) -> int:
         )  # fmt: skip
 
     engines, startup = build_engines(args, model, tok, prompts, settings)
+    samples = run_rounds(args, engines, prompts, settings)
+    summary = summarise(samples, args)
+    meta = {
+        **run_metadata(), "argv": sys.argv[1:], "startup": startup,
+        "prompt_tokens": [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts],
+        "machine": {"before": machine_before, "after": machine()},
+        "threads": {"before_engines": threads_before, "at_end": thread_state()},
+    }  # fmt: skip
+    if args.previous is not None:
+        meta["previous"] = previous(args.previous)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "samples": samples, "summary": summary}, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    for row in summary:
+        print(json.dumps(row))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def run_rounds(args, engines: dict, prompts: list[str], settings) -> list[dict]:
+    """``--rounds`` rounds of one call of each engine per thread count and length, the engines' order reversed
+    every other round (ABBA over two rounds); one row per call (:func:`measure_call`)."""
     samples: list[dict] = []
     names = args.engines + ([f"{e}+stop" for e in args.engines] if args.stop is not None else [])
     for r in range(args.rounds):
@@ -108,53 +141,59 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
             for new_tokens in args.max_new_tokens:
                 for name in order:
-                    base = name.removesuffix("+stop")
-                    engine = engines[base]
-                    engine.settings = settings(new_tokens, base)
-                    stop = {} if name == base else {"stopper": random_stopper(args, new_tokens, seed=r)}
-                    torch.manual_seed(1000 * r + new_tokens)
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    rollout = engine(prompts, args.group_size, **stop)
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    tokens = sum(rollout.lengths)
-                    row = dict(round=r, engine=name, threads=threads, max_new_tokens=new_tokens, wall_s=wall,
-                               cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall,
-                               stopped=sum(rollout.stopped or []))  # fmt: skip
-                    samples.append(row)
-                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                          flush=True)  # fmt: skip
-    summary = summarise(samples, args)
-    result = {
-        "meta": {**run_metadata(), "argv": sys.argv[1:], "startup": startup,
-                 "prompt_tokens": [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]},
-        "samples": samples,
-        "summary": summary,
-    }  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(summary, out.with_suffix(".png"))
-    for row in summary:
-        print(json.dumps(row))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    return 0
+                    row = measure_call(args, engines, prompts, settings, name=name, round_=r, new_tokens=new_tokens)
+                    samples.append({"round": r, "engine": name, "threads": threads, **row})
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in samples[-1].items() if not isinstance(v, list)), flush=True)  # fmt: skip
+    return samples
+
+
+def measure_call(args, engines: dict, prompts: list[str], settings, *, name: str, round_: int, new_tokens: int) -> dict:
+    """One call of engine ``name`` (``ENGINE+stop``: stopping at ``--stop``'s checkpoint): its clocks
+    (:meth:`usage.Clock.since`: wall, every process's CPU seconds, the busy threads), the torch threads and the load
+    average when it started, the tokens generated."""
+    base = name.removesuffix("+stop")
+    engine = engines[base]
+    engine.settings = settings(new_tokens, base)
+    stop = {} if name == base else {"stopper": random_stopper(args, new_tokens, seed=round_)}
+    torch.manual_seed(1000 * round_ + new_tokens)
+    torch_threads, load = torch.get_num_threads(), os.getloadavg()[0]
+    clock = Clock()
+    rollout = engine(prompts, args.group_size, **stop)
+    used = clock.since()
+    tokens = sum(rollout.lengths)
+    return {"max_new_tokens": new_tokens, **used, "tokens": tokens, "tokens_per_s": tokens / used["wall_s"],
+            "stopped": sum(rollout.stopped or []), "torch_threads": torch_threads, "load_average_1m": load}  # fmt: skip
 
 
 def build_engines(args, model, tok, prompts: list[str], settings) -> tuple[dict, dict]:
-    """Every ``--engines`` engine built at the longest ``--max-new-tokens`` (its start-up wall and CPU seconds by
-    name), then ``--warmup`` short calls of each."""
+    """Every ``--engines`` engine built at the longest ``--max-new-tokens`` (by name: its start-up clocks, the thread
+    state after it (:func:`usage.thread_state`) and, for vllm, the thread-binding refusals its CPU worker logged while
+    it started), then ``--warmup`` short calls of each."""
     engines, startup = {}, {}
     for name in args.engines:
-        t0, c0 = time.perf_counter(), time.process_time()
-        engines[name] = make_engine(
-            name.removesuffix("-noprefill"), model, tok, settings(max(args.max_new_tokens), name)
-        )
-        startup[name] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
-        print(f"{name}: built in {startup[name]['wall_s']:.1f} s", flush=True)
+        clock = Clock()
+        with VllmLog() if name == "vllm" else contextlib.nullcontext() as log:
+            engines[name] = make_engine(
+                name.removesuffix("-noprefill"), model, tok, settings(max(args.max_new_tokens), name)
+            )
+        startup[name] = {**clock.since(), "threads_after": thread_state(),
+                         "binding_refusals": log.refusals if log is not None else None,
+                         "cpu_worker_warnings": log.lines if log is not None else None}  # fmt: skip
+        print(f"{name}: built in {startup[name]['wall_s']:.1f} s, then {startup[name]['threads_after']}", flush=True)
     for _ in range(args.warmup):  # vLLM's first calls are slow (its buffers, the prefix cache)
         for name, engine in engines.items():
             engine.settings = settings(8, name)
             engine(prompts, args.group_size)
     return engines, startup
+
+
+def previous(path: pathlib.Path) -> dict:
+    """What ``--previous`` (a result file of this benchmark this run replaces) measured and where: its meta (less the
+    start-up details) and summary, so the numbers it held keep their provenance."""
+    old = json.loads(path.read_text())
+    keep = ("date", "device_name", "git_commit", "git_dirty", "argv", "torch", "torch_threads")
+    return {"file": str(path), "meta": {k: old["meta"][k] for k in keep if k in old["meta"]}, "summary": old["summary"]}
 
 
 def random_stopper(args, new_tokens: int, *, seed: int) -> Stopper:
@@ -172,31 +211,21 @@ def random_stopper(args, new_tokens: int, *, seed: int) -> Stopper:
 
 
 def summarise(samples: list[dict], args) -> list[dict]:
-    """Per thread count and length: each engine's median wall / CPU seconds and tokens/s, hf over vllm, and with
-    ``--stop`` each engine's stopped call over its plain one (CPU seconds and tokens)."""
+    """Per thread count and length: each engine's medians (:func:`engine_cells`), each engine against hf
+    (:func:`against_hf`), and with ``--stop`` each engine's stopped call over its plain one (CPU seconds and tokens)."""
     rows = []
     names = args.engines + ([f"{e}+stop" for e in args.engines] if args.stop is not None else [])
     for threads in args.threads:
         for new_tokens in args.max_new_tokens:
+            mine = [s for s in samples if s["threads"] == threads and s["max_new_tokens"] == new_tokens]
             row = {"threads": threads, "max_new_tokens": new_tokens}
             for name in names:
-                mine = [s for s in samples if s["engine"] == name and s["threads"] == threads
-                        and s["max_new_tokens"] == new_tokens]  # fmt: skip
-                for key in ("wall_s", "cpu_s", "tokens_per_s", "tokens"):
-                    row[f"{name}_{key}"] = statistics.median(s[key] for s in mine)
-                row[f"{name}_wall_range"] = [min(s["wall_s"] for s in mine), max(s["wall_s"] for s in mine)]
+                row.update(engine_cells(name, [s for s in mine if s["engine"] == name]))
             for other in ("vllm", "hf-noprefill"):
                 if {"hf", other} <= set(args.engines):
-                    row[f"{other}_vs_hf"] = {
-                        "hf_wall_over": row["hf_wall_s"] / row[f"{other}_wall_s"],
-                        "hf_cpu_over": row["hf_cpu_s"] / row[f"{other}_cpu_s"],
-                        "tokens_per_s_over_hf": row[f"{other}_tokens_per_s"] / row["hf_tokens_per_s"],
-                    }
+                    row[f"{other}_vs_hf"] = against_hf(row, mine, other)
             for name in args.engines if args.stop is not None else []:
-                pairs = [(a, b) for a in samples for b in samples
-                         if (a["engine"], b["engine"]) == (name, f"{name}+stop") and a["round"] == b["round"]
-                         and a["threads"] == b["threads"] == threads
-                         and a["max_new_tokens"] == b["max_new_tokens"] == new_tokens]  # fmt: skip
+                pairs = paired(mine, name, f"{name}+stop")
                 cpu = [b["cpu_s"] / a["cpu_s"] for a, b in pairs]  # per round: the pair ran back to back
                 row[f"{name}+stop_vs_{name}"] = {
                     "cpu_over": statistics.median(cpu), "cpu_over_range": [min(cpu), max(cpu)],
@@ -205,6 +234,46 @@ def summarise(samples: list[dict], args) -> list[dict]:
                 }  # fmt: skip
             rows.append(row)
     return rows
+
+
+def engine_cells(name: str, mine: list[dict]) -> dict:
+    """Engine ``name``'s calls of one setting: the medians of wall, CPU (``cpu_s``: this process's;
+    ``all_cpu_s``: with its children), tokens/s, tokens, cores used (CPU over wall) and busy threads, and the
+    ranges of wall and ``all_cpu_s``. (Files before the CPU seconds of children were counted lack those keys.)"""
+    cells = {}
+    for key in ("wall_s", "cpu_s", "all_cpu_s", "tokens_per_s", "tokens", "cores", "busy_threads", "torch_threads"):
+        if all(key in s for s in mine):
+            cells[f"{name}_{key}"] = statistics.median(s[key] for s in mine)
+    for key, label in (("wall_s", "wall_range"), ("all_cpu_s", "all_cpu_range")):
+        if all(key in s for s in mine):
+            cells[f"{name}_{label}"] = [min(s[key] for s in mine), max(s[key] for s in mine)]
+    return cells
+
+
+def paired(samples: list[dict], a: str, b: str) -> list[tuple[dict, dict]]:
+    """The calls of engines ``a`` and ``b`` of one setting, paired by round (they ran next to each other)."""
+    return [
+        (x, y) for x in samples for y in samples if (x["engine"], y["engine"]) == (a, b) and x["round"] == y["round"]
+    ]
+
+
+def against_hf(row: dict, samples: list[dict], other: str) -> dict:
+    """hf's time over ``other``'s: the ratio of the medians (``hf_wall_over``, ``hf_cpu_over``), and per round (the
+    two calls of a round ran next to each other) the median and range of the wall ratio and of the CPU ratio of every
+    process's CPU seconds (``all_cpu_s``); ``tokens_per_s_over_hf``."""
+    out = {
+        "hf_wall_over": row["hf_wall_s"] / row[f"{other}_wall_s"],
+        "hf_cpu_over": row["hf_cpu_s"] / row[f"{other}_cpu_s"],
+        "tokens_per_s_over_hf": row[f"{other}_tokens_per_s"] / row["hf_tokens_per_s"],
+    }
+    pairs = paired(samples, "hf", other)
+    for key, label in (("wall_s", "wall"), ("all_cpu_s", "all_cpu")):
+        if pairs and all(key in s for pair in pairs for s in pair):
+            per_round = [a[key] / b[key] for a, b in pairs]
+            out[f"hf_{label}_over_by_round"] = per_round
+            out[f"hf_{label}_over_median"] = statistics.median(per_round)
+            out[f"hf_{label}_over_range"] = [min(per_round), max(per_round)]
+    return out
 
 
 def plot(summary: list[dict], path: pathlib.Path) -> None:
