@@ -12,9 +12,9 @@ Compared (same inputs, CPPO recipe: token-mean, eps 0.2, beta 0.04 k3 with given
 - ``liger-chunked``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (loss_type dapo), gradients in its forward;
 - ``liger-triton`` (CUDA only): the logits matmul + Liger's ``triton_grpo_loss`` on those logits;
 - ``...-sapo``: each fused method again with TRL's ``sapo`` loss type (:data:`KIT_LOSS_TYPE`), beside dapo;
-- with ``--loss-types``, instead: each of :data:`LOSS_TYPES` on both fused paths (VESPO's per-sequence weight needs
-  the whole sequence: on the gradient-in-forward path only where a sequence fits its chunk, ``--seq-len`` at most
-  192 on the CPU), and each one's time and working memory over dapo's on the same path (``vs_dapo``);
+- with ``--loss-types``, instead: each of :data:`TIMED_LOSS_TYPES` on both fused paths (VESPO's per-sequence weight
+  needs the whole sequence: on the gradient-in-forward path only where a sequence fits its chunk, ``--seq-len`` at
+  most 192 on the CPU), and each one's time and working memory over dapo's on the same path (``vs_dapo``);
 - ``matmul``: the plain ``[T, H] x [H, V]`` product, timed in the same run; every loss's forward+backward
   time is also reported as a multiple of it ("matmul-equivalents"), in wall time and in process CPU time
   (``time.process_time``, all threads; far less sensitive than wall time to other processes sharing the cores; on
@@ -41,12 +41,12 @@ run's own, ``benchmarks/runs/loss-<UTC time>/`` (ignored by git); the committed 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import pathlib
 import platform
 import statistics
 import time
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -54,20 +54,47 @@ import torch
 from benchkit.args import check_output_file, count
 from benchkit.out import out_file
 
+from components.memory import CpuMemory, CudaMemory, calibrate, sync
 from cppo.fileio import atomic_path, run_metadata, write_json
+from cppo_kernels import config as kernel_config
 from cppo_kernels import cppo_loss_from_logits, fused_cppo_loss, fused_logprobs, use_backend
-from cppo_kernels.config import LOSS_TYPES as TRL_LOSS_TYPES
 from cppo_kernels.loss import whole_sequence_tokens
 
 OPTIONS = dict(epsilon_low=0.2, beta=0.04, kl_estimator="k3", loss_agg="token-mean")
-#: TRL 1.16's loss types timed on the fused loss (grpo, bnpo and dr_grpo are dapo's surrogate with other aggregations):
-#: the options each sets beyond :data:`OPTIONS`, its surrogate and aggregation from the one table of loss types,
-#: :data:`cppo_kernels.config.LOSS_TYPES`, and CISPO's cap of the ratio (its ``epsilon_high``, TRL's recipe value).
+#: TRL 1.16's loss types timed on the fused loss (grpo, bnpo and dr_grpo are dapo's surrogate with other aggregations),
+#: each one's surrogate and aggregation read from the one table of loss types, :data:`cppo_kernels.config.LOSS_TYPES`
+#: (:func:`loss_options`).
 TIMED_LOSS_TYPES = ("dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES = {name: dict(zip(("surrogate", "loss_agg"), TRL_LOSS_TYPES[name])) for name in TIMED_LOSS_TYPES}
-LOSS_TYPES["cispo"]["epsilon_high"] = 5.0
+#: The options a loss type's recipe sets beyond its surrogate and aggregation: CISPO's cap of the ratio (its
+#: ``epsilon_high``, TRL's recipe value).
+RECIPE_OPTIONS = {"cispo": {"epsilon_high": 5.0}}
 #: The new loss type :func:`build_methods` times beside dapo on each fused path (the GPU kit's ``loss`` part too).
 KIT_LOSS_TYPE = "sapo"
+#: The fused paths timed on each device, by name: ``(backend, mode, allocates the gradients in its forward)``; on CUDA
+#: the GEMM path (what mode="auto" runs), the torch backend's cuBLAS path and the Triton kernels.
+FUSED_PATHS = {
+    "cuda": {
+        "fused-grad-in-forward-gemm": ("triton", "grad-in-forward", True),
+        "fused-grad-in-forward-cublas": ("torch", "grad-in-forward", True),
+        "fused-two-pass-triton": ("triton", "two-pass", False),
+    },
+    "cpu": {
+        "fused-grad-in-forward-torch": ("torch", "grad-in-forward", True),
+        "fused-two-pass-torch": ("torch", "two-pass", False),
+    },
+}
+
+
+def loss_options(loss_type: str) -> dict:
+    """The options :data:`OPTIONS` takes for ``loss_type``: its ``surrogate`` and ``loss_agg`` from
+    :data:`cppo_kernels.config.LOSS_TYPES`, and its :data:`RECIPE_OPTIONS`."""
+    surrogate, loss_agg = kernel_config.LOSS_TYPES[loss_type]
+    return {"surrogate": surrogate, "loss_agg": loss_agg, **RECIPE_OPTIONS.get(loss_type, {})}
+
+
+#: :func:`loss_options` of every timed loss type, read-only: what the GPU kit's loss part reads under this name (its
+#: fp64 oracle's options), computed from :data:`cppo_kernels.config.LOSS_TYPES`, not a table of this module's own.
+LOSS_TYPES = types.MappingProxyType({loss_type: loss_options(loss_type) for loss_type in TIMED_LOSS_TYPES})
 
 
 def method_name(path: str, loss_type: str) -> str:
@@ -75,11 +102,20 @@ def method_name(path: str, loss_type: str) -> str:
     return path if loss_type == "dapo" else f"{path}-{loss_type}"
 
 
+#: Every fused method's name (:func:`method_name` over :data:`FUSED_PATHS` and :data:`TIMED_LOSS_TYPES`) -> its loss
+#: type: how a result's method name is read back, never by taking the name apart.
+METHOD_LOSS_TYPES = {
+    method_name(path, loss_type): loss_type
+    for paths in FUSED_PATHS.values()
+    for path in paths
+    for loss_type in TIMED_LOSS_TYPES
+}
+
+
 def loss_type_of(name: str) -> str:
-    """The loss type of a method in a result (:func:`method_name`'s, or the GPU kit's, named alike; dapo unless
-    named). This module's own methods carry theirs (``Method.loss_type``)."""
-    suffix = name.rsplit("-", 1)[-1]
-    return suffix if suffix in LOSS_TYPES else "dapo"
+    """The loss type of a method in a result (:data:`METHOD_LOSS_TYPES`; dapo for the others: the naive loss, Liger's,
+    the GPU kit's own); each row of :func:`run_config` also records its ``loss_type``."""
+    return METHOD_LOSS_TYPES.get(name, "dapo")
 
 
 SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences (``--seq-len``)
@@ -89,50 +125,6 @@ def set_seq_len(n: int) -> None:
     """Every sequence of the run ``n`` tokens (``--seq-len``)."""
     global SEQ_LEN
     SEQ_LEN = n
-
-
-# --------------------------------------------------------------------------------------------
-# Memory probes
-# --------------------------------------------------------------------------------------------
-
-
-class CpuMemory:
-    """Peak resident memory of this process via the kernel's VmHWM, reset through /proc/self/clear_refs.
-
-    glibc serves allocations above its mmap threshold with mmap and unmaps them on free; the threshold is
-    pinned to 1 MiB (it otherwise grows up to 32 MiB), so every tensor of 1 MiB or more leaves RSS when freed.
-    """
-
-    def __init__(self) -> None:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"{key} not in /proc/self/status")
-
-    def start(self) -> int:
-        """Resets the peak to the current resident size and returns that size."""
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return self._status("VmRSS:")
-
-    def peak(self) -> int:
-        return self._status("VmHWM:")
-
-
-class CudaMemory:
-    def start(self) -> int:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-
-    def peak(self) -> int:
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +155,7 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
     h, w, t, adv, cu, old, ref = (inputs[k] for k in ("hidden", "weight", "targets", "adv", "cu", "old", "ref"))
 
     def fused(backend: str, mode: str, loss_type: str) -> Callable[[], torch.Tensor]:
-        options = {**OPTIONS, **LOSS_TYPES[loss_type]}
+        options = {**OPTIONS, **loss_options(loss_type)}
 
         def run():
             with use_backend(backend):
@@ -172,12 +164,7 @@ def fused_methods(device: torch.device, inputs: dict, loss_types: tuple[str, ...
 
         return run
 
-    cuda = device.type == "cuda"
-    paths = {  # on CUDA: the GEMM path (what mode="auto" runs), the torch backend's cuBLAS path, the Triton kernels
-        **({"fused-grad-in-forward-gemm": ("triton", "grad-in-forward", True)} if cuda else {}),
-        f"fused-grad-in-forward-{'cublas' if cuda else 'torch'}": ("torch", "grad-in-forward", True),
-        f"fused-two-pass-{'triton' if cuda else 'torch'}": ("triton" if cuda else "torch", "two-pass", False),
-    }
+    paths = FUSED_PATHS["cuda" if device.type == "cuda" else "cpu"]
     # VESPO's weight needs its whole sequence: gradient-in-forward runs it in chunks of whole sequences, on the CPU
     # when a sequence fits one chunk (--seq-len at most the chunk: 192 on the CPU), else only two-pass
     whole = SEQ_LEN <= whole_sequence_tokens(device)
@@ -250,22 +237,6 @@ def make_inputs(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     old = logp + 0.1 * torch.randn(T, generator=g).to(device)
     ref = logp + 0.1 * torch.randn(T, generator=g).to(device)
     return dict(hidden=hidden, weight=weight, targets=targets, adv=adv, cu=cu, old=old, ref=ref)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def calibrate(probe, T: int, V: int, device: torch.device) -> dict:
-    """Measures one filled fp32 [T, V] tensor, to show the memory probe sees such allocations."""
-    gc.collect()
-    base = probe.start()
-    x = torch.empty(T, V, dtype=torch.float32, device=device).fill_(1.0)
-    sync(device)
-    measured = probe.peak() - base
-    del x
-    return {"expected_bytes": T * V * 4, "measured_bytes": measured}
 
 
 def measure(name: str, method: Method | Callable, inputs: dict, probe, device: torch.device) -> dict:
@@ -341,7 +312,7 @@ def run_config(
     print(f"calibration: filled [T, V] fp32 {calibration['expected_bytes'] / 1e6:.0f} MB, probe saw "
           f"{calibration['measured_bytes'] / 1e6:.0f} MB")  # fmt: skip
     h, w = inputs["hidden"], inputs["weight"]
-    chosen = fused_methods(device, inputs, tuple(LOSS_TYPES)) if loss_types else build_methods(device, inputs)
+    chosen = fused_methods(device, inputs, TIMED_LOSS_TYPES) if loss_types else build_methods(device, inputs)
     methods = {"matmul": lambda: h.detach() @ w.detach().t(), **chosen}
     samples: dict[str, list[dict]] = {name: [] for name in methods}
     failed: dict[str, str] = {}  # a comparison method (a peer library's) that raised: recorded, then left out
@@ -364,7 +335,11 @@ def run_config(
     matmul_cpu_s = statistics.median(s["fwd_cpu"] for s in samples["matmul"])
     out = {"tokens": T, "hidden": H, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
     out.update(calibration=calibration, matmul_s=matmul_s, matmul_cpu_s=matmul_cpu_s)
-    rows = {name: summarise(ss, matmul_s, matmul_cpu_s) for name, ss in samples.items() if name != "matmul" and ss}
+    rows = {
+        name: {**summarise(ss, matmul_s, matmul_cpu_s), "loss_type": chosen[name].loss_type}
+        for name, ss in samples.items()
+        if name != "matmul" and ss
+    }
     out["failed_methods"] = failed
     naive = rows.get("naive")
     for row in rows.values():
@@ -481,7 +456,7 @@ def main() -> None:
         "warmup": warmup,
         "options": OPTIONS,
         "seq_len": SEQ_LEN,
-        "loss_types": LOSS_TYPES if args.loss_types else {"dapo": {}, KIT_LOSS_TYPE: LOSS_TYPES[KIT_LOSS_TYPE]},
+        "loss_types": {t: loss_options(t) for t in (TIMED_LOSS_TYPES if args.loss_types else ("dapo", KIT_LOSS_TYPE))},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {"meta": meta, "results": results})
