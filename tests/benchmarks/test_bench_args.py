@@ -26,6 +26,7 @@ CASES = [
     ("bench_generate.py", ["--engines", "sglang"], "argument --engines: hf, hf-noprefill or vllm, got 'sglang'"),
     ("bench_generate.py", ["--out", "{tmp}"], "is a folder: name the file to write"),
     ("bench_generate.py", ["--dataset-path", "{tmp}/nope"], "dataset_path '{tmp}/nope' does not exist"),
+    ("bench_generate.py", ["--previous", "{tmp}/file"], "argument --previous: not a result file of this benchmark"),
 ]
 
 
