@@ -40,7 +40,8 @@ import torch
 import yaml
 from endtoend.args import base_config
 from endtoend.report import EvalPoint, collect_meta, relative_fields, run_row
-from endtoend.speedup import check_eval, eval_meta, measure_accuracy, planned_steps, run_plans
+from endtoend.runner import measure_accuracy, planned_steps, run_plans
+from endtoend.speedup import check_eval, eval_meta
 
 import cppo
 from cppo import TrainConfig, fileio
@@ -59,6 +60,9 @@ ARMS: dict[str, tuple[str, ...]] = {
     # the step-budget control: CPPO pooled without allocation, 64 steps of one question (GRPO's steps, warm-up and
     # summed learning rate), keeping 2 of each question's 8 completions
     "control": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch", "allocation=false"),
+    # issue 51: the cppo-pooled arm generating each step's rollouts while the previous step trains (one update old)
+    "cppo-pooled-overlap": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch",
+                            "allocation=true", "max_staleness=1"),
     # issue 52: CPPO pooled (the cppo-pooled arm) for 2 epochs of the seed's questions: 32 steps, about GRPO's compute
     "cppo-pooled-2epochs": ("pruning_rate=0.75", "selection_metric=smallest", "selection_scope=batch",
                             "allocation=true", "num_epochs=2"),
