@@ -220,7 +220,7 @@ class RolloutQueue:
         def run():
             if self.pin is not None:
                 os.sched_setaffinity(0, self.pin[1])  # this thread only (Linux: 0 is the calling thread)
-            timer = PhaseTimer(self.device)
+            timer = PhaseTimer(self.device, clock=time.thread_time)  # this thread's CPU, not the trainer's beside it
             fields = self.draw_call(timer, self.steps, step + 1)
             return fields, dict(timer.seconds), before, step
 
@@ -264,9 +264,16 @@ class RolloutQueue:
         self.drain()
         return {"draws": [d.to_state() for d in self.ready], "taken_passed": self.taken_passed}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.ready = [StepDraw.from_state(d) for d in state.get("draws", [])]
-        self.taken_passed = state.get("taken_passed")
+    def load_state_dict(self, ranks: list[dict], *, rank: int = 0, world_size: int = 1) -> None:
+        """This rank's part of a checkpoint's queues (``ranks``: every rank's :meth:`state_dict`, in rank order).
+        ValueError when the checkpoint was written by another number of processes: each rank's draws are its own."""
+        if len(ranks) != world_size:
+            raise ValueError(
+                f"the checkpoint holds the rollouts generated ahead by {len(ranks)} process(es), each its own share of "
+                f"the questions; resume it with {len(ranks)} process(es), not {world_size}"
+            )
+        self.ready = [StepDraw.from_state(d) for d in ranks[rank].get("draws", [])]
+        self.taken_passed = ranks[rank].get("taken_passed")
 
     def close(self) -> None:
         """Waits for the call in flight (its rollouts dropped, its error logged) and restores the CPU pinning."""

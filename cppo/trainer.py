@@ -513,9 +513,10 @@ class Trainer:
         """Writes a checkpoint of the model, optimizer, scheduler, data position, RNG states and step (see
         :mod:`cppo.run.checkpoint`); call it on every rank. Returns its absolute path."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.config.to_dict()}
-        parts = (("greso", self.greso), ("rollout_stop", self.stopping), ("rollout_queue", self.queue))
-        for name, part in parts:  # GRESO's history, the head, the draws generated ahead (resumed as if never stopped)
-            state.update({name: part.state_dict()} if part is not None else {})
+        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):  # GRESO's history, the head
+            state.update({name: part.state_dict()} if part is not None else {})  # (resumed as if never stopped)
+        if self.queue is not None:  # each rank's draws generated ahead (rank 0 writes the state)
+            state["rollout_queue"] = distributed.all_gather_objects(self.queue.state_dict(), info=self.info)
         self.last_checkpoint = save_checkpoint(
             path, module=self.policy, tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
             state=state, info=self.info,
@@ -532,9 +533,11 @@ class Trainer:
         # lr, weight decay, schedule: this run's
         step.apply_settings(self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.sampler.load_state_dict(state["sampler"])
-        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping), ("rollout_queue", self.queue)):
+        for name, part in (("greso", self.greso), ("rollout_stop", self.stopping)):
             if part is not None and name in state:
                 part.load_state_dict(state[name])
+        if self.queue is not None and "rollout_queue" in state:
+            self.queue.load_state_dict(state["rollout_queue"], rank=self.rank, world_size=self.world_size)
         self.step = int(state["step"])
         self.rollout.sync_weights()
         if self.queue is not None:

@@ -178,6 +178,16 @@ def question_slice(num_questions: int, *, info: DistInfo) -> slice:
     return slice(r * num_questions // w, (r + 1) * num_questions // w)
 
 
+def all_gather_objects(obj, *, info: DistInfo) -> list:
+    """Every rank's ``obj`` (picklable plain data), in rank order, on every rank; ``[obj]`` in a single process."""
+    if not info.distributed:
+        return [obj]
+    require_group(info)
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_gather_varlen(x: torch.Tensor, *, info: DistInfo) -> tuple[torch.Tensor, list[int]]:
     """Concatenation over ranks (in rank order) of tensors whose first dimension differs per rank.
 
