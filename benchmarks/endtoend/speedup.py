@@ -380,9 +380,18 @@ def measure(
         info["warmup"] = warm_up(plans, device=device)
         info["warmup_seconds"] = sum(w["seconds"] for w in info["warmup"])
 
+    done = dict.fromkeys(map(run_label, plans), 0)
+
     def on_step(plan: TrainConfig, metrics: dict[str, float]) -> None:
         bar.set_postfix_str(f"{run_label(plan)} keep {plan.pruning.keep}/{plan.group_size}", refresh=False)
         bar.update(1)
+        if args.rounds is not None:  # a line per step: a long run's log keeps what a killed round measured
+            done[run_label(plan)] += 1
+            cpu, label = sum(v for k, v in metrics.items() if k.startswith("time/cpu/")), run_label(plan)
+            generation = metrics.get("time/generate", 0.0)
+            bar.write(f"{label} step {done[label]}/{plan.num_steps}: {metrics['time/step']:.1f} s (generation "
+                      f"{generation:.1f} s), {cpu:.1f} CPU s in its phases")  # fmt: skip
+            sys.stdout.flush()
 
     def on_eval(plan: TrainConfig, point: EvalPoint) -> None:
         where = f"{run_label(plan)} step {point.step}/{plan.num_steps}, {point.train_seconds:.0f} s of training"
