@@ -66,7 +66,9 @@ class Clock:
         """``wall_s``; ``cpu_s`` (this process's, ``time.process_time``); ``self_cpu_s`` and ``children_cpu_s``
         (``getrusage``), ``all_cpu_s`` their sum (every process's, the one the ratios use); ``cores`` =
         ``all_cpu_s / wall_s``; ``busy_threads``: the OS threads that used at least :data:`BUSY_SHARE` of the wall,
-        with ``thread_cpu_s`` their CPU seconds, largest first."""
+        with ``thread_cpu_s`` their CPU seconds, largest first, and ``other_threads_cpu_s`` what the others used
+        together (under load, helper threads that each stay under the share can add up: files written before this
+        field have it as ``self_cpu_s`` less the sum of ``thread_cpu_s``)."""
         now = Clock()
         wall = now.wall - self.wall
         own, children = now.own - self.own, now.children - self.children
@@ -76,6 +78,7 @@ class Clock:
             "wall_s": wall, "cpu_s": now.process - self.process, "self_cpu_s": own, "children_cpu_s": children,
             "all_cpu_s": own + children, "cores": (own + children) / wall if wall > 0 else 0.0,
             "busy_threads": len(busy), "thread_cpu_s": [round(s, 3) for s in busy],
+            "other_threads_cpu_s": round(sum(used) - sum(busy), 3),
         }  # fmt: skip
 
 
