@@ -341,7 +341,15 @@ def thread_record(threads: int | None = None) -> dict[str, Any]:
     return record
 
 
+def children_cpu_seconds() -> float:
+    """The CPU seconds of this process's finished children (``RUSAGE_CHILDREN``)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
+
+
 def peak_rss_gib() -> dict[str, float]:
-    """The peak resident memory so far of this process and of its finished children, GiB (``ru_maxrss``: KiB)."""
+    """The peak resident memory so far of this process and of its largest finished child, GiB (``ru_maxrss``: KiB;
+    a forked child counts the pages it shares with this process until it execs, so a ``git`` call reads as large as
+    this process was)."""
     own, kids = (resource.getrusage(w).ru_maxrss / 2**20 for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return {"self": own, "children": kids}

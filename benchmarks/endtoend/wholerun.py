@@ -23,13 +23,15 @@ from typing import Any
 from cppo import fileio
 from endtoend.report import build_rows, plot, write_json
 from endtoend.rounds import combine, finished_rounds, format_rounds_table, mean_row, round_settings, write_round
-from endtoend.runner import cpu_seconds, peak_rss_gib
+from endtoend.runner import children_cpu_seconds, cpu_seconds, peak_rss_gib
 
 #: Where the combined rows of one invocation are read from by :func:`collect`: ``FOLDER/NAME.json``.
 COLLECTED = "{folder}/{name}.json"
 
 
-def round_meta(info: dict[str, Any], *, started: float, load_before: list[float], cpu_before: float) -> dict[str, Any]:
+def round_meta(
+    info: dict[str, Any], *, started: float, load_before: list[float], cpu_before: float, children_before: float = 0.0
+) -> dict[str, Any]:
     """Where and how one round ran: :func:`measure`'s ``info`` (warm-up, threads), the round's wall and CPU seconds
     (setup and any warm-up included), the load average before and after, the peak resident memory so far and the git
     commit."""
@@ -40,7 +42,8 @@ def round_meta(info: dict[str, Any], *, started: float, load_before: list[float]
         "git_commit": commit,
         "git_dirty": dirty,
         "round_wall_seconds": time.perf_counter() - started,
-        "round_cpu_seconds": cpu_seconds() - cpu_before,
+        "round_cpu_seconds": cpu_seconds() - cpu_before,  # this process's threads and its finished children's
+        "round_children_cpu_seconds": children_cpu_seconds() - children_before,
         "load_average_before": load_before,
         "load_average_after": list(os.getloadavg()),
         "peak_rss_gib": peak_rss_gib(),
@@ -59,11 +62,11 @@ def run_rounds(args: argparse.Namespace, p: Any, meta: dict[str, Any], *, measur
               args.rounds else "nothing to run"), flush=True)  # fmt: skip
     warm = True
     for k in range(len(rounds) + 1, args.rounds + 1):
-        started, load, cpu0 = time.perf_counter(), list(os.getloadavg()), cpu_seconds()
+        started, load, cpu0, kids0 = time.perf_counter(), list(os.getloadavg()), cpu_seconds(), children_cpu_seconds()
         runs, info = measure(args, p.plans, schedule=p.schedule, evaluation=None, threads=p.threads, warm=warm)
         info["warmed_in_this_round"], warm = bool(info.get("warmup")), False
         rows = build_rows(runs)
-        record = round_meta(info, started=started, load_before=load, cpu_before=cpu0)
+        record = round_meta(info, started=started, load_before=load, cpu_before=cpu0, children_before=kids0)
         write_round(out, name, k, settings=settings, rows=rows, meta=record)
         rounds.append({"round": k, "settings": settings, "meta": record, "rows": rows})
         print(f"round {k} of {args.rounds} written ({record['round_wall_seconds']:.0f} s)", flush=True)

@@ -233,6 +233,7 @@ def test_rounds_are_written_resumed_and_refused(speedup, tmp_path, capsys):
     assert [w["arm"] for w in warm] == ["P=0", "P=0.5", "P=0 batched 2"]  # one untimed step per arm
     assert first["meta"]["rounds"][0]["threads_after_engine_start"]["torch_threads"] == 1
     assert first["meta"]["rounds"][0]["peak_rss_gib"]["self"] > 0
+    assert first["meta"]["rounds"][0]["round_children_cpu_seconds"] >= 0
     second = speedup.main(_tiny_argv(tmp_path, "--rounds", "2", "--batched-grpo", "2", "--no-plot"))
     assert "1 of 2 round(s) already in" in capsys.readouterr().out
     assert (tmp_path / "speedup-round1.json").read_text() == round1  # the finished round is kept, not rerun
