@@ -124,7 +124,8 @@ def combine(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for arm, rows in enumerate(per_arm):
         first = rows[0]
         row = {"arm": arm, "label": arm_label(first), "rounds": len(rows), **{k: first.get(k) for k in IDENTITY}}
-        row["generation_calls"] = first.get("generation_calls")
+        spg = first.get("steps_per_generation") or 1  # a call per step, a batched arm's per Q steps
+        row["generation_calls"] = first.get("generation_calls") or -(-first["steps"] // spg)
         row |= {key: interval([r.get(key) for r in rows]) for key in TOTALS}
         row["phase_seconds"] = {p: interval([r["phase_seconds"][p] for r in rows]) for p in PHASES}
         cpu = [r.get("phase_cpu_seconds") or {} for r in rows]

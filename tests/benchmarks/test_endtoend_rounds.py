@@ -190,6 +190,7 @@ def test_combine_gives_means_and_t_intervals_over_rounds_and_per_round_ratios():
     assert cppo["speedup_total_over_batched"]["values"] == pytest.approx([50 / 25, 60 / 40])
     assert batched["speedup_total"]["values"] == pytest.approx([2.0, 2.0]) and batched["batched_partner"] is None
     assert cppo["step_seconds"]["n"] == 4  # every step of every round, pooled
+    assert [r["generation_calls"] for r in (grpo, cppo, batched)] == [4, 2, 1]  # a batched call serves Q steps
     assert grpo["phase_seconds"]["generation"]["mean"] == 55.0
     one = rounds_mod.combine(rounds[:1])[1]
     assert one["speedup_total"]["ci95"] is None and one["speedup_total"]["mean"] == 4.0  # one round: no interval
