@@ -103,7 +103,7 @@ def method_name(path: str, loss_type: str) -> str:
 
 
 #: Every fused method's name (:func:`method_name` over :data:`FUSED_PATHS` and :data:`TIMED_LOSS_TYPES`) -> its loss
-#: type: how a result's method name is read back, never by taking the name apart.
+#: type: how a result's method name is read back without taking it apart.
 METHOD_LOSS_TYPES = {
     method_name(path, loss_type): loss_type
     for paths in FUSED_PATHS.values()
@@ -113,9 +113,14 @@ METHOD_LOSS_TYPES = {
 
 
 def loss_type_of(name: str) -> str:
-    """The loss type of a method in a result (:data:`METHOD_LOSS_TYPES`; dapo for the others: the naive loss, Liger's,
-    the GPU kit's own); each row of :func:`run_config` also records its ``loss_type``."""
-    return METHOD_LOSS_TYPES.get(name, "dapo")
+    """The loss type of a method in a result, for the GPU kit's loss part (this module never asks: its methods carry
+    theirs, ``Method.loss_type``, and each row of :func:`run_config` records it as ``loss_type``):
+    :data:`METHOD_LOSS_TYPES` for the names this module makes; a fused method named alike elsewhere (the kit's tests
+    name ``fused-triton-sapo``) by its ``-<type>`` suffix; dapo for the others (the naive loss, Liger's)."""
+    if name in METHOD_LOSS_TYPES:
+        return METHOD_LOSS_TYPES[name]
+    suffix = name.rsplit("-", 1)[-1]
+    return suffix if name.startswith("fused-") and suffix in TIMED_LOSS_TYPES else "dapo"
 
 
 SEQ_LEN = 512  # padded layout for Liger: T tokens as T / SEQ_LEN sequences (``--seq-len``)

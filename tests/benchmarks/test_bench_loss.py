@@ -1,5 +1,6 @@
-"""bench_loss.py's loss types (components/loss.py) come from the one table, ``cppo_kernels.config.LOSS_TYPES``, and a
-method's loss type is read back from the names the benchmark made, never by taking a name apart."""
+"""bench_loss.py's loss types (components/loss.py) come from the one table, ``cppo_kernels.config.LOSS_TYPES``; each
+method carries its loss type (so does each result row), and the names the benchmark made are read back without taking
+them apart."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def test_every_fused_method_name_reads_back_its_loss_type():
 
 
 @pytest.mark.parametrize("name", ["naive", "liger-chunked", "liger-triton", "naive-sapo", "my-own-cispo"])
-def test_a_name_the_benchmark_did_not_make_is_dapo(name):
-    """Not parsed: a suffix that names a loss type on a method the benchmark did not make says nothing."""
+def test_a_method_not_fused_is_dapo_whatever_its_name_ends_with(name):
     assert loss.loss_type_of(name) == "dapo"
+
+
+def test_a_fused_method_named_alike_elsewhere_reads_as_its_suffix():
+    """The GPU kit's tests name ``fused-triton-sapo``; this module's own rows record ``loss_type`` instead."""
+    assert loss.loss_type_of("fused-triton-sapo") == "sapo" and loss.loss_type_of("fused-triton") == "dapo"
