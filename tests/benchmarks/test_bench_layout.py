@@ -21,6 +21,7 @@ COMMANDS = (
     "bench_select.py",
     "bench_trl.py",
     "gpu_check.py",
+    "overlap.py",
     "speedup.py",
 )
 
