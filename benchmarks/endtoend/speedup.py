@@ -65,7 +65,7 @@ import torch
 from benchkit.out import new_run_folder
 from tqdm.auto import tqdm
 
-import cppo
+import cppo.trainer
 from cppo import TrainConfig
 from cppo.tasks import count_local_problems, dataset_source, load_problems, question_id
 from endtoend.args import (
@@ -255,7 +255,9 @@ def run_plans(
                 continue
             if k == 0:
                 t0 = time.perf_counter()
-                trainers[i] = cppo.Trainer(dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}")))
+                trainers[i] = cppo.trainer.Trainer(
+                    dataclasses.replace(plans[i], output_dir=os.path.join(tmp, f"rate{i}"))
+                )
                 setup[i] = time.perf_counter() - t0
                 ids[i] = [question_id(p) for p in trainers[i].problems]
                 if evaluation is not None:  # the first run's model before training is every run's

@@ -42,7 +42,7 @@ from endtoend.args import base_config
 from endtoend.report import EvalPoint, collect_meta, relative_fields, run_row
 from endtoend.speedup import check_eval, eval_meta, measure_accuracy, planned_steps, run_plans
 
-import cppo
+import cppo.trainer
 from cppo import TrainConfig, fileio
 from cppo.config import TINY_MODELS
 from cppo.run import RunLock
@@ -244,7 +244,7 @@ def run_before(args: argparse.Namespace) -> dict[str, Any]:
     problems; ``{"config", "point", "meta"}``."""
     config = arm_config(args, None, args.seed)
     with tempfile.TemporaryDirectory(prefix="cppo-before-") as tmp:
-        trainer = cppo.Trainer(dataclasses.replace(config, output_dir=tmp))
+        trainer = cppo.trainer.Trainer(dataclasses.replace(config, output_dir=tmp))
         point = measure_accuracy(trainer, problems=args.eval, device=config.device, train_seconds=0.0, step=0)
     print(f"before training: {point.correct}/{point.total} = {100 * point.accuracy:.1f}% ({point.eval_seconds:.0f} s)")
     meta = fileio.run_metadata(device=config.device, argv=sys.argv[1:])

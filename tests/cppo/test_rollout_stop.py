@@ -10,8 +10,9 @@ import pytest
 import torch
 from tiny_run import tiny_config
 
-from cppo import TrainConfig, Trainer
+from cppo import TrainConfig
 from cppo.step import Pruning, survivor_selection
+from cppo.trainer import Trainer
 
 
 def stop_config(tmp_path, **overrides) -> TrainConfig:
