@@ -268,9 +268,9 @@ class _FakeTrainer:
 
 
 def test_run_plans_evaluates_before_and_at_the_points_on_the_training_clock(report, speedup, monkeypatch):
-    import cppo
+    import cppo.trainer
 
-    monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(cppo.trainer, "Trainer", _FakeTrainer)
     monkeypatch.setattr(speedup, "timed_step", lambda trainer, device: (trainer.train_step(), 1.5, 1.0))
     _FakeTrainer.calls = []
     plans = speedup.plan_schedule(_config("group_size=8"), [0, 0.75], ablations=[("random", 0.75)], questions=8)
