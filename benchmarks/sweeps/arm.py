@@ -88,7 +88,7 @@ ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "gre
 OWN_SETTINGS = (
     "pruning_rate", "selection_metric", "selection_scope", "allocation", "seed", "question_seed", "num_steps",
     "max_questions", "output_dir", "num_epochs", "filter_groups", "greso", "rollout_stop_rate", "rollout_stop_at",
-    "rollout_stop_scorer",
+    "rollout_stop_scorer", "rollout_stop",
 )  # fmt: skip
 #: What the untrained model's evaluation depends on: a ``before.json`` is used only by arms that agree on these.
 BEFORE_KEYS = ("model", "model_config", "dtype", "dataset", "dataset_path", "system_prompt", "max_prompt_length",

@@ -191,8 +191,8 @@ def worker(out_dir: str) -> None:
         from cppo import TrainConfig
         from cppo.trainer import Trainer
 
-        settings = dict(CONFIG, output_dir=str(out / name), selection_scope="group", rollout_stop_rate=0.5,
-                        rollout_stop_at=3, rollout_stop_warmup=1, num_steps=3, **packed, **extra)  # fmt: skip
+        settings = dict(CONFIG, output_dir=str(out / name), selection_scope="group",
+                        rollout_stop=dict(rate=0.5, at=3, warmup=1), num_steps=3, **packed, **extra)  # fmt: skip
         trainer = Trainer(TrainConfig(**settings), info=info)
         stopped_here = []
         select = trainer._select_and_pack
