@@ -137,24 +137,23 @@ SECTIONS = ("loss", "rollout_stop")
 
 def _rollout_stop_from_flat(values: dict, origin: dict) -> None:
     """The flat settings ``rollout_stop_NAME`` written before the ``rollout_stop:`` section, as the section's options
-    they are now, each read with a pointer to the section; one also set in the section is refused, naming both."""
+    they are now, each read with a pointer to the section; one also set in the section is refused, naming both (a
+    section that is no mapping is refused by the config, naming where it was set)."""
     for key in [k for k in values if k in FLAT_ROLLOUT_STOP]:
-        name = FLAT_ROLLOUT_STOP[key]
-        logging.getLogger("cppo").warning(
-            "%s: %s is read; it is rollout_stop.%s now (--set rollout_stop.%s=VALUE, or %s under rollout_stop: in a "
-            "YAML file)",
-            *(origin[key], key, name, name, name),
+        name, value, where = FLAT_ROLLOUT_STOP[key], values.pop(key), origin.pop(key)
+        pointer = (
+            f"rollout_stop.{name} now (--set rollout_stop.{name}=VALUE, or {name} under rollout_stop: in a YAML file)"
         )
+        logging.getLogger("cppo").warning("%s: %s is read; it is %s", where, key, pointer)
         section = values.get("rollout_stop", {})
         if isinstance(section, dict) and name in section:
             raise ValueError(
-                f"{origin['rollout_stop']}: rollout_stop.{name} is also set as {key} ({origin[key]}): set it once, "
-                "under rollout_stop:"
+                f"{origin['rollout_stop']}: rollout_stop.{name} is also set as {key} ({where}): set it once, under "
+                "rollout_stop:"
             )
         if isinstance(section, dict):
-            values["rollout_stop"] = {**section, name: values.pop(key)}
-            where = origin.pop(key)
-            origin["rollout_stop"] = f"{origin['rollout_stop']}; {where}" if "rollout_stop" in origin else where
+            values["rollout_stop"] = {**section, name: value}
+        origin["rollout_stop"] = f"{origin['rollout_stop']}; {where}" if "rollout_stop" in origin else where
 
 
 #: Deepest nesting of a config file (settings are scalars, lists and the tiny model's flat mapping).
