@@ -1,5 +1,5 @@
-"""Evaluation under the official CPPO protocol (``cppo eval`` and :meth:`cppo.Trainer.evaluate`), in one process or
-with the problems split over the ranks of a torchrun job.
+"""Evaluation under the official CPPO protocol (``cppo eval`` and :meth:`cppo.trainer.Trainer.evaluate`), in one
+process or with the problems split over the ranks of a torchrun job.
 
 Per problem kind (see :func:`cppo.tasks.rewards.eval_correct`): GSM8K is right when the tagged answer, or else the whole
 text, matches the gold (exact, single number, then last number: ``GRPOTrainer.evaluate`` in ``grpo_trainer_gsm.py``);

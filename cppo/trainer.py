@@ -116,7 +116,7 @@ class Trainer:
             device=self.device,
         )  # fmt: skip
         self.queue = self._make_queue()  # generation ahead of training (None: each step generates its own)
-        self.stopping = None if not config.rollout_stop_rate else step.RolloutStopping(  # pruning while generating
+        self.stopping = None if not config.rollout_stop["rate"] else step.RolloutStopping(  # pruning while generating
             config, hidden_size=self.model.config.hidden_size, tokenizer=self.tokenizer, info=self.info)  # fmt: skip
         self.loss_config = config.loss_config
         self.skips = step.SkipCounter(config.max_skipped_updates)
@@ -272,7 +272,7 @@ class Trainer:
 
     def _generate(self, num_questions: int | None = None) -> tuple[list[dict], list[str], Rollout]:
         """This rank's share of the step's questions (``num_questions`` over all ranks, default the step's), their
-        prompts, and G sampled completions of each (with ``rollout_stop_rate``, some stopped mid-generation)."""
+        prompts, and G sampled completions of each (with ``rollout_stop.rate``, some stopped mid-generation)."""
         stopper = None if self.stopping is None else self.stopping.stopper(self.step, self._step_seed())
         n = num_questions or self.pruning.questions_drawn
         return self.rollouts.generate(self.rollout, n, policy=self.policy, stopper=stopper)

@@ -80,7 +80,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def unit_config(args: argparse.Namespace, arm: str, rate: float, output_dir: str):
     """The unit's trainer config: the base with the rate, the arm's ``max_staleness`` and the run's length."""
-    import cppo
+    import cppo.trainer
 
     base = cppo.load_config(args.config, list(args.overrides))
     config = dataclasses.replace(base, pruning_rate=rate, max_staleness=ARMS[arm], output_dir=output_dir)
@@ -96,7 +96,7 @@ def run_unit(args: argparse.Namespace, arm: str, rate: float) -> dict[str, Any]:
     """One unit in this process: warm-up, then the timed steps (module docstring)."""
     import torch
 
-    import cppo
+    import cppo.trainer
     from cppo.fileio import run_metadata
 
     torch.set_num_threads(args.threads)
@@ -104,12 +104,12 @@ def run_unit(args: argparse.Namespace, arm: str, rate: float) -> dict[str, Any]:
         config = unit_config(args, arm, rate, os.path.join(tmp, "run"))
         warm = dataclasses.replace(config, seed=config.seed + 1, num_steps=1, output_dir=os.path.join(tmp, "warm"))
         start = time.perf_counter()
-        warmer = cppo.Trainer(warm)
+        warmer = cppo.trainer.Trainer(warm)
         warmer.train_step()
         if warmer.queue is not None:
             warmer.queue.close()
         del warmer
-        trainer = cppo.Trainer(config)
+        trainer = cppo.trainer.Trainer(config)
         setup = time.perf_counter() - start
         cpu0, children0 = time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
         steps, wall0 = [], time.perf_counter()

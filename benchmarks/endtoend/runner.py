@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-import cppo
+import cppo.trainer
 from cppo import TrainConfig
-from cppo.engines.vllm import VLLMEngine
+from cppo.engines import VLLMEngine
 from cppo.tasks import load_problems, question_id
 from endtoend.report import EvalPoint, RateRun, accumulate
 
@@ -175,9 +175,9 @@ class _Arm:
 
 
 def build_trainer(plan: TrainConfig, folder: str) -> tuple[Any, float]:
-    """``cppo.Trainer`` of ``plan`` writing to ``folder``, and the seconds it took to build."""
+    """``cppo.trainer.Trainer`` of ``plan`` writing to ``folder``, and the seconds it took to build."""
     t0 = time.perf_counter()
-    trainer = cppo.Trainer(dataclasses.replace(plan, output_dir=folder))
+    trainer = cppo.trainer.Trainer(dataclasses.replace(plan, output_dir=folder))
     return trainer, time.perf_counter() - t0
 
 

@@ -43,7 +43,7 @@ from endtoend.report import EvalPoint, collect_meta, relative_fields, run_row
 from endtoend.runner import measure_accuracy, planned_steps, run_plans
 from endtoend.speedup import check_eval, eval_meta
 
-import cppo
+import cppo.trainer
 from cppo import TrainConfig, fileio
 from cppo.config import TINY_MODELS
 from cppo.run import RunLock
@@ -92,7 +92,7 @@ ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "gre
 OWN_SETTINGS = (
     "pruning_rate", "selection_metric", "selection_scope", "allocation", "seed", "question_seed", "num_steps",
     "max_questions", "output_dir", "num_epochs", "filter_groups", "greso", "rollout_stop_rate", "rollout_stop_at",
-    "rollout_stop_scorer",
+    "rollout_stop_scorer", "rollout_stop",
 )  # fmt: skip
 #: What the untrained model's evaluation depends on: a ``before.json`` is used only by arms that agree on these.
 BEFORE_KEYS = ("model", "model_config", "dtype", "dataset", "dataset_path", "system_prompt", "max_prompt_length",
@@ -248,7 +248,7 @@ def run_before(args: argparse.Namespace) -> dict[str, Any]:
     problems; ``{"config", "point", "meta"}``."""
     config = arm_config(args, None, args.seed)
     with tempfile.TemporaryDirectory(prefix="cppo-before-") as tmp:
-        trainer = cppo.Trainer(dataclasses.replace(config, output_dir=tmp))
+        trainer = cppo.trainer.Trainer(dataclasses.replace(config, output_dir=tmp))
         point = measure_accuracy(trainer, problems=args.eval, device=config.device, train_seconds=0.0, step=0)
     print(f"before training: {point.correct}/{point.total} = {100 * point.accuracy:.1f}% ({point.eval_seconds:.0f} s)")
     meta = fileio.run_metadata(device=config.device, argv=sys.argv[1:])

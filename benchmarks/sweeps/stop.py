@@ -20,7 +20,6 @@ leaves fewer survivors per group, so more groups whose survivors all agree.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 import re
@@ -29,7 +28,7 @@ from typing import Any
 from benchkit.plots import label_axes, pyplot, save_figure
 from endtoend.report import wilson_interval
 
-from cppo import TrainConfig
+from cppo.config import rollout_stop_defaults
 from sweeps.stats import format_interval, format_signs, mean_interval, paired, per_method_means, ratio, shared
 
 #: A method with issue 38's stopping: ``<plain method> + stop <rate> (<scorer>)`` (:func:`sweeps.report.method`).
@@ -38,8 +37,8 @@ STOP = re.compile(r"^(?P<plain>.+) \+ stop (?P<rate>\S+) \((?P<scorer>[\w-]+)\)$
 TARGET_TOKENS_RATIO = 0.6
 #: ... in at most this share of its whole-run CPU seconds.
 TARGET_CPU_RATIO = 0.7
-#: The trainer's ``rollout_stop_warmup`` (a row that does not record its own ran with it; the sweep's files agree).
-WARMUP = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "rollout_stop_warmup")
+#: The trainer's ``rollout_stop.warmup`` (a row that does not record its own ran with it; the sweep's files agree).
+WARMUP = rollout_stop_defaults()["warmup"]
 #: Per method, the row's keys (and derived ones) averaged over its seeds.
 KEYS = (
     "accuracy_after",

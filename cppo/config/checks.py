@@ -150,7 +150,7 @@ def _check_lora(cfg) -> None:
 
 
 def _check_rollout_stop(cfg) -> None:
-    """The ``rollout_stop_*`` settings (issue 38): each one's own value; with ``rollout_stop_rate`` > 0 (the feature
+    """The ``rollout_stop`` section (issue 38): each option's own value; with ``rollout_stop.rate`` > 0 (the feature
     on) the checkpoint against ``max_completion_length`` and what the feature composes with today. Off, where its
     checkpoint would fall refuses nothing (issue 49: ``max_completion_length=1`` with the default 0.25)."""
     from cppo_kernels.config import check_choice, check_float, check_int
@@ -158,27 +158,26 @@ def _check_rollout_stop(cfg) -> None:
     from ..engines import checkpoint_tokens
     from ..step import SCORERS
 
-    _named_checks(
-        rollout_stop_rate=lambda: check_float("rollout_stop_rate", cfg.rollout_stop_rate, low=0.0),
-        rollout_stop_scorer=lambda: check_choice("rollout_stop_scorer", cfg.rollout_stop_scorer, SCORERS),
-        rollout_stop_warmup=lambda: check_int("rollout_stop_warmup", cfg.rollout_stop_warmup, low=0),
-    )
-    if cfg.rollout_stop_rate == 0.0:
-        return
-    with naming("rollout_stop_at"):
-        checkpoint_tokens(cfg.rollout_stop_at, cfg.max_completion_length)
-    _named_checks(rollout_stop_rate=lambda: _check_stop_rate(cfg))
+    stop = cfg.rollout_stop
+    with naming("rollout_stop"):
+        check_float("rollout_stop.rate", stop["rate"], low=0.0)
+        check_choice("rollout_stop.scorer", stop["scorer"], SCORERS)
+        check_int("rollout_stop.warmup", stop["warmup"], low=0)
+        if stop["rate"] == 0.0:
+            return
+        checkpoint_tokens(stop["at"], cfg.max_completion_length)
+        _check_stop_rate(cfg, stop["rate"])
 
 
-def _check_stop_rate(cfg) -> None:
+def _check_stop_rate(cfg, rate: float) -> None:
     """What pruning while generating composes with: at most ``pruning_rate``, and the settings and engines it runs
     with today."""
     from ..engines import engine_supports
 
-    if cfg.rollout_stop_rate > cfg.pruning_rate:
+    if rate > cfg.pruning_rate:
         raise ValueError(
-            f"rollout_stop_rate={cfg.rollout_stop_rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection "
-            "after generation keeps (1 - pruning_rate) of each group, which the stopped completions cannot supply"
+            f"rollout_stop.rate={rate} must be <= pruning_rate={cfg.pruning_rate}: CPPO's selection after generation "
+            "keeps (1 - pruning_rate) of each group, which the stopped completions cannot supply"
         )
     blockers = {  # fsdp2: the ranks of a sharded policy must decode in lockstep, and stopping rows breaks it
         "selection_metric": cfg.selection_metric != "smallest", "selection_scope": cfg.selection_scope == "global",
@@ -187,12 +186,12 @@ def _check_stop_rate(cfg) -> None:
     named = [k for k, v in blockers.items() if v]
     if named:
         raise ValueError(
-            f"rollout_stop_rate > 0 runs with selection_metric smallest, selection_scope group or batch, "
+            f"rollout_stop.rate > 0 runs with selection_metric smallest, selection_scope group or batch, "
             f"parallelism ddp; this config sets {named}"
         )
     if not engine_supports(cfg.rollout_backend, "supports_stopping"):
         raise ValueError(
-            f"rollout_stop_rate > 0: rollout_backend={cfg.rollout_backend!r} cannot stop completions mid-generation; "
+            f"rollout_stop.rate > 0: rollout_backend={cfg.rollout_backend!r} cannot stop completions mid-generation; "
             "set rollout_backend=hf"
         )
 
@@ -227,9 +226,9 @@ def _check_overlap(cfg) -> None:
     if cfg.max_staleness == 0:
         return
     with naming("max_staleness"):
-        if cfg.rollout_stop_rate > 0:
+        if cfg.rollout_stop["rate"] > 0:
             raise ValueError(
-                "max_staleness > 0 with rollout_stop_rate > 0: pruning while generating reads the policy's hidden "
+                "max_staleness > 0 with rollout_stop.rate > 0: pruning while generating reads the policy's hidden "
                 "states mid-generation, which the step training beside it changes; set one of them to 0"
             )
         if cfg.parallelism == "fsdp2":

@@ -11,6 +11,7 @@ import pathlib
 import yaml
 
 from ..fileio import cppo_program, shown_path
+from .sections import FLAT_ROLLOUT_STOP
 from .settings import TrainConfig, field_types, loss_field_types
 from .values import coerce, did_you_mean
 
@@ -83,7 +84,7 @@ def load_config(preset_or_yaml: str, overrides: list[str] | tuple[str, ...] = ()
     values, origin = _read_yaml(path)
     for item in overrides:
         _apply_override(values, origin, item)
-    _flatten_rollout_stop(values, origin)
+    _rollout_stop_from_flat(values, origin)
     hints = field_types()
     for key in values:
         if key not in hints:
@@ -129,45 +130,30 @@ def _apply_override(values: dict, origin: dict, item: str) -> None:
     origin[key.strip()] = f"--set {item}"
 
 
-#: The sections of a config: ``loss:`` (a setting of its own, the options of ``cppo_kernels.LossConfig``) and
-#: ``rollout_stop:`` (pruning while generating: its options are the ``rollout_stop_*`` settings without the prefix).
+#: The sections of a config: ``loss:`` (the options of ``cppo_kernels.LossConfig``) and ``rollout_stop:`` (pruning
+#: while generating: :mod:`cppo.config.sections`), each a setting of its own holding a mapping.
 SECTIONS = ("loss", "rollout_stop")
-#: The ``rollout_stop:`` section's options: ``rate``, ``at``, ``scorer``, ``warmup``.
-ROLLOUT_STOP = tuple(name.removeprefix("rollout_stop_") for name in field_types() if name.startswith("rollout_stop_"))
 
 
-def _flatten_rollout_stop(values: dict, origin: dict) -> None:
-    """The ``rollout_stop:`` section's options as the settings ``rollout_stop_NAME`` they set (each refused, naming
-    where it was set, when it is no option of the section or when the setting is also given by its flat name); a flat
-    ``rollout_stop_NAME`` is still read, with a pointer to the section."""
-    for key in [k for k in values if k.startswith("rollout_stop_") and k.removeprefix("rollout_stop_") in ROLLOUT_STOP]:
-        name = key.removeprefix("rollout_stop_")
-        logging.getLogger("cppo").warning(
-            "%s: %s is read; it is rollout_stop.%s now (--set rollout_stop.%s=VALUE, or %s under rollout_stop: in a "
-            "YAML file)",
-            origin[key],
-            key,
-            name,
-            name,
-            name,
+def _rollout_stop_from_flat(values: dict, origin: dict) -> None:
+    """The flat settings ``rollout_stop_NAME`` written before the ``rollout_stop:`` section, as the section's options
+    they are now, each read with a pointer to the section; one also set in the section is refused, naming both (a
+    section that is no mapping is refused by the config, naming where it was set)."""
+    for key in [k for k in values if k in FLAT_ROLLOUT_STOP]:
+        name, value, where = FLAT_ROLLOUT_STOP[key], values.pop(key), origin.pop(key)
+        pointer = (
+            f"rollout_stop.{name} now (--set rollout_stop.{name}=VALUE, or {name} under rollout_stop: in a YAML file)"
         )
-    if "rollout_stop" not in values:
-        return
-    section, where = values.pop("rollout_stop"), origin.pop("rollout_stop")
-    if not isinstance(section, dict):
-        raise ValueError(f"{where}: rollout_stop must be a mapping of {list(ROLLOUT_STOP)}, got {section!r}")
-    for name, value in section.items():
-        if name not in ROLLOUT_STOP:
+        logging.getLogger("cppo").warning("%s: %s is read; it is %s", where, key, pointer)
+        section = values.get("rollout_stop", {})
+        if isinstance(section, dict) and name in section:
             raise ValueError(
-                f"{where}: rollout_stop.{name}: not an option of rollout_stop{did_you_mean(name, ROLLOUT_STOP)}; the "
-                f"options are {list(ROLLOUT_STOP)}"
+                f"{origin['rollout_stop']}: rollout_stop.{name} is also set as {key} ({where}): set it once, under "
+                "rollout_stop:"
             )
-        if f"rollout_stop_{name}" in values:
-            raise ValueError(
-                f"{where}: rollout_stop.{name} is also set as rollout_stop_{name} ({origin[f'rollout_stop_{name}']}): "
-                "set it once, under rollout_stop:"
-            )
-        values[f"rollout_stop_{name}"], origin[f"rollout_stop_{name}"] = value, where
+        if isinstance(section, dict):
+            values["rollout_stop"] = {**section, name: value}
+        origin["rollout_stop"] = f"{origin['rollout_stop']}; {where}" if "rollout_stop" in origin else where
 
 
 #: Deepest nesting of a config file (settings are scalars, lists and the tiny model's flat mapping).

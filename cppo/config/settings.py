@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .checks import check_config, loss_refusal
 from .choices import LORA_TARGET_MODULES, RESUMABLE
 from .pruning import HoldsPruning, pruning_setting
+from .sections import rollout_stop_defaults, rollout_stop_help, rollout_stop_section, with_rollout_stop_section
 from .values import check_type, did_you_mean, naming
 
 
@@ -83,18 +84,8 @@ class TrainConfig(HoldsPruning):
         0.05, "greso: exploration floor, in (0, 1]: a question is kept with at least this probability"
     )
     greso_adjust_step: float = setting(0.01, "greso: how far the exploration probability moves per draw, in (0, 1]")
-    # pruning while generating: the rollout_stop: section (rollout_stop.rate, .at, .scorer, .warmup in a config)
-    rollout_stop_rate: float = setting(
-        0.0, "rollout_stop.rate, pruning while generating: fraction of each group's completions stopped at "
-        "rollout_stop.at, those of smallest predicted |advantage| (0: off; at most pruning_rate)",
-    )  # fmt: skip
-    rollout_stop_at: float = setting(
-        0.25, "rollout_stop.at: the checkpoint, in new tokens (>= 1) or as a fraction of max_completion_length"
-    )
-    rollout_stop_scorer: str = setting(
-        "learned", "rollout_stop.scorer: learned (a quality head on the policy's hidden state), random or length"
-    )
-    rollout_stop_warmup: int = setting(2, "rollout_stop.warmup: first steps whose rollouts only train the head")
+    # pruning while generating: the rollout_stop: section, its options declared in sections.py
+    rollout_stop: dict = setting(None, rollout_stop_help(), factory=rollout_stop_defaults)
     micro_batch_tokens: int = setting(4096, "token budget of one packed micro-batch (>= prompt + completion length)")
     prefix_sharing: bool = setting(
         True, "pack a question's kept completions after its prompt once (block-causal mask; exact, fewer tokens)"
@@ -191,6 +182,8 @@ class TrainConfig(HoldsPruning):
     preset: str | None = setting(None, "the preset this config came from (set by load_config)")
 
     def __post_init__(self) -> None:
+        with naming("rollout_stop"):  # the options a user set, completed with the defaults
+            self.rollout_stop = rollout_stop_section(self.rollout_stop)
         self.validate()
 
     def pruning_fields(self) -> dict:
@@ -285,8 +278,9 @@ class TrainConfig(HoldsPruning):
     def changes_from(self, saved: dict) -> list[str]:
         """What differs between the settings a checkpoint was saved with (``saved``: :meth:`to_dict`) and these,
         except the :data:`RESUMABLE` ones: ``"name: saved -> now"`` each. A setting the checkpoint predates counts as
-        its default."""
-        changes, defaults = [], TrainConfig().to_dict()
+        its default; one saved before the ``rollout_stop`` section (its flat ``rollout_stop_*`` names) counts as the
+        section they set."""
+        changes, defaults, saved = [], TrainConfig().to_dict(), with_rollout_stop_section(saved)
         for f in dataclasses.fields(TrainConfig):
             if f.name in RESUMABLE:
                 continue

@@ -49,16 +49,16 @@ def checkpoint_tokens(at: float | int, max_completion_length: int) -> int:
     """The checkpoint in tokens: ``at`` >= 1 is a token count, 0 < ``at`` < 1 a fraction of ``max_completion_length``
     (rounded, at least 1). ValueError naming the setting otherwise, or when it is not before the last token."""
     if isinstance(at, bool) or not isinstance(at, (int, float)) or not at > 0:
-        raise ValueError(f"rollout_stop_at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
+        raise ValueError(f"rollout_stop.at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
     if at < 1:
         tokens = max(1, round(at * max_completion_length))
     elif float(at).is_integer():
         tokens = int(at)
     else:
-        raise ValueError(f"rollout_stop_at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
+        raise ValueError(f"rollout_stop.at must be a token count >= 1 or a fraction in (0, 1), got {at!r}")
     if tokens >= max_completion_length:
         raise ValueError(
-            f"rollout_stop_at={at!r} is {tokens} tokens, not before max_completion_length={max_completion_length}: "
+            f"rollout_stop.at={at!r} is {tokens} tokens, not before max_completion_length={max_completion_length}: "
             "nothing would be left to stop"
         )
     return tokens

@@ -23,7 +23,7 @@ from torch import nn
 
 __all__ = ["SCORERS", "QualityHead", "auc", "brier", "choose_stops", "stops_per_group"]
 
-#: ``rollout_stop_scorer``: the learned head, and two baselines for ablation (``random``: uniform draws;
+#: ``rollout_stop.scorer``: the learned head, and two baselines for ablation (``random``: uniform draws;
 #: ``length``: the shorter partial text in characters scores higher).
 SCORERS = ("learned", "random", "length")
 
@@ -197,7 +197,7 @@ def survivor_selection(
     else:
         count = pruning.kept_count(n) if num_kept is None else num_kept
         kept = torch.sort(-score, stable=True).indices[:count].tolist()
-    if any(stopped[i] for i in kept):  # what the settings' rule (rollout_stop_rate <= pruning_rate) rules out
+    if any(stopped[i] for i in kept):  # what the settings' rule (rollout_stop.rate <= pruning_rate) rules out
         raise ValueError(
             f"survivor_selection: {sum(stopped)} of {n} completions were stopped, more than the selection leaves out "
             f"(it keeps {len(kept)})"
@@ -206,7 +206,7 @@ def survivor_selection(
 
 
 class RolloutStopping:
-    """Pruning while generating in a run (the ``rollout_stop_*`` settings): each step's :class:`Stopper` (none during
+    """Pruning while generating in a run (the ``rollout_stop`` section): each step's :class:`Stopper` (none during
     the warm-up's steps, whose rollouts only train the head), the head trained on what ran to the end, the metrics,
     the selection over the survivors, and the head's state for the checkpoint. Every rank trains the same head on
     the rows of all ranks (gathered), so the ranks stop alike."""
@@ -214,9 +214,9 @@ class RolloutStopping:
     def __init__(self, config, *, hidden_size: int, tokenizer, info=None) -> None:
         from ..engines import checkpoint_tokens
 
-        self.rate, self.scorer = config.rollout_stop_rate, config.rollout_stop_scorer
-        self.warmup = config.rollout_stop_warmup
-        self.at = checkpoint_tokens(config.rollout_stop_at, config.max_completion_length)
+        stop = config.rollout_stop  # the section: rate, at, scorer, warmup
+        self.rate, self.scorer, self.warmup = stop["rate"], stop["scorer"], stop["warmup"]
+        self.at = checkpoint_tokens(stop["at"], config.max_completion_length)
         self.group_size, self.tokenizer, self.info = config.group_size, tokenizer, info
         self.max_length = config.max_completion_length
         self.stop = stops_per_group(self.rate, self.group_size)

@@ -43,6 +43,9 @@ ISSUE41_KEYS = {"tokens_generate_prompt", "tokens_generate_completion", "tokens_
                 "tokens_train_completion", "eval_per_problem", "phase_cpu_seconds"}  # fmt: skip
 #: Issue 38's columns: the pruning-while-generating settings of the row.
 ISSUE38_KEYS = {"rollout_stop_rate", "rollout_stop_at", "rollout_stop_scorer", "rollout_stopped"}
+#: Issue 51's columns: generation ahead of training's settings, every step's wall clock, the shared engine's reloads.
+ISSUE51_KEYS = {"steps_per_generation", "max_staleness", "step_seconds", "reloads", "reload_seconds",
+                "reload_cpu_seconds"}  # fmt: skip
 
 
 def test_arms_plan_the_control_as_grpos_steps_and_every_arm_on_the_seeds_questions(capsys):
@@ -331,7 +334,7 @@ def test_a_real_tiny_unit_writes_a_row_with_the_committed_schema(tmp_path):
         torch.set_num_threads(threads)  # the unit runs one thread; the test process keeps its own
     (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
     committed = json.loads(COMMITTED.read_text())["rows"][0]
-    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS | ISSUE41_KEYS | ISSUE38_KEYS
+    assert set(row) == set(committed) | {"arm"} | ISSUE30_KEYS | ISSUE41_KEYS | ISSUE38_KEYS | ISSUE51_KEYS
     assert row == json.loads(json.dumps(result["rows"][0]))
     # per-problem records of both evaluations (before: the --before-only unit's, carried; after), in problem order
     (first, last) = row["eval_per_problem"]

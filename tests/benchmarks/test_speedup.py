@@ -366,9 +366,9 @@ def test_step_order(speedup):
 
 
 def test_run_plans_checks_the_trainer_draws_the_planned_questions(speedup, monkeypatch):
-    import cppo
+    import cppo.trainer
 
-    monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(cppo.trainer, "Trainer", _FakeTrainer)
     plans = speedup.plan_schedule(_config("group_size=8", "questions_per_step=2"), [0, 0.75], questions=8)
     seen = []
     runs = speedup.run_plans(plans, device="cpu", interleave=True, on_step=lambda p, m: seen.append(p.pruning_rate))

@@ -229,7 +229,7 @@ def test_dry_run_plans_the_evaluations_and_the_files(speedup, tmp_path, monkeypa
     def no_trainer(*args, **kwargs):
         raise AssertionError("a dry run built a trainer")
 
-    monkeypatch.setattr("cppo.Trainer", no_trainer)
+    monkeypatch.setattr("cppo.trainer.Trainer", no_trainer)
     argv = ["--group-size", "8", "--pruning-rates", "0", "0.5", "0.75", "--selection-metric", "random@0.75"]
     argv += ["--questions", "16", "--eval", "300", "--eval-points", "2", "--name", "acc", "--dry-run"]
     plan = speedup.main([*argv, "--device", "cpu", "--out", str(tmp_path / "out")])
@@ -268,9 +268,9 @@ class _FakeTrainer:
 
 
 def test_run_plans_evaluates_before_and_at_the_points_on_the_training_clock(report, speedup, monkeypatch):
-    import cppo
+    import cppo.trainer
 
-    monkeypatch.setattr(cppo, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(cppo.trainer, "Trainer", _FakeTrainer)
     from endtoend import runner  # where run_plans times its steps
 
     monkeypatch.setattr(runner, "timed_step", lambda trainer, device: (trainer.train_step(), 1.5, 1.0))

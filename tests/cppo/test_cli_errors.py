@@ -11,9 +11,9 @@ import torch
 import yaml
 from tiny_run import tiny_config, train_cli
 
-from cppo import Trainer
 from cppo.cli import main
 from cppo.config import TrainConfig, setting_help
+from cppo.trainer import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 #: A LoRA run's saved adapter (PEFT's format), from the checkpoint fixtures.
@@ -242,7 +242,7 @@ def test_speedup_dry_run_validates_the_whole_plan_without_a_model(speedup, tmp_p
     def no_trainer(*args, **kwargs):
         raise AssertionError("a dry run built a trainer")
 
-    monkeypatch.setattr("cppo.Trainer", no_trainer)
+    monkeypatch.setattr("cppo.trainer.Trainer", no_trainer)
     argv = ["--pruning-rates", "0", "0.5", "0.875", "--questions", "32", "--max-new-tokens", "64", "--dry-run"]
     plan = speedup.main([*argv, "--out", str(tmp_path / "out")])
     rates = [(r["pruning_rate"], r["keep"], r["steps"]) for r in plan["rates"]]

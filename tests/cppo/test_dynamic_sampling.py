@@ -17,10 +17,10 @@ import torch
 from tiny_run import tiny_config
 from toy_engine import TEXTS, FixedEngine
 
-from cppo import Trainer
 from cppo.engines import base, register_engine
 from cppo.tasks import register_reward
 from cppo.tasks.rewards import REWARDS, digits_reward
+from cppo.trainer import Trainer
 
 
 class SameTextsEngine(FixedEngine):

@@ -2,7 +2,8 @@
 no import circle in ``cppo/``, at most 8 levels (a module one level above everything it imports, imports inside
 functions counted, a subpackage's face passed through to the module that defines the name), nothing outside a
 subpackage importing one of its modules directly, no module over 500 lines but the Triton kernels and those whose
-docstring says why (a signal, not a cap), and every module named with its job in docs/training.md."""
+docstring says why (a signal, not a cap), no function body over 60 lines (its docstring not counted) outside the Triton
+kernels, and every module named with its job in docs/training.md."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CPPO = REPO / "cppo"
 MAX_LEVELS = 8
 MAX_LINES = 500
+#: A function's body at most (its docstring not counted): what a reader holds at once (issue 50).
+MAX_FUNCTION_LINES = 60
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -200,6 +203,44 @@ def test_no_module_over_500_lines_but_the_triton_kernels(root):
         and not p.name.endswith("_triton.py")
         and not says_why_it_is_long(p)
     }
+    assert not long, long
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of a function's body, from its first statement after the docstring to its end (a nested function
+    counted in it)."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:] if isinstance(body[0].value.value, str) else body
+    return node.end_lineno - body[0].lineno + 1 if body else 0
+
+
+def long_functions(source: str, where: str) -> dict[str, int]:
+    """``{"WHERE:LINE NAME": body lines}`` of each function of ``source`` whose body is over
+    :data:`MAX_FUNCTION_LINES`."""
+    return {
+        f"{where}:{node.lineno} {node.name}": n
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := body_lines(node)) > MAX_FUNCTION_LINES
+    }
+
+
+def test_a_long_function_is_found():
+    fits = "def fits():\n    '''Its docstring, not counted.'''\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    long = "class C:\n    async def long(self):\n" + "        x = 1\n" * (MAX_FUNCTION_LINES + 1)
+    assert long_functions(fits + "\n\n" + long, "m.py") == {
+        f"m.py:{MAX_FUNCTION_LINES + 6} long": MAX_FUNCTION_LINES + 1
+    }
+
+
+@pytest.mark.parametrize("root", ["cppo", "cppo_kernels"])
+def test_no_function_body_over_60_lines_but_in_the_triton_kernels(root):
+    """Functions a reader can hold (issue 50): no body over 60 lines, its docstring not counted (the benchmarks'
+    functions: tests/benchmarks/test_bench_layout.py)."""
+    long = {}
+    for path in sorted((REPO / root).rglob("*.py")):
+        if not path.name.endswith("_triton.py"):
+            long |= long_functions(path.read_text(encoding="utf-8"), path.relative_to(REPO).as_posix())
     assert not long, long
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from tiny_run import tiny_config
 
-from cppo import Trainer
 from cppo.engines import Rollout
+from cppo.trainer import Trainer
 from cppo_kernels.config import LOSS_AGGS, LOSS_TYPES
 
 #: Micro-batch budgets: every question's completions in one micro-batch, or one question a micro-batch at most.

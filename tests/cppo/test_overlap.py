@@ -11,8 +11,9 @@ import pytest
 import torch
 from tiny_run import tiny_config
 
-from cppo import TrainConfig, Trainer
+from cppo import TrainConfig
 from cppo.engines.hf import sampled_logprobs
+from cppo.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +191,7 @@ def test_generating_ahead_composes_with_greso_filter_groups_and_lora(tmp_path):
         (dict(max_staleness=-1), r"max_staleness"),
         (dict(steps_per_generation=0), r"steps_per_generation"),
         (dict(steps_per_generation=2, max_staleness=2, filter_groups=True), r"^steps_per_generation > 1 with filter"),
-        (dict(max_staleness=1, pruning_rate=0.5, rollout_stop_rate=0.25), r"^max_staleness > 0 with rollout_stop"),
+        (dict(max_staleness=1, pruning_rate=0.5, rollout_stop={"rate": 0.25}), r"^max_staleness > 0 with rollout_stop"),
         (dict(max_staleness=1, parallelism="fsdp2"), r"^max_staleness > 0 with parallelism fsdp2"),
     ],
 )

@@ -1,5 +1,5 @@
-"""Pruning while generating in the trainer (issue 38: ``rollout_stop_*``): the settings refused where they cannot
-run, a stopped completion never trained, the run equal to today's when nothing is stopped, the head trained and
+"""Pruning while generating in the trainer (issue 38: the ``rollout_stop`` section): the settings refused where they
+cannot run, a stopped completion never trained, the run equal to today's when nothing is stopped, the head trained and
 resumed exactly."""
 
 from __future__ import annotations
@@ -10,28 +10,29 @@ import pytest
 import torch
 from tiny_run import tiny_config
 
-from cppo import TrainConfig, Trainer
+from cppo import TrainConfig
 from cppo.step import Pruning, survivor_selection
+from cppo.trainer import Trainer
 
 
 def stop_config(tmp_path, **overrides) -> TrainConfig:
     """A tiny run that stops completions: G = 8, 4 of each group stopped at the 3rd token, P = 0.75 after."""
     options = dict(group_size=8, pruning_rate=0.75, selection_scope="group", max_completion_length=8,
-                   micro_batch_tokens=128, rollout_stop_rate=0.5, rollout_stop_at=3, rollout_stop_warmup=1,
-                   num_steps=3, questions_per_step=1, allocation=True)  # fmt: skip
-    options.update(overrides)
+                   micro_batch_tokens=128, num_steps=3, questions_per_step=1, allocation=True)  # fmt: skip
+    stop = {"rate": 0.5, "at": 3, "warmup": 1, **overrides.pop("rollout_stop", {})}  # the section's options
+    options.update(overrides, rollout_stop=stop)
     return tiny_config(tmp_path, **options)
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (dict(rollout_stop_rate=0.8), "must be <= pruning_rate"),
-        (dict(rollout_stop_rate=-0.1), "rollout_stop_rate"),
-        (dict(rollout_stop_scorer="oracle"), "rollout_stop_scorer"),
-        (dict(rollout_stop_at=8), "not before max_completion_length"),
-        (dict(rollout_stop_at=0), "rollout_stop_at"),
-        (dict(rollout_stop_warmup=-1), "rollout_stop_warmup"),
+        (dict(rollout_stop=dict(rate=0.8)), "must be <= pruning_rate"),
+        (dict(rollout_stop=dict(rate=-0.1)), "rollout_stop.rate"),
+        (dict(rollout_stop=dict(scorer="oracle")), "rollout_stop.scorer"),
+        (dict(rollout_stop=dict(at=8)), "not before max_completion_length"),
+        (dict(rollout_stop=dict(at=0)), "rollout_stop.at"),
+        (dict(rollout_stop=dict(warmup=-1)), "rollout_stop.warmup"),
         (dict(selection_metric="random"), r"this config sets \['selection_metric'\]"),
         (dict(selection_scope="global"), r"this config sets \['selection_scope'\]"),
     ],
@@ -45,15 +46,15 @@ def test_settings_it_cannot_run_with_are_one_line_naming_them(tmp_path, override
     "overrides",
     [
         dict(max_completion_length=1),  # the default checkpoint (0.25) would be its only token
-        dict(rollout_stop_at=16),  # past the tiny run's 8 tokens
-        dict(rollout_stop_at=8),  # at them
+        dict(rollout_stop=dict(at=16)),  # past the tiny run's 8 tokens
+        dict(rollout_stop=dict(at=8)),  # at them
     ],
 )
 def test_with_the_feature_off_its_checkpoint_refuses_nothing(tmp_path, overrides):
-    """Pruning while generating off (``rollout_stop_rate`` 0): where its checkpoint falls is no reason to refuse a
-    run (issue 49, defect 8); on, the same settings are refused naming rollout_stop_at."""
-    assert tiny_config(tmp_path, **overrides).rollout_stop_rate == 0.0
-    with pytest.raises(ValueError, match="rollout_stop_at=.* not before max_completion_length"):
+    """Pruning while generating off (``rollout_stop.rate`` 0): where its checkpoint falls is no reason to refuse a
+    run (issue 49, defect 8); on, the same settings are refused naming rollout_stop.at."""
+    assert tiny_config(tmp_path, **overrides).rollout_stop["rate"] == 0.0
+    with pytest.raises(ValueError, match="rollout_stop.at=.* not before max_completion_length"):
         stop_config(tmp_path, **overrides)
 
 
@@ -62,7 +63,7 @@ def test_cppo_train_with_one_new_token_loads(tmp_path):
     from cppo.config import load_config
 
     config = load_config("tiny-cpu", ["max_completion_length=1", f"output_dir={tmp_path}"])
-    assert config.max_completion_length == 1 and config.rollout_stop_rate == 0.0
+    assert config.max_completion_length == 1 and config.rollout_stop["rate"] == 0.0
 
 
 def test_an_engine_that_cannot_stop_is_refused_naming_it(tmp_path):
@@ -82,11 +83,11 @@ def test_an_engine_that_cannot_stop_is_refused_naming_it(tmp_path):
 
 
 def test_stopping_nothing_trains_today_s_run_bit_for_bit(tmp_path):
-    """rollout_stop_rate > 0 with a warm-up longer than the run: every step only trains the head, nothing stops, and
+    """rollout_stop.rate > 0 with a warm-up longer than the run: every step only trains the head, nothing stops, and
     the losses and weights are those of the run without the feature."""
     runs = {}
     for name, rate in (("plain", 0.0), ("warmup", 0.5)):
-        trainer = Trainer(stop_config(tmp_path / name, rollout_stop_rate=rate, rollout_stop_warmup=99))
+        trainer = Trainer(stop_config(tmp_path / name, rollout_stop=dict(rate=rate, warmup=99)))
         history = [trainer.train_step() for _ in range(3)]
         runs[name] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     (plain, plain_w), (warm, warm_w) = runs["plain"], runs["warmup"]
@@ -98,7 +99,7 @@ def test_stopping_nothing_trains_today_s_run_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("scorer", ["learned", "random", "length"])
 def test_stopped_completions_are_never_decoded_further_nor_trained(tmp_path, scorer, monkeypatch):
-    trainer = Trainer(stop_config(tmp_path, rollout_stop_scorer=scorer))
+    trainer = Trainer(stop_config(tmp_path, rollout_stop=dict(scorer=scorer)))
     seen = []
     select = trainer._select_and_pack
 
@@ -176,7 +177,7 @@ DYNAMIC = [dict(filter_groups=True), dict(greso=True), dict(filter_groups=True, 
 def test_stopping_nothing_with_dynamic_sampling_and_greso_is_today_s_run_bit_for_bit(tmp_path, extra):
     runs = {}
     for name, rate in (("plain", 0.0), ("warmup", 0.5)):
-        trainer = Trainer(stop_config(tmp_path / name, rollout_stop_rate=rate, rollout_stop_warmup=99, **extra))
+        trainer = Trainer(stop_config(tmp_path / name, rollout_stop=dict(rate=rate, warmup=99), **extra))
         history = [trainer.train_step() for _ in range(3)]
         runs[name] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     (plain, plain_w), (warm, warm_w) = runs["plain"], runs["warmup"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_run import tiny_config
 
-from cppo import Trainer
 from cppo.step.models import decoder, lm_head
 from cppo.tasks.rewards import digits_reward
+from cppo.trainer import Trainer
 from cppo_kernels import LossConfig, reference
 
 

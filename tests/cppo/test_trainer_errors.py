@@ -9,8 +9,9 @@ import pytest
 import torch
 from tiny_run import tiny_config, train_cli
 
-from cppo import TrainConfig, Trainer
+from cppo import TrainConfig
 from cppo.step.optim import NonFiniteUpdates
+from cppo.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

@@ -62,7 +62,8 @@ COMPARED = ("reward_mean", "completions", "completions_kept", "tokens_trained", 
 
 
 def _trainer(info, output_dir: str, **overrides):
-    from cppo import TrainConfig, Trainer
+    from cppo import TrainConfig
+    from cppo.trainer import Trainer
 
     trainer = Trainer(TrainConfig(**{**CONFIG, "output_dir": output_dir, **overrides}), info=info)
     trainer.rollout = PerQuestionRollout(trainer)
@@ -187,10 +188,11 @@ def worker(out_dir: str) -> None:
         """Pruning while generating on two ranks (issue 38): the real hf engine stops completions on each rank; the
         counts add up over the ranks, the kept count is the official one, and both ranks train the same quality
         head (every rank's rows gathered), so they predict alike; with dynamic sampling and GRESO too."""
-        from cppo import TrainConfig, Trainer
+        from cppo import TrainConfig
+        from cppo.trainer import Trainer
 
-        settings = dict(CONFIG, output_dir=str(out / name), selection_scope="group", rollout_stop_rate=0.5,
-                        rollout_stop_at=3, rollout_stop_warmup=1, num_steps=3, **packed, **extra)  # fmt: skip
+        settings = dict(CONFIG, output_dir=str(out / name), selection_scope="group",
+                        rollout_stop=dict(rate=0.5, at=3, warmup=1), num_steps=3, **packed, **extra)  # fmt: skip
         trainer = Trainer(TrainConfig(**settings), info=info)
         stopped_here = []
         select = trainer._select_and_pack

@@ -39,8 +39,9 @@ CONFIG = {
 def worker(out_dir: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from cppo import TrainConfig, Trainer
+    from cppo import TrainConfig
     from cppo import distributed as D
+    from cppo.trainer import Trainer
 
     torch.set_num_threads(1)
     info = D.init_distributed(device="cpu", timeout_s=300)

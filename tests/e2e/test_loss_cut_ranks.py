@@ -73,7 +73,8 @@ class GradientStep:
     """A trainer whose step records the gradients (synchronised over the ranks) and applies nothing."""
 
     def __init__(self, info, output_dir: str, micro_batch_tokens: int) -> None:
-        from cppo import TrainConfig, Trainer
+        from cppo import TrainConfig
+        from cppo.trainer import Trainer
 
         config = TrainConfig(**CONFIG, output_dir=output_dir, micro_batch_tokens=micro_batch_tokens)
         self.trainer = Trainer(config, info=info)

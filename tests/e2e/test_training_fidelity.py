@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_run import tiny_config
 
-from cppo import TrainConfig, Trainer
+from cppo import TrainConfig
 from cppo.step.optim import make_scheduler
+from cppo.trainer import Trainer
 from cppo_kernels import cppo_select
 
 

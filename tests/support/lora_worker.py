@@ -52,7 +52,8 @@ REFERENCE_CHECKS = ("ddp_matches_one_process", "fsdp2_matches_one_process")
 
 
 def make_trainer(info, output_dir: str, **overrides):
-    from cppo import TrainConfig, Trainer
+    from cppo import TrainConfig
+    from cppo.trainer import Trainer
 
     trainer = Trainer(TrainConfig(**{**CONFIG, "output_dir": output_dir, **overrides}), info=info)
     trainer.rollout = PerQuestionRollout(trainer)

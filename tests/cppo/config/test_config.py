@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from cppo import TrainConfig, Trainer, load_config
+from cppo import TrainConfig, load_config
 from cppo.config import available_presets
 from cppo.distributed import DistInfo, resolve_device
 from cppo.step.models import lm_head
+from cppo.trainer import Trainer
 
 
 def test_presets_load():

@@ -12,8 +12,8 @@ import torch
 from tiny_run import tiny_config
 
 import cppo.trainer
-from cppo import Trainer
 from cppo.config import load_config
+from cppo.trainer import Trainer
 from cppo_kernels import LossConfig, fused_cppo_loss
 from cppo_kernels.config import LOSS_TYPES
 

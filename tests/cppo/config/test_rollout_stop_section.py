@@ -20,18 +20,19 @@ def test_the_section_sets_the_four_settings(tmp_path):
         "selection_scope: group\nrollout_stop:\n  rate: 0.5\n  at: 3\n  scorer: random\n  warmup: 1\n"
     )
     config = load_config(str(path))
-    assert (config.rollout_stop_rate, config.rollout_stop_at, config.rollout_stop_scorer) == (0.5, 3.0, "random")
-    assert config.rollout_stop_warmup == 1
+    stop = config.rollout_stop
+    assert (stop["rate"], stop["at"], stop["scorer"]) == (0.5, 3.0, "random")
+    assert stop["warmup"] == 1
     again = load_config(str(path), ["rollout_stop.warmup=0"])  # one option overridden, the others kept
-    assert (again.rollout_stop_rate, again.rollout_stop_at, again.rollout_stop_warmup) == (0.5, 3.0, 0)
+    assert (again.rollout_stop["rate"], again.rollout_stop["at"], again.rollout_stop["warmup"]) == (0.5, 3.0, 0)
 
 
 def test_set_takes_one_option_of_the_section_and_flat_names_point_to_it(caplog):
     config = load_config("tiny-cpu", [*ON, "rollout_stop.rate=0.5", "rollout_stop.at=3"])
-    assert (config.rollout_stop_rate, config.rollout_stop_at) == (0.5, 3.0)
+    assert (config.rollout_stop["rate"], config.rollout_stop["at"]) == (0.5, 3.0)
     with caplog.at_level(logging.WARNING, logger="cppo"):
         flat = load_config("tiny-cpu", [*ON, "rollout_stop_rate=0.5", "rollout_stop_at=3"])
-    assert (flat.rollout_stop_rate, flat.rollout_stop_at) == (0.5, 3.0)  # still read, the same settings
+    assert (flat.rollout_stop["rate"], flat.rollout_stop["at"]) == (0.5, 3.0)  # still read, the same settings
     assert [r.getMessage() for r in caplog.records] == [
         "--set rollout_stop_rate=0.5: rollout_stop_rate is read; it is rollout_stop.rate now (--set "
         "rollout_stop.rate=VALUE, or rate under rollout_stop: in a YAML file)",
@@ -48,8 +49,8 @@ def test_set_takes_one_option_of_the_section_and_flat_names_point_to_it(caplog):
             r"^--set rollout_stop.rat=0.5: rollout_stop.rat: not an option of rollout_stop \(did you mean 'rate'\?\); "
             r"the options are \['rate', 'at', 'scorer', 'warmup'\]$",
         ),
-        (["rollout_stop.rate=0.9"], r"^--set rollout_stop.rate=0.9: rollout_stop_rate=0.9 must be <= pruning_rate"),
-        (["rollout_stop.scorer=oracle"], r"^--set rollout_stop.scorer=oracle: rollout_stop_scorer must be one of"),
+        (["rollout_stop.rate=0.9"], r"^--set rollout_stop.rate=0.9: rollout_stop\.rate=0.9 must be <= pruning_rate"),
+        (["rollout_stop.scorer=oracle"], r"^--set rollout_stop.scorer=oracle: rollout_stop\.scorer must be one of"),
         (
             ["rollout_stop_rate=0.5", "rollout_stop.rate=0.5"],
             r"^--set rollout_stop.rate=0.5: rollout_stop.rate is also set as rollout_stop_rate \(--set "
@@ -62,3 +63,16 @@ def test_a_bad_option_is_one_line_naming_where_it_was_set(overrides, message):
     with pytest.raises(ValueError, match=message) as e:
         load_config("tiny-cpu", [*ON, *overrides])
     assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_saved_with_the_flat_names_resumes_as_the_section_they_set():
+    """A run saved before the section (its config's flat ``rollout_stop_*``) compares as the section they set."""
+    now = load_config("tiny-cpu", [*ON, "rollout_stop.rate=0.5", "rollout_stop.at=3"])
+    saved = {k: v for k, v in now.to_dict().items() if k != "rollout_stop"}
+    flat = {**saved, "rollout_stop_rate": 0.5, "rollout_stop_at": 3.0, "rollout_stop_scorer": "learned"}
+    assert now.changes_from(flat) == []
+    assert now.changes_from({**flat, "rollout_stop_rate": 0.25}) == [
+        "rollout_stop: {'rate': 0.25, 'at': 3.0, 'scorer': 'learned', 'warmup': 2} -> "
+        "{'rate': 0.5, 'at': 3.0, 'scorer': 'learned', 'warmup': 2}"
+    ]
+    assert load_config("tiny-cpu", ON).changes_from(saved) == []  # saved before pruning while generating existed

@@ -13,7 +13,7 @@ from tiny_model import TINY
 from tiny_run import tiny_config
 from toy_engine import TEXTS, FixedEngine
 
-from cppo import TrainConfig, Trainer, step
+from cppo import TrainConfig, step
 from cppo.cli import main
 from cppo.engines import (
     EngineSettings,
@@ -27,6 +27,7 @@ from cppo.step import models
 from cppo.step.models import load_model_and_tokenizer
 from cppo.tasks.data import load_problems
 from cppo.tasks.rewards import digits_reward, eval_correct
+from cppo.trainer import Trainer
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import torch
 from tiny_generation import ARCHS, PROMPTS, G, engine, tiny
 from tiny_run import tiny_config
 
-from cppo import Trainer
 from cppo.engines import generate_prefilled_once, prefill, prefill_once_applies
+from cppo.trainer import Trainer
 
 
 def first_forward_shapes(model) -> list[tuple[int, int]]:

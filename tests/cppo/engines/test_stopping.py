@@ -122,7 +122,7 @@ def test_the_checkpoint_in_tokens_or_as_a_fraction(at, tokens):
 
 @pytest.mark.parametrize("at", [0, -1, 1.5, 32, 40, True, "4", float("nan")])
 def test_a_bad_checkpoint_is_one_line_naming_the_setting(at):
-    with pytest.raises(ValueError, match="rollout_stop_at"):
+    with pytest.raises(ValueError, match="rollout_stop.at"):
         checkpoint_tokens(at, 32)
 
 
@@ -199,6 +199,6 @@ def test_only_the_learned_head_asks_for_hidden_states(scorer, reads):
 
     from cppo.step import RolloutStopping
 
-    config = SimpleNamespace(rollout_stop_rate=0.5, rollout_stop_scorer=scorer, rollout_stop_warmup=0,
-                             rollout_stop_at=2, max_completion_length=8, group_size=4)  # fmt: skip
+    config = SimpleNamespace(rollout_stop=dict(rate=0.5, scorer=scorer, warmup=0, at=2),
+                             max_completion_length=8, group_size=4)  # fmt: skip
     assert RolloutStopping(config, hidden_size=8, tokenizer=None).stopper(step=0, seed=0).needs_hidden is reads

@@ -246,7 +246,8 @@ def test_a_head_size_vllm_cannot_run_on_the_cpu_is_refused_in_one_line():
 
 def vllm_trainer(tmp_path, *settings: str):
     """A tiny-cpu Trainer generating with vLLM (head size 32)."""
-    from cppo import Trainer, load_config
+    from cppo import load_config
+    from cppo.trainer import Trainer
 
     head32 = 'model_config={"num_attention_heads": 2, "num_key_value_heads": 1}'
     return Trainer(load_config("tiny-cpu", [f"output_dir={tmp_path}", "rollout_backend=vllm", head32, *settings]))

@@ -179,7 +179,7 @@ def test_weights_that_do_not_fit_the_model_are_one_line(run, capsys):
     themselves are refused naming the file."""
     from tiny_run import tiny_config
 
-    from cppo import Trainer
+    from cppo.trainer import Trainer
 
     shape = {**TINY, "hidden_size": 64}
     trainer = Trainer(tiny_config(run, model_config=shape))
@@ -357,7 +357,7 @@ def test_an_accepted_change_of_lr_weight_decay_and_schedule_is_applied(tmp_path,
     values now apply from the first step after the resume, on the run's own schedule."""
     from tiny_run import tiny_config
 
-    from cppo import Trainer
+    from cppo.trainer import Trainer
 
     monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
     base = dict(num_steps=2, lr=1e-2, weight_decay=0.0, lr_schedule="constant", mu=1)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cppo import Trainer, load_config
+from cppo import load_config
 from cppo.cli import main
+from cppo.trainer import Trainer
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "support" / "fixtures" / "checkpoints-1b42f7a"
 

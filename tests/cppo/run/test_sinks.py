@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from tiny_run import tiny_config, train_cli
 
-from cppo import TrainConfig, Trainer, load_config
+from cppo import TrainConfig, load_config
 from cppo.distributed import DistInfo
 from cppo.run import MetricSink, checkpoint, register_sink, sinks
 from cppo.run.metrics import read_jsonl
 from cppo.run.sinks import JsonlSink, TensorBoardSink, WandbSink, scalars
+from cppo.trainer import Trainer
 
 CHECKED = ("loss", "reward_mean", "kept_fraction")
 

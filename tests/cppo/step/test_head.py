@@ -241,8 +241,8 @@ def test_the_trainer_passes_the_models_transform_to_the_fused_ops(tmp_path, monk
     from transformers import CohereConfig, CohereForCausalLM
 
     import cppo.trainer
-    from cppo import Trainer
     from cppo.step import tiny_tokenizer
+    from cppo.trainer import Trainer
 
     tokenizer = tiny_tokenizer(300)
     config = CohereConfig(

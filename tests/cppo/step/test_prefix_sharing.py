@@ -18,7 +18,6 @@ from tiny_model import TINY
 from tiny_run import tiny_config
 from torchrun_harness import RankRecorder, assert_ranks_ok, torchrun
 
-from cppo import Trainer
 from cppo.distributed import DistInfo
 from cppo.step.balance import balance_samples, split_units
 from cppo.step.models import (
@@ -32,6 +31,7 @@ from cppo.step.models import (
 )
 from cppo.step.packing import Sample, pack_all, pack_shared, prompt_groups, shared_tokens
 from cppo.tasks.rewards import digits_reward
+from cppo.trainer import Trainer
 from cppo_kernels import reference
 
 ARCHS = ("qwen2", "llama")

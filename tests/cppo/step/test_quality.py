@@ -129,8 +129,8 @@ def test_stoppers_that_saw_other_rows_than_the_rollout_holds_are_an_error():
 
     from cppo.step import RolloutStopping
 
-    config = SimpleNamespace(rollout_stop_rate=0.5, rollout_stop_scorer="random", rollout_stop_warmup=0,
-                             rollout_stop_at=2, max_completion_length=8, group_size=4)  # fmt: skip
+    config = SimpleNamespace(rollout_stop=dict(rate=0.5, scorer="random", warmup=0, at=2),
+                             max_completion_length=8, group_size=4)  # fmt: skip
     stopping = RolloutStopping(config, hidden_size=8, tokenizer=None)
     stopper = stopping.stopper(step=0, seed=0)
     assert sum(stopper.choose(SimpleNamespace(finished=[False] * 4, hidden=None))) == 2  # one group of the two
