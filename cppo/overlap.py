@@ -276,7 +276,10 @@ class RolloutQueue:
         self.taken_passed = ranks[rank].get("taken_passed")
 
     def close(self) -> None:
-        """Waits for the call in flight (its rollouts dropped, its error logged) and restores the CPU pinning."""
+        """Waits for the call in flight (its rollouts dropped, its error logged) and restores the CPU pinning. Draws
+        left untrained (a run bounded by epochs that ended before the steps a call drew for) are logged."""
+        if self.ready:
+            log.info("%d step(s)' rollouts generated ahead were not trained: the run ended first", len(self.ready))
         if self._pending is not None:
             try:
                 self._pending.result()
