@@ -110,11 +110,18 @@ class HFEngine(RolloutEngine):
 
 @torch.no_grad()
 def sampled_logprobs(model, prompt_ids: list[list[int]], completions: list[list[int]], *, temperature: float,
-                     compute_dtype: torch.dtype | None, rows: int = 4) -> list[list[float]]:  # fmt: skip
-    """Each completion token's log-prob under ``model`` after ``temperature`` (as vLLM's processed log-probs; top-p's
-    truncation not applied), from one teacher-forced forward per ``rows`` completions, right-padded."""
+                     compute_dtype: torch.dtype | None, rows: int = 16) -> list[list[float]]:  # fmt: skip
+    """Each completion token's log-prob under ``model`` after ``temperature`` and the model's own logit scale and cap
+    (as vLLM's processed log-probs; top-p's truncation not applied): one teacher-forced forward of the decoder per
+    ``rows`` completions (right-padded), its final hidden states at the completions' positions through
+    ``fused_logprobs`` (the LM head in chunks: no ``[T, V]`` logits)."""
+    from cppo_kernels import fused_logprobs
+
+    from ..step import decoder, lm_head, logit_transform
+
+    device, transform = model.device, logit_transform(model)
+    weight, bias = lm_head(model)
     out: list[list[float]] = []
-    device = model.device
     for lo in range(0, len(prompt_ids), rows):
         batch = list(zip(prompt_ids[lo : lo + rows], completions[lo : lo + rows]))
         width = max(len(p) + len(c) for p, c in batch)
@@ -124,11 +131,13 @@ def sampled_logprobs(model, prompt_ids: list[list[int]], completions: list[list[
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             mask[i, : len(p) + len(c)] = 1
         with autocast(device, compute_dtype):
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        for i, (p, c) in enumerate(batch):
-            scaled = logits[i, len(p) - 1 : len(p) + len(c) - 1] / temperature  # [len(c), V]
-            picked = torch.log_softmax(scaled, dim=-1).gather(-1, torch.tensor(c, device=device)[:, None])
-            out.append(picked.squeeze(-1).tolist())
+            states = decoder(model)(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        hidden = torch.cat([states[i, len(p) - 1 : len(p) + len(c) - 1] for i, (p, c) in enumerate(batch)])  # [T, H]
+        targets = torch.tensor([t for _, c in batch for t in c], device=device)
+        dtype = hidden.dtype
+        values = fused_logprobs(hidden, weight.to(dtype), targets, bias=None if bias is None else bias.to(dtype),
+                                temperature=temperature, **transform.kwargs())  # fmt: skip
+        out += [v.tolist() for v in values.float().split([len(c) for _, c in batch])]
     return out
 
 

@@ -206,3 +206,20 @@ def test_the_settings_are_trls_names_and_not_resumable_changes():
     fields = TrainConfig.__dataclass_fields__
     assert fields["max_staleness"].default == 0 and fields["steps_per_generation"].default == 1
     assert not {"max_staleness", "steps_per_generation"} & RESUMABLE
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_the_hf_engines_log_probs_equal_the_models_own_logits(tmp_path, peft):
+    """sampled_logprobs (decoder + fused_logprobs) against log_softmax of the model's own logits / temperature, row by
+    row, unpadded; with LoRA adapters (a PEFT model) too."""
+    trainer = Trainer(tiny_config(tmp_path, max_staleness=1, use_peft=peft, lora_dropout=0.0, temperature=0.7))
+    model = trainer.rollout.model  # the engine's copy
+    torch.manual_seed(0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    completions = [[20, 21], [22, 23, 24, 25], [26]]
+    got = sampled_logprobs(model, prompts, completions, temperature=0.7, compute_dtype=None, rows=2)
+    for p, c, values in zip(prompts, completions, got):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1].float()
+        want = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(values), want, rtol=1e-5, atol=1e-5)
