@@ -72,7 +72,7 @@ class StepRollouts:
         metrics."""
         if not (filter_groups or self.greso is not None):
             with timer("generate"):
-                problems, prompts, rollout = generate(questions)
+                problems, prompts, rollout = generate() if questions is None else generate(questions)
             with timer("reward"):
                 rewards, scores, correct = reward(problems, prompts, rollout)  # rewards [Q * G]
             extra = stopping.observe(rollout, correct, rewards) if stopping is not None else {}
