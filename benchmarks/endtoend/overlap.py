@@ -80,7 +80,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def unit_config(args: argparse.Namespace, arm: str, rate: float, output_dir: str):
     """The unit's trainer config: the base with the rate, the arm's ``max_staleness`` and the run's length."""
-    import cppo.trainer
+    import cppo  # the settings alone: the driver validates every unit's config without importing the trainer
 
     base = cppo.load_config(args.config, list(args.overrides))
     config = dataclasses.replace(base, pruning_rate=rate, max_staleness=ARMS[arm], output_dir=output_dir)
@@ -183,17 +183,17 @@ def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
 
 def drive(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Every unit not yet written, each in a process of its own, then ``overlap.json``."""
+    for _, arm, rate in plan(args)[: 2 * len(args.rates)]:  # every unit's config valid before any runs
+        try:
+            unit_config(args, arm, rate, str(args.out / "run"))
+        except ValueError as e:
+            raise SystemExit(f"benchmarks/overlap.py: {e}") from None
     units_dir = args.out / "units"
     units_dir.mkdir(parents=True, exist_ok=True)
     settings_file = args.out / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings_of(args):
         raise SystemExit(f"benchmarks/overlap.py: {args.out} holds units of other settings ({settings_file}); "
                          "use another --out")  # fmt: skip
-    for _, arm, rate in plan(args)[: 2 * len(args.rates)]:  # every unit's config valid before any runs
-        try:
-            unit_config(args, arm, rate, str(args.out / "run"))
-        except ValueError as e:
-            raise SystemExit(f"benchmarks/overlap.py: {e}") from None
     write_json(settings_file, settings_of(args))
     done = []
     for r, arm, rate in plan(args):
