@@ -16,11 +16,6 @@ from cppo.engines.hf import sampled_logprobs
 from cppo.trainer import Trainer
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch):
-    monkeypatch.setenv("CPPO_KERNELS_BACKEND", "torch")
-
-
 def recorded(trainer):
     """Wraps the engine's generate: each call's rollout, its thread, and the policy's weights when it started."""
     calls = []
