@@ -5,8 +5,10 @@ agree on (refused in one line naming the file, the setting and both values), and
 writes null) is refused naming the file and the field, and so is a field the reports read as a number
 (:data:`NUMBER_KEYS`) that holds something else. **What the combination writes.** ``NAME-seeds.json``, its plot,
 and the per-problem records of every row beside it (:func:`write_combined`); a row that carries none for some of
-its evaluations (a unit that finished without them, a ``--with`` file's rows) is listed in the meta's
-``per_problem_missing`` and in the report (:func:`per_problem_gaps`).
+its evaluations (a unit that finished without them, a ``--with`` file whose records are not beside it) is listed in
+the meta's ``per_problem_missing`` and in the report (:func:`per_problem_gaps`). A ``--with`` file gets its records
+back from the ``NAME-seeds-per-problem.jsonl`` beside it (:func:`with_records`), so a combination of combinations
+keeps them.
 
 **What may differ, what must agree, what is only recorded.** The settings that may differ between the files and rows
 combined are an explicit allow-list (:data:`MAY_DIFFER`): what an arm or the sweep sets per unit
@@ -218,6 +220,35 @@ def per_problem_lines(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
                       for rec in point["records"]]  # fmt: skip
         bare.append({k: v for k, v in r.items() if k != "eval_per_problem"})
     return bare, lines
+
+
+def with_records(path: pathlib.Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a combined file (``NAME-seeds.json``) with the per-problem records :func:`per_problem_lines` wrote
+    beside it put back (``eval_per_problem``, by seed and method; the untrained model's, written once, to every row
+    when the file holds one untrained evaluation); the rows unchanged when no records file is there. ValueError
+    naming the file when a record names a row the file does not hold."""
+    records = path.with_name(path.name.removesuffix(".json") + "-per-problem.jsonl")
+    if not path.name.endswith("-seeds.json") or not records.is_file():
+        return rows
+    points: dict[tuple[Any, Any], dict[int, list[dict[str, Any]]]] = {}
+    for n, line in enumerate(records.read_text().splitlines(), 1):
+        try:
+            rec = json.loads(line)
+            key = ("untrained", None) if rec["arm"] == "untrained" else (rec["seed"], rec["method"])
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{records}:{n} is not a per-problem record ({type(e).__name__}: {e})") from None
+        fields = {k: v for k, v in rec.items() if k not in ("seed", "arm", "method", "step")}
+        points.setdefault(key, {}).setdefault(step, []).append(fields)
+    untrained = points.pop(("untrained", None), {})
+    unknown = set(points) - {(r["seed"], method(r)) for r in rows}
+    if unknown:
+        raise ValueError(f"{records}: records of {sorted(unknown, key=str)[0]} (seed, method), a row {path} lacks")
+    out = []
+    for r in rows:
+        own = {**untrained, **points.get((r["seed"], method(r)), {})}
+        out.append({**r, "eval_per_problem": [{"step": s, "records": own[s]} for s in sorted(own)]} if own else r)
+    return out
 
 
 def per_problem_gaps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -45,7 +45,14 @@ def method(row: dict[str, Any]) -> str:
     """``GRPO`` for P = 0; else the metric (``CPPO`` for the smallest |A|), the scope unless it is the pooled
     ``batch`` one (max-variance is per question by definition), the rate, and ``no allocation`` without allocation:
     ``CPPO P=0.75``, ``CPPO group P=0.75``, ``CPPO P=0.75 no allocation``, ``max-variance P=0.75``; a run bounded
-    by epochs adds them (``CPPO P=0.75 3 epochs``), and issue 30's features their names (``... + filter_groups``)."""
+    by epochs adds them (``CPPO P=0.75 3 epochs``), and issue 30's features their names (``... + filter_groups``);
+    generating ahead (issue 51) adds its settings (``CPPO P=0.75 + max_staleness=1``)."""
+    ahead = "".join(f" + {k}={row[k]}" for k, default in (("max_staleness", 0), ("steps_per_generation", 1))
+                    if row.get(k, default) not in (default, None))  # fmt: skip
+    return _method(row) + ahead
+
+
+def _method(row: dict[str, Any]) -> str:
     p, metric = row["pruning_rate"], row["selection_metric"]
     if p == 0.0:
         return "GRPO"
@@ -193,7 +200,8 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
     from sweeps.stop import stop_pairs, stop_summary  # issue 38's pairs (sweeps.stop imports this module)
 
     stop = stop_pairs(table)
-    found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m]
+    found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m
+             and " + max_staleness=" not in m and " + steps_per_generation=" not in m]  # fmt: skip
     if stop and cppo is None and not found:  # issue 38's benchmark: the pairs (and GRPO) alone
         return stop_summary(table, methods, stop)
     if cppo is None:  # the one pooled CPPO run with allocation

@@ -90,6 +90,7 @@ from sweeps.files import (  # noqa: F401  (per_problem_lines: named here by the 
     check_command,
     per_problem_lines,
     read_result,
+    with_records,
     write_combined,
 )
 from sweeps.report import TIME_BASES, method, summarise
@@ -368,7 +369,9 @@ def combine_sweep(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]
             read_result(u.result(out), "a unit's result")  # names the file and the field
             raise ValueError(f"{u.result(out)}: not one row of arm {u.arm} and seed {u.seed} (move its folder aside)")
     sources = [(u.result(out), *read_result(u.result(out), "a unit's result")) for u in done]
-    sources += [(path, *read_result(path, "an accuracy_seeds.py result")) for path in args.with_files]
+    for path in args.with_files:  # a combined file: its per-problem records from beside it
+        meta, rows = read_result(path, "an accuracy_seeds.py result")
+        sources.append((path, meta, with_records(path, rows)))
     if not sources:
         raise ValueError(f"{out}: no unit has finished, and no --with file: nothing to combine")
     check_agree(sources)
