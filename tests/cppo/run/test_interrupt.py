@@ -79,7 +79,19 @@ def stderr_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("cppo train: ")]
 
 
-def test_a_ctrl_c_before_the_first_step_says_so_and_what_to_run(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def python_sigint():
+    """SIGINT as a fresh ``cppo`` process has it: Python's own handler, the signal not blocked. The in-process tests
+    share a pytest worker with others, and a library an earlier test ran may have left SIGINT ignored or blocked
+    (then the raised signal below would do nothing and the run would train to its end)."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_a_ctrl_c_before_the_first_step_says_so_and_what_to_run(tmp_path, monkeypatch, capsys, python_sigint):
     """The first Ctrl-C arrives while the model loads, before the safe stop's handler is set: not "a second
     signal", no ``--resume`` hint that would fail, but the command to run again, as the user called cppo
     (``.venv/bin/cppo``); the new folder is left as it was."""
@@ -120,7 +132,9 @@ def test_a_ctrl_c_while_torch_imports_is_one_line_not_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("save_every", [1, 0])
-def test_a_second_signal_says_what_to_run_whether_or_not_a_step_was_saved(tmp_path, monkeypatch, capsys, save_every):
+def test_a_second_signal_says_what_to_run_whether_or_not_a_step_was_saved(
+    tmp_path, monkeypatch, capsys, save_every, python_sigint
+):
     """Two Ctrl-C in step 2: stopped at once after step 1; with step 1 saved, the command that continues it, else
     (nothing saved, the folder holding this run's log) the command that starts again over it."""
     import cppo.trainer
