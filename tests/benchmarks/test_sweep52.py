@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
+import statistics
 
 import pytest
 
@@ -76,3 +77,63 @@ def test_the_agreement_check_accepts_the_new_units_beside_the_committed_ones():
             files.check_agree(
                 [(p, *files.read_result(p, "unit")) for p in old] + [(new[0], {**meta, key: value}, rows)]
             )
+
+
+SEEDS = list(range(51, 71))
+
+
+def _final_points(row: dict, steps: int) -> float:
+    """Points of greedy accuracy counted from the row's records of its last evaluation (after ``steps`` steps, 300
+    problems), checked against the accuracy the row reports."""
+    last = row["eval_per_problem"][-1]
+    assert last["step"] == row["steps"] == steps and len(last["records"]) == row["eval_problems"] == 300
+    points = 100 * sum(bool(r["correct"]) for r in last["records"]) / 300
+    assert points == pytest.approx(100 * row["accuracy_after"], abs=1e-9)
+    return points
+
+
+def _unit_row(path: pathlib.Path) -> dict:
+    rows = _read(path)["rows"]
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_the_preregistered_analysis_recomputed_from_the_units_records_is_the_reported_one():
+    """The plan's analyses, recomputed independently (scipy) from the per-problem records of the 20 new units and of
+    sweep 41's grpo and cppo-pooled units of the same seeds, equal the combined file's pre-registered summary; the
+    verdict follows the plan's rules; the CPU-seconds ratio is the units' own."""
+    from scipy import stats
+
+    acc, cpu = {}, {}
+    for seed in SEEDS:
+        new = _unit_row(SWEEP52 / "units" / f"seed{seed}-cppo-pooled-2epochs" / "result.json")
+        assert new["arm"] == "cppo-pooled-2epochs" and new["num_epochs"] == 2 and new["pruning_rate"] == 0.75
+        assert new["seed"] == new["question_seed"] == seed and new["questions_seen"] == 128  # 64 questions twice
+        acc["2epochs", seed], cpu["2epochs", seed] = _final_points(new, 32), new["cpu_seconds"]
+        for arm, steps in (("grpo", 64), ("cppo-pooled", 16)):
+            old = _unit_row(SWEEP41 / f"seed{seed}-{arm}" / "result.json")
+            assert old["train_question_ids"] == new["train_question_ids"]  # the same 64 questions
+            acc[arm, seed], cpu[arm, seed] = _final_points(old, steps), old["cpu_seconds"]
+    pre = _read(SWEEP52 / "sweep52-seeds.json")["summary"]["preregistered"]
+    assert pre["kind"] == "compute" and pre["seeds"] == SEEDS and pre["alpha"] == 0.05 and pre["margin_points"] == 3
+    for key, b in (("primary", "grpo"), ("secondary", "cppo-pooled")):
+        x, y = [acc["2epochs", s] for s in SEEDS], [acc[b, s] for s in SEEDS]
+        d = [u - v for u, v in zip(x, y)]
+        test = stats.ttest_rel(x, y)
+        got = pre[key]
+        assert got["n"] == 20 and got["df"] == 19 and got["mean_points"] == pytest.approx(statistics.fmean(d))
+        assert got["t"] == pytest.approx(test.statistic) and got["p"] == pytest.approx(test.pvalue)
+        for level in (0.95, 0.90):
+            lo, hi = stats.t.interval(level, 19, loc=statistics.fmean(d), scale=stats.sem(d))
+            assert got[f"ci{round(100 * level)}_points"] == pytest.approx([lo, hi])
+    p = pre["primary"]
+    (lo95, hi95), (lo90, hi90) = p["ci95_points"], p["ci90_points"]
+    verdict = ("better" if lo95 > 0 else "worse" if hi95 < 0 else "equivalent" if -3 < lo90 and hi90 < 3
+               else "inconclusive, leaning " + ("above" if p["mean_points"] > 0 else "below"))  # fmt: skip
+    assert p["verdict"] == verdict
+    assert pre["secondary"]["significant"] == (pre["secondary"]["p"] < 0.05)
+    ratios = [cpu["2epochs", s] / cpu["grpo", s] for s in SEEDS]
+    lo, hi = stats.t.interval(0.95, 19, loc=statistics.fmean(ratios), scale=stats.sem(ratios))
+    got = pre["compute"]
+    assert got["mean"] == pytest.approx(statistics.fmean(ratios)) and got["ci95"] == pytest.approx([lo, hi])
+    assert got["range"] == [0.9, 1.2] and got["equal_compute"] == (0.9 <= statistics.fmean(ratios) <= 1.2)
