@@ -49,6 +49,7 @@ from cppo.config import TINY_MODELS
 from cppo.run import RunLock
 from cppo.step import make_scheduler
 from cppo.tasks import load_problems, question_id
+from sweeps.report import AHEAD_DEFAULTS
 
 #: The arms: name -> the ``--set`` overrides that make it (all at P = 0.75, the official recipe's rate).
 ARMS: dict[str, tuple[str, ...]] = {
@@ -86,15 +87,14 @@ ARMS: dict[str, tuple[str, ...]] = {
                                "rollout_stop_scorer=random"),
 }  # fmt: skip
 #: What a row of an arm that does not set them has: a row matches an arm only when these agree too (:func:`arm_of`).
-#: (A row written before generation ahead existed has no ``max_staleness``: it ran synchronously, 0.)
 ROW_DEFAULTS: dict[str, Any] = {"num_epochs": None, "filter_groups": False, "greso": False, "rollout_stop_rate": 0.0,
-                                 "rollout_stop_at": 0.25, "rollout_stop_scorer": "learned", "max_staleness": 0,
-                                 "steps_per_generation": 1}  # fmt: skip
+                                 "rollout_stop_at": 0.25, "rollout_stop_scorer": "learned",
+                                 **AHEAD_DEFAULTS}  # fmt: skip
 #: Settings an arm or the sweep sets itself: a common ``--set`` of one would be overridden (or change every arm).
 OWN_SETTINGS = (
     "pruning_rate", "selection_metric", "selection_scope", "allocation", "seed", "question_seed", "num_steps",
     "max_questions", "output_dir", "num_epochs", "filter_groups", "greso", "rollout_stop_rate", "rollout_stop_at",
-    "rollout_stop_scorer", "rollout_stop", "max_staleness", "steps_per_generation",
+    "rollout_stop_scorer", "rollout_stop", *AHEAD_DEFAULTS,
 )  # fmt: skip
 #: What the untrained model's evaluation depends on: a ``before.json`` is used only by arms that agree on these.
 BEFORE_KEYS = ("model", "model_config", "dtype", "dataset", "dataset_path", "system_prompt", "max_prompt_length",

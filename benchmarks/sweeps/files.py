@@ -234,13 +234,14 @@ def with_records(path: pathlib.Path, rows: list[dict[str, Any]]) -> list[dict[st
     for n, line in enumerate(records.read_text().splitlines(), 1):
         try:
             rec = json.loads(line)
-            key = ("untrained", None) if rec["arm"] == "untrained" else (rec["seed"], rec["method"])
+            key = ("untrained", rec["seed"]) if rec["arm"] == "untrained" else (rec["seed"], rec["method"])
             step = int(rec["step"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{records}:{n} is not a per-problem record ({type(e).__name__}: {e})") from None
         fields = {k: v for k, v in rec.items() if k not in ("seed", "arm", "method", "step")}
         points.setdefault(key, {}).setdefault(step, []).append(fields)
-    untrained = points.pop(("untrained", None), {})
+    measured = [points.pop(key) for key in [k for k in points if k[0] == "untrained"]]  # written once each
+    untrained = measured[0] if len(measured) == 1 else {}  # several: which row had which is not recorded
     unknown = set(points) - {(r["seed"], method(r)) for r in rows}
     if unknown:
         raise ValueError(f"{records}: records of {sorted(unknown, key=str)[0]} (seed, method), a row {path} lacks")

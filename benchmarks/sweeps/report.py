@@ -47,9 +47,17 @@ def method(row: dict[str, Any]) -> str:
     ``CPPO P=0.75``, ``CPPO group P=0.75``, ``CPPO P=0.75 no allocation``, ``max-variance P=0.75``; a run bounded
     by epochs adds them (``CPPO P=0.75 3 epochs``), and issue 30's features their names (``... + filter_groups``);
     generating ahead (issue 51) adds its settings (``CPPO P=0.75 + max_staleness=1``)."""
-    ahead = "".join(f" + {k}={row[k]}" for k, default in (("max_staleness", 0), ("steps_per_generation", 1))
-                    if row.get(k, default) not in (default, None))  # fmt: skip
-    return _method(row) + ahead
+    return _method(row) + "".join(ahead_suffixes(row))
+
+
+#: Generating ahead of training (issue 51) and the value of a synchronous run (a row written before these settings
+#: existed has none: it ran synchronously). A method named with a suffix of these is never the pooled CPPO baseline.
+AHEAD_DEFAULTS = {"max_staleness": 0, "steps_per_generation": 1}
+
+
+def ahead_suffixes(row: dict[str, Any]) -> list[str]:
+    """``[" + max_staleness=1", ...]``: the settings of :data:`AHEAD_DEFAULTS` a row sets away from the default."""
+    return [f" + {k}={row[k]}" for k, default in AHEAD_DEFAULTS.items() if row.get(k, default) not in (default, None)]
 
 
 def _method(row: dict[str, Any]) -> str:
@@ -201,7 +209,7 @@ def summarise(rows: Sequence[dict[str, Any]], *, cppo: str | None = None, time: 
 
     stop = stop_pairs(table)
     found = [m for m in methods if m.startswith("CPPO P=") and not m.endswith(" no allocation") and "epochs" not in m
-             and " + max_staleness=" not in m and " + steps_per_generation=" not in m]  # fmt: skip
+             and not any(f" + {k}=" in m for k in AHEAD_DEFAULTS)]  # fmt: skip
     if stop and cppo is None and not found:  # issue 38's benchmark: the pairs (and GRPO) alone
         return stop_summary(table, methods, stop)
     if cppo is None:  # the one pooled CPPO run with allocation

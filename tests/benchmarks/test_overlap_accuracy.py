@@ -113,6 +113,10 @@ def test_with_records_puts_back_each_rows_records_and_refuses_a_stray_one(tmp_pa
     back = sweep_files.with_records(path, [row])
     wrong = {**rec, "correct": False}
     assert back[0]["eval_per_problem"] == [{"step": 0, "records": [rec]}, {"step": 4, "records": [wrong]}]
+    # two distinct untrained evaluations (written once each, under their first row's seed): neither is guessed
+    other = {**untrained, "seed": 9, "correct": False}
+    back = sweep_files.with_records(_combined(tmp_path, [row], [untrained, other, trained]), [row])
+    assert back[0]["eval_per_problem"] == [{"step": 4, "records": [wrong]}]
     stray = {**trained, "seed": 8}
     with pytest.raises(ValueError, match=r"x-seeds-per-problem.jsonl: records of \(8, 'GRPO'\)"):
         sweep_files.with_records(_combined(tmp_path, [row], [stray]), [row])
